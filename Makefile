@@ -1,0 +1,38 @@
+# The two commands of the quickstart: `make demo` and `make test`. Both set up .venv if missing.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+export DS_ACCELERATOR := cpu
+export OMP_NUM_THREADS := 1
+export DS_BUILD_OPS := 0
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup test test-fast demo lint proto clean
+
+setup: $(VENV)/.ready
+
+# torch first and pinned: an unpinned torch (or deepspeed pulling one) installs a multi-GB CUDA build.
+$(VENV)/.ready: pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[trainer,dev]'
+	touch $@
+
+test: setup
+	$(VPY) -m pytest -q -ra
+
+test-fast: setup
+	$(VPY) -m pytest -q -ra -m 'not slow'
+
+demo: setup
+	$(VENV)/bin/tracetop demo
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+proto: setup
+	$(VPY) scripts/gen_proto.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""A 3D-parallel (tensor x pipeline x data) GPT-style trainer on DeepSpeed, with fault injection."""

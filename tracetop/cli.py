@@ -1,0 +1,75 @@
+"""The `tracetop` command: picks the subcommand, imports only the module that does that work.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int`` and keeps its
+heavy imports (torch, duckdb, textual, grpc) inside ``run``, so ``tracetop query`` never loads
+torch and ``tracetop --help`` loads nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: name -> (module, one-line help). Module paths are imported only when that command runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "collector": ("collector.cli", "run a collector: gRPC ingest into one DuckDB file"),
+    "query": ("collector.query_cli", "read-only SQL on a collector's file, or through a running collector"),
+    "agent": ("agent.cli", "run the node agent: NVML/host sampling, local relay with disk spool"),
+    "train": ("reference_trainer.cli", "run the reference 3D-parallel trainer through torchrun"),
+    "demo": ("collector.demo", "collector + a 4-rank reference run, then a per-rank summary"),
+    "tui": ("tui.cli", "the live terminal UI (also: `tracetop` with no subcommand)"),
+}
+
+#: `tracetop bench <what>` -> module. Each prints one JSON object with --json.
+BENCHES: dict[str, tuple[str, str]] = {
+    "ingest": ("collector.bench_ingest", "N shipper processes into a real collector: events/s, p50/p99"),
+    "chaos": ("collector.bench_chaos", "kill -9 the collector repeatedly while shipping: lost/duplicates"),
+    "hooks": ("trainer_hooks.bench", "interleaved reference runs with hooks on/off: overhead"),
+    "agent": ("agent.bench", "agent CPU cost: sampling 8 fake GPUs, relaying 10k events/s"),
+}
+
+
+def _usage(table: dict[str, tuple[str, str]], prefix: str) -> str:
+    width = max(len(k) for k in table)
+    lines = [f"usage: {prefix} <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items()]
+    lines += ["", f"`{prefix} <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def _dispatch(table: dict[str, tuple[str, str]], prefix: str, argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(table, prefix))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name == "--version":
+        from tracetop import __version__
+
+        print(f"tracetop {__version__}")
+        return 0
+    if name not in table:
+        import difflib
+
+        close = difflib.get_close_matches(name, table, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        print(f"{prefix}: unknown command '{name}'{hint}\n\n{_usage(table, prefix)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(table[name][0])
+    parser = argparse.ArgumentParser(prog=f"{prefix} {name}", description=table[name][1])
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["tui"]
+    if argv[0] == "bench":
+        return _dispatch(BENCHES, "tracetop bench", argv[1:])
+    return _dispatch(COMMANDS, "tracetop", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Every environment variable tracetop reads, with what it means. The one place they are named.
+
+Configuration order everywhere: an explicit argument or CLI flag, then the variable here, then
+the default given here.
+"""
+
+from __future__ import annotations
+
+import os
+
+TRACETOP_ENDPOINT = "TRACETOP_ENDPOINT"
+"""Where hooks ship events: an agent socket (``unix:///run/tracetop/agent.sock``) or a collector
+address (``127.0.0.1:7000``, ``unix:///tmp/c.sock``). Default: DEFAULT_AGENT_SOCKET if that socket
+exists, else DEFAULT_COLLECTOR."""
+
+TRACETOP_RUN_ID = "TRACETOP_RUN_ID"
+"""The run every event belongs to (1-128 chars of ``[A-Za-z0-9._:-]``). Default: derived from the
+launcher's job id (TORCHELASTIC_RUN_ID, SLURM_JOB_ID) or a timestamp chosen by rank 0."""
+
+TRACETOP_DISABLE = "TRACETOP_DISABLE"
+"""``1`` turns every hook into a no-op (nothing is timed, nothing is shipped)."""
+
+TRACETOP_COLLECTOR = "TRACETOP_COLLECTOR"
+"""Where the TUI and ``tracetop query --collector`` look for a collector. Default: DEFAULT_COLLECTOR."""
+
+TRACETOP_SPOOL_DIR = "TRACETOP_SPOOL_DIR"
+"""The agent's disk spool folder. Default: ``/var/tmp/tracetop-spool``."""
+
+TRACETOP_HEARTBEAT_S = "TRACETOP_HEARTBEAT_S"
+"""Seconds between a rank's heartbeats. Default: 5."""
+
+DEFAULT_COLLECTOR = "127.0.0.1:7000"
+DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
+DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"
+DEFAULT_HEARTBEAT_S = 5.0
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """The variable's value, or default when unset or empty."""
+    value = os.environ.get(name, "")
+    return value if value != "" else default
+
+
+def disabled() -> bool:
+    return get(TRACETOP_DISABLE, "0") not in ("0", "false", "False", "")
+
+
+def endpoint(explicit: str | None = None) -> str:
+    """Resolve where hooks ship: argument, then TRACETOP_ENDPOINT, then the local agent socket
+    if it exists, then the default collector."""
+    if explicit:
+        return explicit
+    value = get(TRACETOP_ENDPOINT)
+    if value:
+        return value
+    if os.path.exists(DEFAULT_AGENT_SOCKET[len("unix://") :]):
+        return DEFAULT_AGENT_SOCKET
+    return DEFAULT_COLLECTOR
+
+
+def collector(explicit: str | None = None) -> str:
+    return explicit or get(TRACETOP_COLLECTOR, DEFAULT_COLLECTOR) or DEFAULT_COLLECTOR

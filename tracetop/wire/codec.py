@@ -1,0 +1,186 @@
+"""Columnar batches: numpy columns <-> tracetop.v1.ColumnBatch, with every check a receiver needs.
+
+`encode_batch` is used by the shipper's flusher (never on a training thread's hot path);
+`decode_batch` by every receiver (collector, agent relay) before it touches anything. Decoding
+checks, in order: schema version, kind, run id and source id, n, column names and lengths
+against n * itemsize, dictionary codes in range, and the CRC32C. Any fault raises BatchError
+naming it; nothing is returned half-decoded.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+import numpy as np
+
+from tracetop.events import NUMPY_DTYPES, SCHEMA_VERSION, SCHEMAS, Kind
+from tracetop.wire import tracetop_pb2 as pb
+
+ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+MAX_ROWS = 1 << 22  # 4M rows a batch: far above any shipper's batch size
+
+
+class BatchError(ValueError):
+    """A batch failed validation. `fault` is a short machine-readable name, str() explains."""
+
+    def __init__(self, fault: str, message: str) -> None:
+        super().__init__(message)
+        self.fault = fault
+
+
+@dataclass(frozen=True)
+class DecodedBatch:
+    """A validated batch. Numeric columns are numpy arrays (views on the message bytes);
+    string columns are (int32 codes, tuple of strings)."""
+
+    kind: Kind
+    run_id: str
+    source_id: str
+    seq: int
+    n: int
+    columns: dict[str, np.ndarray | tuple[np.ndarray, tuple[str, ...]]]
+    first_record_ns: int
+    sealed_ns: int
+    nbytes: int
+
+
+def _checksum_parts(columns: Sequence[pb.Column]) -> int:
+    crc = 0
+    for c in columns:
+        crc = _crc32c.crc32c(c.name.encode(), crc)
+        crc = _crc32c.crc32c(c.data, crc)
+        for s in c.dictionary:
+            crc = _crc32c.crc32c(s.encode() + b"\0", crc)
+    return crc
+
+
+def dict_encode(values: Sequence[str] | np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """Strings -> (int32 codes, dictionary). Vectorised (np.unique), no per-row Python loop."""
+    arr = np.asarray(values, dtype=object)
+    if arr.size == 0:
+        return np.zeros(0, dtype="<i4"), []
+    uniq, codes = np.unique(arr.astype(str), return_inverse=True)
+    return codes.astype("<i4", copy=False), [str(u) for u in uniq]
+
+
+def encode_batch(
+    kind: Kind,
+    columns: Mapping[str, object],
+    *,
+    source_id: str,
+    seq: int,
+    run_id: str,
+    first_record_ns: int = 0,
+) -> pb.ColumnBatch:
+    """Build a ColumnBatch from columns keyed by name (every column of the kind's schema).
+
+    Numeric columns: anything np.asarray accepts; they are cast to the contract's dtype.
+    String columns: a sequence of str, or a ready (codes, dictionary) pair.
+    """
+    schema = SCHEMAS[kind]
+    missing = [c.name for c in schema if c.name not in columns]
+    if missing:
+        raise ValueError(f"encode_batch: {kind.name} batch lacks columns {missing}")
+    extra = sorted(set(columns) - {c.name for c in schema})
+    if extra:
+        raise ValueError(f"encode_batch: {kind.name} has no columns {extra}; see tracetop/events.py")
+    n = None
+    out = []
+    for col in schema:
+        value = columns[col.name]
+        dictionary: list[str] = []
+        if col.dtype == "str":
+            if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], np.ndarray):
+                codes, dictionary = np.asarray(value[0], dtype="<i4"), list(value[1])
+            else:
+                codes, dictionary = dict_encode(value)  # type: ignore[arg-type]
+            arr = codes
+        else:
+            arr = np.asarray(value, dtype=NUMPY_DTYPES[col.dtype])
+        if arr.ndim != 1:
+            raise ValueError(f"encode_batch: column {col.name} must be 1-D, got shape {arr.shape}")
+        if n is None:
+            n = len(arr)
+        elif len(arr) != n:
+            raise ValueError(f"encode_batch: column {col.name} has {len(arr)} rows, expected {n}")
+        out.append(pb.Column(name=col.name, data=np.ascontiguousarray(arr).tobytes(), dictionary=dictionary))
+    batch = pb.ColumnBatch(
+        schema_version=SCHEMA_VERSION,
+        source_id=source_id,
+        seq=seq,
+        run_id=run_id,
+        kind=int(kind),
+        n=n or 0,
+        columns=out,
+        first_record_ns=first_record_ns,
+        sealed_ns=time.time_ns(),
+    )
+    batch.crc32c = _checksum_parts(batch.columns)
+    return batch
+
+
+def decode_batch(batch: pb.ColumnBatch) -> DecodedBatch:
+    """Validate a received batch and view its columns as numpy arrays. Raises BatchError."""
+    if batch.schema_version != SCHEMA_VERSION:
+        raise BatchError(
+            "schema_version",
+            f"batch from source {batch.source_id!r} has schema {batch.schema_version}, this side reads "
+            f"{SCHEMA_VERSION}; run the same tracetop version on trainers, agents and collector",
+        )
+    try:
+        kind = Kind(batch.kind)
+    except ValueError:
+        raise BatchError("kind", f"batch from source {batch.source_id!r} has unknown event kind {batch.kind}") from None
+    if not ID_RE.match(batch.run_id):
+        raise BatchError("run_id", f"run id {batch.run_id!r} is not 1-128 chars of [A-Za-z0-9._:-]; set TRACETOP_RUN_ID")
+    if not ID_RE.match(batch.source_id):
+        raise BatchError("source_id", f"source id {batch.source_id!r} is not 1-128 chars of [A-Za-z0-9._:-]")
+    if batch.seq < 1:
+        raise BatchError("seq", f"batch from source {batch.source_id!r} has seq {batch.seq}; seqs start at 1")
+    n = batch.n
+    if n > MAX_ROWS:
+        raise BatchError("n", f"batch claims {n} rows; the limit is {MAX_ROWS}")
+    schema = SCHEMAS[kind]
+    names = [c.name for c in batch.columns]
+    if names != [c.name for c in schema]:
+        raise BatchError(
+            "columns",
+            f"{kind.name} batch has columns {names}, the contract (schema {SCHEMA_VERSION}) says "
+            f"{[c.name for c in schema]}",
+        )
+    cols: dict[str, np.ndarray | tuple[np.ndarray, tuple[str, ...]]] = {}
+    nbytes = 0
+    for spec, col in zip(schema, batch.columns):
+        dtype = np.dtype(NUMPY_DTYPES[spec.dtype])
+        expected = n * dtype.itemsize
+        if len(col.data) != expected:
+            raise BatchError(
+                "column_length",
+                f"{kind.name} column {spec.name!r} holds {len(col.data)} bytes, n={n} needs {expected}",
+            )
+        arr = np.frombuffer(col.data, dtype=dtype)
+        nbytes += expected
+        if spec.dtype == "str":
+            d = tuple(col.dictionary)
+            if n and (arr.min() < 0 or arr.max() >= len(d)):
+                raise BatchError("dictionary", f"{kind.name} column {spec.name!r} has codes outside its dictionary")
+            cols[spec.name] = (arr, d)
+        else:
+            cols[spec.name] = arr
+    if _checksum_parts(batch.columns) != batch.crc32c:
+        raise BatchError("crc32c", f"batch {batch.source_id}/{batch.seq}: CRC32C mismatch, the payload is corrupt")
+    return DecodedBatch(
+        kind=kind,
+        run_id=batch.run_id,
+        source_id=batch.source_id,
+        seq=batch.seq,
+        n=n,
+        columns=cols,
+        first_record_ns=batch.first_record_ns,
+        sealed_ns=batch.sealed_ns,
+        nbytes=nbytes,
+    )

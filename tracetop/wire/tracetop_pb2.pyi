@@ -1,0 +1,184 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVENT_KIND_UNSPECIFIED: _ClassVar[EventKind]
+    RUN_START: _ClassVar[EventKind]
+    STEP: _ClassVar[EventKind]
+    COLLECTIVE: _ClassVar[EventKind]
+    PIPE_INSTR: _ClassVar[EventKind]
+    OFFLOAD: _ClassVar[EventKind]
+    MEMORY: _ClassVar[EventKind]
+    THROUGHPUT: _ClassVar[EventKind]
+    GPU_SAMPLE: _ClassVar[EventKind]
+    HOST_SAMPLE: _ClassVar[EventKind]
+    HEARTBEAT: _ClassVar[EventKind]
+    GAP: _ClassVar[EventKind]
+    XID: _ClassVar[EventKind]
+    CLOCK_OFFSET: _ClassVar[EventKind]
+    GPU_PROCESS: _ClassVar[EventKind]
+
+class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMMAND_KIND_UNSPECIFIED: _ClassVar[CommandKind]
+    SET_MICRO_BATCH: _ClassVar[CommandKind]
+    OFFLOAD_OPTIMIZER: _ClassVar[CommandKind]
+EVENT_KIND_UNSPECIFIED: EventKind
+RUN_START: EventKind
+STEP: EventKind
+COLLECTIVE: EventKind
+PIPE_INSTR: EventKind
+OFFLOAD: EventKind
+MEMORY: EventKind
+THROUGHPUT: EventKind
+GPU_SAMPLE: EventKind
+HOST_SAMPLE: EventKind
+HEARTBEAT: EventKind
+GAP: EventKind
+XID: EventKind
+CLOCK_OFFSET: EventKind
+GPU_PROCESS: EventKind
+COMMAND_KIND_UNSPECIFIED: CommandKind
+SET_MICRO_BATCH: CommandKind
+OFFLOAD_OPTIMIZER: CommandKind
+
+class Column(_message.Message):
+    __slots__ = ("name", "data", "dictionary")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DICTIONARY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data: bytes
+    dictionary: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ..., dictionary: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ColumnBatch(_message.Message):
+    __slots__ = ("schema_version", "source_id", "seq", "run_id", "kind", "n", "columns", "crc32c", "first_record_ns", "sealed_ns")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    FIRST_RECORD_NS_FIELD_NUMBER: _ClassVar[int]
+    SEALED_NS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    source_id: str
+    seq: int
+    run_id: str
+    kind: EventKind
+    n: int
+    columns: _containers.RepeatedCompositeFieldContainer[Column]
+    crc32c: int
+    first_record_ns: int
+    sealed_ns: int
+    def __init__(self, schema_version: _Optional[int] = ..., source_id: _Optional[str] = ..., seq: _Optional[int] = ..., run_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., n: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., crc32c: _Optional[int] = ..., first_record_ns: _Optional[int] = ..., sealed_ns: _Optional[int] = ...) -> None: ...
+
+class Ack(_message.Message):
+    __slots__ = ("source_id", "seq")
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    source_id: str
+    seq: int
+    def __init__(self, source_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+
+class ClockRequest(_message.Message):
+    __slots__ = ("client_send_ns",)
+    CLIENT_SEND_NS_FIELD_NUMBER: _ClassVar[int]
+    client_send_ns: int
+    def __init__(self, client_send_ns: _Optional[int] = ...) -> None: ...
+
+class ClockReply(_message.Message):
+    __slots__ = ("client_send_ns", "server_recv_ns", "server_send_ns")
+    CLIENT_SEND_NS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_RECV_NS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SEND_NS_FIELD_NUMBER: _ClassVar[int]
+    client_send_ns: int
+    server_recv_ns: int
+    server_send_ns: int
+    def __init__(self, client_send_ns: _Optional[int] = ..., server_recv_ns: _Optional[int] = ..., server_send_ns: _Optional[int] = ...) -> None: ...
+
+class Command(_message.Message):
+    __slots__ = ("command_id", "run_id", "kind", "int_value", "reason", "issued_ns")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_NS_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    run_id: str
+    kind: CommandKind
+    int_value: int
+    reason: str
+    issued_ns: int
+    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., int_value: _Optional[int] = ..., reason: _Optional[str] = ..., issued_ns: _Optional[int] = ...) -> None: ...
+
+class SubscribeRequest(_message.Message):
+    __slots__ = ("run_id", "rank")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class CommandStatus(_message.Message):
+    __slots__ = ("command_id", "run_id", "rank", "applied", "step", "message")
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    run_id: str
+    rank: int
+    applied: bool
+    step: int
+    message: str
+    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., applied: _Optional[bool] = ..., step: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StatusAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class QueryRequest(_message.Message):
+    __slots__ = ("sql", "max_rows")
+    SQL_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    sql: str
+    max_rows: int
+    def __init__(self, sql: _Optional[str] = ..., max_rows: _Optional[int] = ...) -> None: ...
+
+class QueryReply(_message.Message):
+    __slots__ = ("arrow_ipc", "truncated")
+    ARROW_IPC_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    arrow_ipc: bytes
+    truncated: bool
+    def __init__(self, arrow_ipc: _Optional[bytes] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("run_id", "interval_s")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    interval_s: float
+    def __init__(self, run_id: _Optional[str] = ..., interval_s: _Optional[float] = ...) -> None: ...
+
+class Snapshot(_message.Message):
+    __slots__ = ("taken_ns", "arrow_ipc")
+    TAKEN_NS_FIELD_NUMBER: _ClassVar[int]
+    ARROW_IPC_FIELD_NUMBER: _ClassVar[int]
+    taken_ns: int
+    arrow_ipc: bytes
+    def __init__(self, taken_ns: _Optional[int] = ..., arrow_ipc: _Optional[bytes] = ...) -> None: ...
