@@ -1,0 +1,25 @@
+"""STYLE.md habit 6: what each package may pull in, checked in a fresh interpreter."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+FORBIDDEN = {
+    # package imported -> modules that must not appear in sys.modules afterwards
+    "tracetop.wire.shipper": ("duckdb", "textual", "torch", "collector", "agent", "tui", "trainer_hooks", "reference_trainer"),
+    "tracetop.cli": ("duckdb", "textual", "torch", "grpc", "collector", "agent", "tui", "trainer_hooks"),
+    "trainer_hooks": ("duckdb", "textual", "collector", "agent", "tui"),
+    "agent": ("duckdb", "textual", "collector", "tui", "trainer_hooks", "torch"),
+    "collector": ("textual", "agent", "tui", "trainer_hooks", "torch"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(FORBIDDEN))
+def test_import_pulls_in_nothing_forbidden(module: str) -> None:
+    code = f"import sys, {module}; print(','.join(sorted(m for m in {FORBIDDEN[module]!r} if m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"importing {module} pulled in {out.stdout.strip()}"
