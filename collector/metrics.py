@@ -1,0 +1,60 @@
+"""The collector's own Prometheus metrics, on a registry of its own (never the global one)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from collector.writer import FlushStats
+from tracetop.events import table_name
+
+
+class CollectorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.received = Counter(
+            "tracetop_collector_events_received", "Rows received in valid batches, by kind", ["kind"], registry=r
+        )
+        self.stored = Counter(
+            "tracetop_collector_events_stored", "Rows committed to the file, by kind", ["kind"], registry=r
+        )
+        self.rejected = Counter(
+            "tracetop_collector_batches_rejected", "Batches refused, by fault", ["fault"], registry=r
+        )
+        self.duplicates = Counter(
+            "tracetop_collector_duplicates", "Resent batches acked without storing them", registry=r
+        )
+        self.latency = Histogram(
+            "tracetop_collector_batch_latency_seconds",
+            "Shipper sealed a batch -> the collector committed it (crosses clocks on multi-node)",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0),
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "tracetop_collector_writer_queue_depth", "Items waiting for the writer thread", registry=r
+        )
+        self.queue_rows = Gauge(
+            "tracetop_collector_writer_queue_rows", "Rows waiting for the writer thread", registry=r
+        )
+        self.flushes = Counter("tracetop_collector_commits", "Writer transactions committed", registry=r)
+
+    def on_flush(self, stats: FlushStats) -> None:
+        for kind, rows in stats.rows_by_kind.items():
+            self.stored.labels(table_name(kind)).inc(rows)
+        if stats.duplicates:
+            self.duplicates.inc(stats.duplicates)
+        for s in stats.latencies_s:
+            self.latency.observe(s)
+        if stats.batches:
+            self.flushes.inc()
+
+    def on_queue(self, depth: int, rows: int) -> None:
+        self.queue_depth.set(depth)
+        self.queue_rows.set(rows)
+
+
+def serve_metrics(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1"):
+    """Start the /metrics HTTP endpoint in its own thread; returns (server, thread)."""
+    from prometheus_client import start_http_server
+
+    return start_http_server(port, addr=addr, registry=registry)

@@ -1,0 +1,170 @@
+"""`tracetop query FILE "SQL"` or `tracetop query --collector [ADDR] "SQL"`: read-only SQL.
+
+Directly on a file no collector holds (opened read-only, external access off), or through a
+running collector's Query service. Prints a table, or `--csv` / `--json` (a JSON array of
+objects). Exit codes: 0 answered, 1 the SQL failed (syntax, missing table, ...), 2 refused
+(writes, ATTACH, COPY, file reads, INSTALL) or unusable arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_OK, EXIT_SQL_ERROR, EXIT_REFUSED = 0, 1, 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("args", nargs="*", metavar="[FILE] SQL", help="a collector's DuckDB file, then the SQL")
+    parser.add_argument(
+        "--collector",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDR",
+        help="ask a running collector instead of opening a file (default address: $TRACETOP_COLLECTOR "
+        "or 127.0.0.1:7000)",
+    )
+    fmt = parser.add_mutually_exclusive_group()
+    fmt.add_argument("--csv", action="store_true", help="print CSV")
+    fmt.add_argument("--json", action="store_true", help="print a JSON array of row objects")
+    parser.add_argument("--max-rows", type=int, default=100_000, help="stop after this many rows (0 = all)")
+
+
+def run(args: argparse.Namespace) -> int:
+    positional = list(args.args)
+    if args.collector is not None:
+        from tracetop import env
+
+        addr = args.collector
+        if not positional and addr:  # `--collector "SQL"`: argparse took the SQL as ADDR
+            addr, positional = "", [addr]
+        if len(positional) != 1:
+            return _usage("with --collector give only the SQL")
+        return _via_collector(env.collector(addr or None), positional[0], args)
+    if len(positional) != 2:
+        return _usage('give a FILE and the SQL: tracetop query FILE "SQL" (or --collector ADDR "SQL")')
+    return _on_file(positional[0], positional[1], args)
+
+
+def _usage(msg: str) -> int:
+    print(f"tracetop query: {msg}", file=sys.stderr)
+    return EXIT_REFUSED
+
+
+def _on_file(path: str, sql: str, args: argparse.Namespace) -> int:
+    import os
+
+    import duckdb
+
+    from collector import readonly
+    from collector.schema import SchemaError, connect
+
+    if not os.path.exists(path):
+        return _usage(f"{path}: no such file (to ask a running collector use --collector ADDR)")
+    try:
+        con = connect(path, read_only=True)
+    except SchemaError as e:
+        print(f"tracetop query: {e}", file=sys.stderr)
+        return EXIT_SQL_ERROR
+    except duckdb.Error as e:
+        print(f"tracetop query: cannot open {path}: {e}", file=sys.stderr)
+        return EXIT_SQL_ERROR
+    try:
+        con.execute("SET lock_configuration = true")
+        table, truncated = readonly.run_read_only(con, sql, args.max_rows)
+    except Exception as e:
+        if readonly.is_refusal(e):
+            print(_refusal_text(e), file=sys.stderr)
+            return EXIT_REFUSED
+        if isinstance(e, duckdb.Error):
+            print(f"tracetop query: {type(e).__name__}: {e}", file=sys.stderr)
+            return EXIT_SQL_ERROR
+        raise
+    finally:
+        con.close()
+    _print(table, truncated, args)
+    return EXIT_OK
+
+
+def _refusal_text(e: BaseException) -> str:
+    text = str(e)
+    if not text.startswith("tracetop query"):
+        text = f"tracetop query is read-only and cannot touch the filesystem: {text.splitlines()[0]}"
+    return text
+
+
+def _via_collector(addr: str, sql: str, args: argparse.Namespace) -> int:
+    import grpc
+
+    from collector import readonly
+    from tracetop.wire import tracetop_pb2 as pb
+    from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+    opts = [("grpc.max_receive_message_length", 512 * 1024 * 1024)]
+    with grpc.insecure_channel(addr, options=opts) as channel:
+        try:
+            reply = pb_grpc.QueryStub(channel).Sql(pb.QueryRequest(sql=sql, max_rows=args.max_rows), timeout=300)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.PERMISSION_DENIED:
+                print(_refusal_text(Exception(e.details())), file=sys.stderr)
+                return EXIT_REFUSED
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                print(f"tracetop query: {e.details()}", file=sys.stderr)
+                return EXIT_SQL_ERROR
+            print(f"tracetop query: collector at {addr}: {code.name}: {e.details()}", file=sys.stderr)
+            return EXIT_SQL_ERROR
+    _print(readonly.from_ipc(reply.arrow_ipc), reply.truncated, args)
+    return EXIT_OK
+
+
+def _print(table, truncated: bool, args: argparse.Namespace, out=None) -> None:
+    out = out or sys.stdout
+    names = table.column_names
+    rows = table.to_pylist()
+    if args.csv:
+        import csv
+
+        w = csv.writer(out)
+        w.writerow(names)
+        for r in rows:
+            w.writerow(["" if r[n] is None else r[n] for n in names])
+    elif args.json:
+        import json
+
+        json.dump(rows, out, default=_json_default)
+        out.write("\n")
+    else:
+        out.write(format_table(names, [[r[n] for n in names] for r in rows]))
+    if truncated:
+        print(f"tracetop query: output stopped at {len(rows)} rows (--max-rows)", file=sys.stderr)
+
+
+def _json_default(v: object) -> object:
+    from decimal import Decimal
+
+    return float(v) if isinstance(v, Decimal) else str(v)
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def format_table(names: list[str], rows: list[list[object]]) -> str:
+    """A plain aligned text table (numbers right-aligned), with a row count."""
+    cells = [[_cell(v) for v in r] for r in rows]
+    widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
+    numeric = [all(isinstance(r[i], int | float) or r[i] is None for r in rows) for i in range(len(names))]
+
+    def line(vals: list[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
+
+    out = [line(names), "  ".join("-" * w for w in widths)]
+    out += [line(r) for r in cells]
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''})")
+    return "\n".join(out) + "\n"

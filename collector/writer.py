@@ -1,0 +1,316 @@
+"""The one writer: decoded batches in, group commits into DuckDB, cumulative acks out.
+
+gRPC handlers only decode, validate and convert a batch to Arrow (`batch_to_arrow`), then
+`submit` it. The writer thread drains whatever is queued once ~`flush_rows` rows are waiting or
+the oldest item has waited `flush_interval_s`, and commits the lot in one transaction: per event
+kind one `INSERT … SELECT` from the concatenated Arrow tables, the ingest log, and each source's
+high-water mark. Only then does it hand each stream its acks. Under load the queue grows while a
+commit runs, so commits grow with it (group commit), which is what makes ingest fast.
+
+Exactly once: a batch with seq <= its source's high-water mark (committed, or accepted earlier in
+the same group) is a duplicate: acked, not stored. Seqs may skip; hwm becomes the batch's seq.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from tracetop.events import SCHEMAS, Kind, table_name
+from tracetop.wire.codec import DecodedBatch
+
+log = logging.getLogger("tracetop.collector")
+
+
+def batch_to_arrow(batch: DecodedBatch) -> pa.Table:
+    """A validated batch as an Arrow table shaped like its DuckDB table (run_id first).
+
+    Vectorised: numeric columns are zero-copy views, string columns stay dictionary-encoded
+    (DuckDB decodes them into VARCHAR on insert), float NaN becomes NULL.
+    """
+    n = batch.n
+    arrays = [pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, dtype=np.int32)), pa.array([batch.run_id]))]
+    names = ["run_id"]
+    for col in SCHEMAS[batch.kind]:
+        value = batch.columns[col.name]
+        if col.dtype == "str":
+            codes, dictionary = value  # type: ignore[misc]
+            arrays.append(pa.DictionaryArray.from_arrays(pa.array(codes), pa.array(dictionary, pa.string())))
+        elif col.dtype == "f8":
+            arrays.append(pa.array(value, from_pandas=True))  # NaN -> null
+        else:
+            arrays.append(pa.array(value))
+        names.append(col.name)
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+@dataclass(frozen=True)
+class Ack:
+    source_id: str
+    seq: int
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The last thing a stream receives. All fields empty: finished cleanly (client closed its side)."""
+
+    fault: str = ""  # a rejected batch: the fault, a message, trailing metadata naming the batch
+    message: str = ""
+    metadata: tuple[tuple[str, str], ...] = ()
+    shutdown: bool = False
+    store_failed: str = ""
+
+
+class StreamSink:
+    """Where the writer delivers one stream's acks; `deliver` must be thread-safe. `failed` is
+    set when a commit holding its batches failed: its later queued batches are dropped too (they
+    would otherwise move the high-water mark past the lost ones, turning their resend into a
+    "duplicate")."""
+
+    failed = False
+
+    def deliver(self, item: Ack | StreamEnd) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass
+class Pending:
+    sink: StreamSink
+    batch: DecodedBatch
+    table: pa.Table
+
+
+@dataclass
+class Barrier:
+    """Sent after a stream's last batch: delivered to that stream after the acks for everything it
+    submitted before (so a rejected batch's stream first gets acks for what came before it)."""
+
+    sink: StreamSink
+    end: StreamEnd
+
+
+@dataclass
+class FlushStats:
+    batches: int = 0
+    rows: int = 0
+    duplicates: int = 0
+    rows_by_kind: dict[Kind, int] = field(default_factory=dict)
+    latencies_s: list[float] = field(default_factory=list)
+
+
+class Writer:
+    """Owns the write connection; one thread. `submit` may be called from any thread."""
+
+    def __init__(
+        self,
+        con,
+        *,
+        flush_rows: int = 10_000,
+        flush_interval_s: float = 0.5,
+        max_queued_rows: int = 2_000_000,
+        clock_ns: Callable[[], int] = time.time_ns,
+        on_flush: Callable[[FlushStats], None] | None = None,
+        on_queue: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.con = con
+        self.flush_rows = flush_rows
+        self.flush_interval_s = flush_interval_s
+        self.max_queued_rows = max_queued_rows
+        self.clock_ns = clock_ns
+        self.on_flush = on_flush
+        self.on_queue = on_queue
+        self.hwm: dict[str, int] = dict(
+            (s, int(h)) for s, h in con.execute("SELECT source_id, hwm FROM sources").fetchall()
+        )
+        self._items: list[Pending | Barrier] = []
+        self._queued_rows = 0
+        self._oldest_mono = 0.0
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="tracetop-writer", daemon=True)
+        self.flushes = 0
+
+    # -- producer side ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queued_rows(self) -> int:
+        return self._queued_rows
+
+    def full(self) -> bool:
+        return self._queued_rows >= self.max_queued_rows
+
+    def submit(self, item: Pending | Barrier) -> bool:
+        """Queue an item; False once the writer is closing (the item is not taken)."""
+        with self._cond:
+            if self._closing:
+                return False
+            if not self._items:
+                self._oldest_mono = time.monotonic()
+            self._items.append(item)
+            if isinstance(item, Pending):
+                self._queued_rows += item.batch.n
+            if len(self._items) == 1 or self._queued_rows >= self.flush_rows or isinstance(item, Barrier):
+                self._cond.notify()
+            depth, rows = len(self._items), self._queued_rows
+        if self.on_queue:
+            self.on_queue(depth, rows)
+        return True
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Stop taking items, commit and ack everything queued, then return."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    # -- writer thread ---------------------------------------------------------------------
+    def _take(self) -> list[Pending | Barrier] | None:
+        with self._cond:
+            while not self._items and not self._closing:
+                self._cond.wait()
+            if not self._items:
+                return None  # closing and drained
+            deadline = self._oldest_mono + self.flush_interval_s
+            while (
+                not self._closing
+                and self._queued_rows < self.flush_rows
+                and not isinstance(self._items[-1], Barrier)
+            ):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            items, self._items, self._queued_rows = self._items, [], 0
+        if self.on_queue:
+            self.on_queue(0, 0)
+        return items
+
+    def _run(self) -> None:
+        while True:
+            items = self._take()
+            if items is None:
+                return
+            try:
+                self.flush(items)
+            except Exception as e:  # keep serving: the shippers still hold these batches
+                log.exception("collector: commit failed")
+                self._fail(items, f"{type(e).__name__}: {e}")
+
+    def flush(self, items: list[Pending | Barrier]) -> FlushStats:
+        """Commit `items` in one transaction, then deliver acks and barriers. Called by the
+        writer thread (and directly by tests of the pure ordering logic)."""
+        stats = FlushStats()
+        hwm = dict(self.hwm)
+        accepted: list[Pending] = []
+        acks: dict[StreamSink, set[str]] = defaultdict(set)
+        for item in items:
+            if isinstance(item, Barrier) or item.sink.failed:
+                continue
+            b = item.batch
+            acks[item.sink].add(b.source_id)
+            if b.seq <= hwm.get(b.source_id, 0):
+                stats.duplicates += 1
+                continue
+            hwm[b.source_id] = b.seq
+            accepted.append(item)
+        if accepted:
+            committed_ns = self._commit(accepted, hwm)
+            self.hwm = hwm
+            for item in accepted:
+                b = item.batch
+                stats.batches += 1
+                stats.rows += b.n
+                stats.rows_by_kind[b.kind] = stats.rows_by_kind.get(b.kind, 0) + b.n
+                if b.sealed_ns > 0:
+                    stats.latencies_s.append(max(0, committed_ns - b.sealed_ns) / 1e9)
+        self.flushes += 1
+        for sink, sources in acks.items():
+            for source in sorted(sources):
+                sink.deliver(Ack(source, self.hwm.get(source, 0)))
+        for item in items:
+            if isinstance(item, Barrier) and not item.sink.failed:
+                item.sink.deliver(item.end)
+        if self.on_flush:
+            self.on_flush(stats)
+        return stats
+
+    def _commit(self, accepted: list[Pending], hwm: dict[str, int]) -> int:
+        by_kind: dict[Kind, list[pa.Table]] = defaultdict(list)
+        for item in accepted:
+            by_kind[item.batch.kind].append(item.table)
+        per_source: dict[str, list[int]] = {}
+        for item in accepted:
+            b = item.batch
+            agg = per_source.setdefault(b.source_id, [0, 0])
+            agg[0] += 1
+            agg[1] += b.n
+        con = self.con
+        con.execute("BEGIN TRANSACTION")
+        try:
+            for kind, tables in by_kind.items():
+                con.register("_tt_batch", pa.concat_tables(tables))
+                try:
+                    con.execute(f"INSERT INTO {table_name(kind)} SELECT * FROM _tt_batch")
+                finally:
+                    con.unregister("_tt_batch")
+            committed_ns = self.clock_ns()
+            log_table = pa.table(
+                {
+                    "source_id": [i.batch.source_id for i in accepted],
+                    "seq": pa.array([i.batch.seq for i in accepted], pa.uint64()),
+                    "kind": [table_name(i.batch.kind) for i in accepted],
+                    "n": pa.array([i.batch.n for i in accepted], pa.int32()),
+                    "first_record_ns": pa.array([i.batch.first_record_ns or None for i in accepted], pa.int64()),
+                    "sealed_ns": pa.array([i.batch.sealed_ns or None for i in accepted], pa.int64()),
+                    "committed_ns": pa.array([committed_ns] * len(accepted), pa.int64()),
+                }
+            )
+            sources = list(per_source)
+            src_table = pa.table(
+                {
+                    "source_id": sources,
+                    "hwm": pa.array([hwm[s] for s in sources], pa.uint64()),
+                    "first_seen_ns": pa.array([committed_ns] * len(sources), pa.int64()),
+                    "last_seen_ns": pa.array([committed_ns] * len(sources), pa.int64()),
+                    "batches": pa.array([per_source[s][0] for s in sources], pa.int64()),
+                    "rows": pa.array([per_source[s][1] for s in sources], pa.int64()),
+                }
+            )
+            con.register("_tt_log", log_table)
+            con.register("_tt_src", src_table)
+            try:
+                con.execute("INSERT INTO ingest_log SELECT * FROM _tt_log")
+                con.execute(
+                    "INSERT INTO sources SELECT * FROM _tt_src ON CONFLICT (source_id) DO UPDATE SET "
+                    "hwm = excluded.hwm, last_seen_ns = excluded.last_seen_ns, "
+                    "batches = sources.batches + excluded.batches, rows = sources.rows + excluded.rows"
+                )
+            finally:
+                con.unregister("_tt_log")
+                con.unregister("_tt_src")
+            con.execute("COMMIT")
+        except Exception:
+            try:
+                con.execute("ROLLBACK")
+            except Exception:
+                log.exception("collector: rollback failed")
+            raise
+        return committed_ns
+
+    def _fail(self, items: list[Pending | Barrier], why: str) -> None:
+        """A commit failed: nothing of `items` is stored; end their streams so shippers resend."""
+        seen: set[StreamSink] = set()
+        for item in items:
+            if item.sink not in seen and not item.sink.failed:
+                seen.add(item.sink)
+                item.sink.failed = True
+                item.sink.deliver(StreamEnd(store_failed=why))
