@@ -1,0 +1,129 @@
+"""`tracetop agent`: run the node agent.
+
+    tracetop agent --collector ADDR [--listen unix:///…/agent.sock] [--interval-s 1]
+                   [--metrics-port N] [--spool-dir DIR --spool-max-mb N]
+
+Hooks on this node find the agent through TRACETOP_ENDPOINT, or, when that is unset, the default
+socket unix:///tmp/tracetop-agent.sock (tracetop/env.py DEFAULT_AGENT_SOCKET) if it exists.
+
+`--fake-gpus N` replaces NVML with the fake backend shipped in agent/fake_nvml.py (N fake GPUs):
+a test and demo aid for machines without GPUs, never for production.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tracetop import env
+
+    p.add_argument(
+        "--collector",
+        default=None,
+        help=f"collector address (default: ${env.TRACETOP_COLLECTOR} or {env.DEFAULT_COLLECTOR})",
+    )
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=None,
+        help=f"where hooks ship to: unix:///PATH or 127.0.0.1:PORT; repeatable (default {env.DEFAULT_AGENT_SOCKET})",
+    )
+    p.add_argument("--interval-s", type=float, default=1.0, help="sampling interval in seconds (default 1)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (0 = any free port)",
+    )
+    p.add_argument(
+        "--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint (default loopback)"
+    )
+    p.add_argument(
+        "--spool-dir",
+        default=None,
+        help=f"disk spool folder (default ${env.TRACETOP_SPOOL_DIR} or {env.DEFAULT_SPOOL_DIR})",
+    )
+    p.add_argument("--spool-max-mb", type=float, default=1024.0, help="spool bound in MiB (default 1024)")
+    p.add_argument(
+        "--run-id",
+        default=None,
+        help="run id of the agent's own rows (default $TRACETOP_RUN_ID or agent-<node>)",
+    )
+    p.add_argument("--node", default=None, help="node name in the rows (default: the hostname)")
+    p.add_argument(
+        "--clock-interval-s",
+        type=float,
+        default=60.0,
+        help="seconds between clock-offset measurements (0 = off)",
+    )
+    p.add_argument(
+        "--fake-gpus", type=int, default=None, metavar="N", help="test/demo aid: N fake GPUs instead of NVML"
+    )
+    p.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import signal
+    import sys
+    import threading
+
+    from agent.daemon import Agent, AgentConfig
+    from agent.relay import RelayListenError
+    from tracetop import env
+
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.WARNING), format="%(name)s: %(message)s"
+    )
+    if args.interval_s <= 0:
+        print(f"tracetop agent: --interval-s must be > 0, got {args.interval_s}", file=sys.stderr)
+        return 2
+    if args.spool_max_mb <= 0:
+        print(f"tracetop agent: --spool-max-mb must be > 0, got {args.spool_max_mb}", file=sys.stderr)
+        return 2
+    backend = None
+    if args.fake_gpus is not None:
+        from agent.fake_nvml import FakeNVML
+
+        backend = FakeNVML(args.fake_gpus)
+    cfg = AgentConfig(
+        collector=env.collector(args.collector),
+        listen=args.listen or [env.DEFAULT_AGENT_SOCKET],
+        interval_s=args.interval_s,
+        metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
+        spool_dir=args.spool_dir
+        or env.get(env.TRACETOP_SPOOL_DIR, env.DEFAULT_SPOOL_DIR)
+        or env.DEFAULT_SPOOL_DIR,
+        spool_max_bytes=int(args.spool_max_mb * (1 << 20)),
+        run_id=args.run_id,
+        node=args.node,
+        clock_interval_s=args.clock_interval_s,
+    )
+    agent = Agent(cfg, nvml_backend=backend)
+    try:
+        agent.start()
+    except (RelayListenError, OSError) as e:
+        print(f"tracetop agent: {e}", file=sys.stderr)
+        agent.stop(0.1)
+        return 1
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    gpus = len(agent.nvml.handles) if agent.nvml else 0
+    metrics = (
+        f", metrics on http://{cfg.metrics_addr}:{agent.metrics_port}/metrics"
+        if agent.metrics_port is not None
+        else ""
+    )
+    print(
+        f"tracetop agent: listening on {', '.join(cfg.listen)}; {gpus} GPUs; shipping to {cfg.collector}; "
+        f"spool {cfg.spool_dir}{metrics}",
+        flush=True,
+    )
+    try:
+        agent.run(stop)
+    finally:
+        agent.stop()
+    return 0

@@ -1,0 +1,284 @@
+"""The local relay: the Ingest endpoint the hooks of this node ship to.
+
+Each hook batch is validated exactly as the collector validates it (`decode_batch`; a fault ends
+the stream with INVALID_ARGUMENT "<fault>: <message>" and trailing metadata `tracetop-fault`,
+`tracetop-rejected-source`, `tracetop-rejected-seq`; nothing of it is spooled), then handed to the
+shared shipper's `forward`, which returns only once the batch is on the disk spool. Only then is
+it acked to the hook (Ack{source_id, seq}, cumulative per source). Source ids and seqs are kept,
+so the collector's per-source high-water mark removes any duplicate the relay sends twice.
+
+A full spool: the batch is not acked and the stream ends with RESOURCE_EXHAUSTED (the hook keeps
+the batch and everything after it, and resends them on reconnect; refusing only one batch and
+accepting the next would let the collector's high-water mark pass over it). Each refused batch is
+counted (`spool_full`, a metric) and recorded once as a GAP row of the agent's own source with
+reason `spool_full` and origin_source the hook's source id.
+
+A batch resent after it was spooled (seq <= the highest seq spooled for its source) is acked
+without spooling it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from tracetop.events import Kind
+from tracetop.wire import tracetop_pb2 as pb
+from tracetop.wire.codec import ID_RE, BatchError, decode_batch
+
+log = logging.getLogger("tracetop.agent.relay")
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class RelayListenError(RuntimeError):
+    pass
+
+
+class _Undecodable:
+    __slots__ = ("size", "why")
+
+    def __init__(self, size: int, why: str) -> None:
+        self.size = size
+        self.why = why
+
+
+def _parse_batch(raw: bytes) -> pb.ColumnBatch | _Undecodable:
+    try:
+        return pb.ColumnBatch.FromString(raw)
+    except DecodeError as e:
+        return _Undecodable(len(raw), str(e))
+
+
+def unix_path(listen: str) -> str | None:
+    """The filesystem path of a unix:// address (unix:///abs or unix:rel), else None."""
+    if listen.startswith("unix://"):
+        return listen[len("unix://") :]
+    if listen.startswith("unix:"):
+        return listen[len("unix:") :]
+    return None
+
+
+def _prepare_unix_socket(path: str) -> None:
+    """Remove a stale socket file (left by a killed agent); refuse if an agent still listens there."""
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(0.5)
+    try:
+        s.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody answers: stale
+        return
+    finally:
+        s.close()
+    raise RelayListenError(
+        f"another process is already listening on {path}; stop it or pass another --listen"
+    )
+
+
+class Relay:
+    """gRPC Ingest server (unix socket and/or loopback TCP) in front of a shipper with a spool.
+
+    Args:
+        shipper: the agent's shipper (`forward(batch) -> bool`, `record(kind, *row)`).
+        listen: addresses (``unix:///path``, ``127.0.0.1:PORT``).
+        on_batch: called with every accepted DecodedBatch (the agent learns pid -> rank here).
+    """
+
+    def __init__(
+        self,
+        shipper: Any,
+        listen: list[str],
+        *,
+        on_batch: Callable[[Any], None] | None = None,
+        max_workers: int = 64,
+        clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.shipper = shipper
+        self.listen = listen
+        self.on_batch = on_batch
+        self.clock_ns = clock_ns
+        self._max_workers = max_workers
+        self._lock = threading.Lock()
+        self._high: dict[str, int] = {}  # source -> highest seq spooled
+        self._source_locks: dict[str, threading.Lock] = {}
+        self._refused: set[tuple[str, int]] = set()
+        self.stats_ = {
+            "relay_batches": 0,
+            "relay_rows": 0,
+            "relay_duplicates": 0,
+            "relay_rejected": 0,
+            "spool_full": 0,
+        }
+        self.server: grpc.Server | None = None
+        self.ports: dict[str, int] = {}
+
+    # ---- lifecycle ----
+    def start(self) -> Relay:
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix="tracetop-relay"),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+            maximum_concurrent_rpcs=self._max_workers - 2,
+        )
+        handler = grpc.method_handlers_generic_handler(
+            "tracetop.v1.Ingest",
+            {
+                "Stream": grpc.stream_stream_rpc_method_handler(
+                    self._stream,
+                    request_deserializer=_parse_batch,
+                    response_serializer=pb.Ack.SerializeToString,
+                ),
+                "Clock": grpc.unary_unary_rpc_method_handler(
+                    self._clock,
+                    request_deserializer=pb.ClockRequest.FromString,
+                    response_serializer=pb.ClockReply.SerializeToString,
+                ),
+            },
+        )
+        server.add_generic_rpc_handlers((handler,))
+        for addr in self.listen:
+            path = unix_path(addr)
+            if path is not None:
+                _prepare_unix_socket(path)
+            else:
+                host = addr.rpartition(":")[0]
+                if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+                    raise RelayListenError(
+                        f"relay address {addr!r}: the relay listens on a unix socket or loopback only"
+                    )
+            try:
+                port = server.add_insecure_port(addr)
+            except RuntimeError as e:
+                raise RelayListenError(f"cannot listen on {addr}: {e}") from e
+            if port == 0 and path is None:
+                raise RelayListenError(f"cannot listen on {addr} (address in use?)")
+            self.ports[addr] = port
+        server.start()
+        self.server = server
+        return self
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self.server is not None:
+            self.server.stop(grace_s).wait(grace_s + 1)
+            self.server = None
+        for addr in self.listen:
+            path = unix_path(addr)
+            if path and os.path.exists(path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.stats_)
+
+    def _count(self, key: str, by: int = 1) -> None:
+        with self._lock:
+            self.stats_[key] += by
+
+    # ---- Ingest.Clock: hooks may align to their agent ----
+    def _clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockReply:
+        recv = self.clock_ns()
+        return pb.ClockReply(
+            client_send_ns=request.client_send_ns, server_recv_ns=recv, server_send_ns=self.clock_ns()
+        )
+
+    # ---- Ingest.Stream ----
+    def _reject(
+        self, context: Any, fault: str, message: str, which: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        self._count("relay_rejected")
+        log.warning("agent relay: rejected batch: %s: %s", fault, message)
+        context.set_trailing_metadata((("tracetop-fault", fault),) + which)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{fault}: {message}")
+
+    def _source_lock(self, source: str) -> threading.Lock:
+        with self._lock:
+            lk = self._source_locks.get(source)
+            if lk is None:
+                lk = self._source_locks[source] = threading.Lock()
+            return lk
+
+    def _stream(self, request_iterator: Iterator[Any], context: Any) -> Iterator[pb.Ack]:
+        for raw in request_iterator:
+            if isinstance(raw, _Undecodable):
+                self._reject(
+                    context, "not_a_batch", f"not a tracetop.v1.ColumnBatch ({raw.size} bytes: {raw.why})"
+                )
+                return
+            try:
+                batch = decode_batch(raw)
+            except BatchError as e:
+                which: tuple[tuple[str, str], ...] = ()
+                if ID_RE.match(raw.source_id):
+                    which = (
+                        ("tracetop-rejected-source", raw.source_id),
+                        ("tracetop-rejected-seq", str(raw.seq)),
+                    )
+                self._reject(context, e.fault, str(e), which)
+                return
+            source, seq = batch.source_id, batch.seq
+            # One source is one shipper: its batches are forwarded in order, even across a reconnect
+            # that briefly overlaps the old stream.
+            with self._source_lock(source):
+                if seq <= self._high.get(source, 0):
+                    self._count("relay_duplicates")
+                    yield pb.Ack(source_id=source, seq=self._high[source])
+                    continue
+                if not self.shipper.forward(raw):
+                    self._spool_full(batch)
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"agent spool is full: batch {source}/{seq} not taken; keep it and resend "
+                        "(raise --spool-max-mb or bring the collector back)",
+                    )
+                    return
+                self._high[source] = seq
+            with self._lock:
+                self.stats_["relay_batches"] += 1
+                self.stats_["relay_rows"] += batch.n
+            if self.on_batch is not None:
+                try:
+                    self.on_batch(batch)
+                except Exception:
+                    log.exception("agent relay: on_batch hook failed (continuing)")
+            yield pb.Ack(source_id=source, seq=seq)
+
+    def _spool_full(self, batch: Any) -> None:
+        key = (batch.source_id, batch.seq)
+        with self._lock:
+            self.stats_["spool_full"] += 1
+            first = key not in self._refused
+            if first:
+                self._refused.add(key)
+        if first:
+            log.warning(
+                "agent relay: spool full, refused batch %s/%s (%d rows)", batch.source_id, batch.seq, batch.n
+            )
+            self.shipper.record(
+                Kind.GAP,
+                -1,
+                -1,
+                self.clock_ns(),
+                0,
+                batch.kind.name.lower(),
+                batch.n,
+                "spool_full",
+                batch.source_id,
+            )
