@@ -1,0 +1,125 @@
+"""Adjustments applied at a step boundary, on every rank at the same step.
+
+The control path (commands broadcast to all ranks by the hooks) calls these functions; the
+trainer's ``--adjust STEP:KEY=VALUE`` flag calls them too, so they can be tested and demonstrated
+without a controller. Both are given the same ``Run`` (see ``train.py``).
+
+- ``set_micro_batch``: a new micro-batch size with the global batch kept, through the number of
+  micro-batches (gradient accumulation). On the PipelineEngine the cached activation and
+  gradient shapes are reset (``reset_activation_shape``), or the next receive would use the old
+  buffer size and fail.
+- ``set_optimizer_offload``: optimizer state lives in host memory between optimizer steps
+  (``engine.offload_states`` after each step, ``reload_states`` right before the next optimizer
+  step). DeepSpeed supports this for ZeRO 1 and 2 with torch's Adam and no configured offload;
+  elsewhere the answer is a checkpoint and a relaunch with the other ``--offload`` (the error says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+
+class AdjustError(ValueError):
+    """An adjustment that cannot be applied; the message says why and what to do instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Adjustment:
+    step: int
+    key: str  # micro_batch | offload
+    value: Any
+
+
+def parse_adjustment(text: str) -> Adjustment:
+    m = re.match(r"^(\d+):(\w+)=(\S+)$", text.strip())
+    if not m:
+        raise AdjustError(f"--adjust {text!r}: expected STEP:KEY=VALUE, e.g. 20:micro_batch=2 or 30:offload=on")
+    step, key, value = int(m.group(1)), m.group(2), m.group(3)
+    if key == "micro_batch":
+        if not value.isdigit() or int(value) < 1:
+            raise AdjustError(f"--adjust {text!r}: micro_batch must be a positive integer")
+        return Adjustment(step, key, int(value))
+    if key == "offload":
+        if value not in ("on", "off"):
+            raise AdjustError(f"--adjust {text!r}: offload is on or off")
+        return Adjustment(step, key, value == "on")
+    raise AdjustError(f"--adjust {text!r}: unknown key {key!r}; use micro_batch or offload")
+
+
+def plan_micro_batch(micro_batch: int, micro_batches: int, new_micro_batch: int) -> int:
+    """The number of micro-batches that keeps this rank's samples per step; raises if none does."""
+    per_rank = micro_batch * micro_batches
+    if per_rank % new_micro_batch != 0:
+        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
+        raise AdjustError(
+            f"micro-batch {new_micro_batch} does not divide the {per_rank} samples each data-parallel rank "
+            f"trains per step ({micro_batch} x {micro_batches}); the global batch would change. "
+            f"Use one of {divisors}"
+        )
+    return per_rank // new_micro_batch
+
+
+def set_micro_batch(run: Any, new_micro_batch: int) -> None:
+    """Change the micro-batch size keeping the global batch. Call at a step boundary on all ranks."""
+    new_micro_batches = plan_micro_batch(run.micro_batch, run.micro_batches, new_micro_batch)
+    engine = run.engine
+    global_batch = run.micro_batch * run.micro_batches * run.layout.dp
+    engine.set_train_micro_batch_size(new_micro_batch)  # keeps GAS, so the global batch moves...
+    engine.set_train_batch_size(global_batch)  # ...and this puts it back through GAS
+    if hasattr(engine, "reset_activation_shape"):  # PipelineEngine
+        engine.micro_batch_size = new_micro_batch
+        engine.reset_activation_shape()
+    run.micro_batch, run.micro_batches = new_micro_batch, new_micro_batches
+
+
+def offload_support(layout: Any) -> str | None:
+    """None when ``offload_states`` can toggle optimizer offload on this layout; else why not."""
+    if layout.offload != "none":
+        return (f"the optimizer is already offloaded by --offload {layout.offload}; DeepSpeed cannot move "
+                "offloaded states. Save a checkpoint and relaunch with --offload none --load-dir DIR")
+    if layout.zero not in (1, 2):
+        return (f"offload_states needs ZeRO 1 or 2 with torch Adam (this run has ZeRO {layout.zero}). "
+                "Save a checkpoint (--save-dir) and relaunch with --pp 1 --zero 2 --offload cpu --load-dir DIR")
+    return None
+
+
+def set_optimizer_offload(run: Any, on: bool) -> None:
+    """Keep optimizer state (Adam moments and fp32 master weights) in host memory between
+    optimizer steps, or stop doing so. Call at a step boundary on all ranks."""
+    why = offload_support(run.layout)
+    if why:
+        raise AdjustError(f"optimizer offload {'on' if on else 'off'}: {why}")
+    engine = run.engine
+    if not getattr(engine, "_rt_offload_installed", False):
+        _install_reload_before_step(engine, run)
+    run.offload_states_on = on
+    if on:
+        offload_now(run)
+    elif getattr(run, "states_offloaded", False):
+        engine.reload_states()
+        run.states_offloaded = False
+
+
+def offload_now(run: Any) -> None:
+    """Move the optimizer state to host memory (after a step, when offload is on)."""
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+    if run.offload_states_on and not getattr(run, "states_offloaded", False):
+        run.engine.offload_states(include=[OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params])
+        run.states_offloaded = True
+
+
+def _install_reload_before_step(engine: Any, run: Any) -> None:
+    optimizer = engine.optimizer
+    step = optimizer.step
+
+    def step_with_reload(*a: Any, **kw: Any) -> Any:
+        if getattr(run, "states_offloaded", False):
+            engine.reload_states()
+            run.states_offloaded = False
+        return step(*a, **kw)
+
+    optimizer.step = step_with_reload  # the engines call self.optimizer.step()
+    engine._rt_offload_installed = True

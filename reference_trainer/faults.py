@@ -1,0 +1,259 @@
+"""Fault injection with real effects, and the per-rank clocks that show them.
+
+Every fault acts on the real run, never on a reported number:
+
+- straggler RANK:MS[@STEP]: that rank sleeps MS per step inside its forward (split across its
+  micro-batches), so its compute is longer and its peers wait for it in their collectives;
+- comm delay RANK:MS[@STEP]: that rank sleeps MS right before its data-parallel gradient
+  reduction (the engine's ``allreduce_gradients``), so it enters its DP collectives late; nothing
+  in ``torch.distributed`` is wrapped, so hooks that wrap it see the late entry as it is;
+- stage imbalance STAGE:FACTOR[@STEP]: every rank of that pipeline stage measures its forward and
+  its backward and sleeps (FACTOR - 1) times as long inside each, so the stage is FACTOR x slower;
+- memory growth RANK:MB[@STEP]: that rank allocates, touches and holds MB more every step (host
+  memory on CPU, device memory on GPU);
+- hang RANK@STEP: at STEP that rank enters an all-reduce on a group nobody else joins, where it
+  stays until the process group's timeout; the others block in their next collective with it.
+
+``StageClock`` also measures, per rank and step, the forward time of the stage module, the
+backward time of the stage and the time in the DP gradient reduction (``--rank-log-dir``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+KINDS = ("straggler", "comm_delay", "stage_imbalance", "mem_growth", "hang")
+_SPEC = {
+    "straggler": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MS[@STEP], e.g. 1:200@5"),
+    "comm_delay": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MS[@STEP], e.g. 0:150"),
+    "stage_imbalance": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "STAGE:FACTOR[@STEP], e.g. 1:3"),
+    "mem_growth": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MB[@STEP], e.g. 2:64@3"),
+    "hang": (r"^(\d+)@(\d+)$", "RANK@STEP, e.g. 3@10"),
+}
+
+
+class FaultSpecError(ValueError):
+    """An --inject-* value that cannot be used; the message says which and how to write it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str  # one of KINDS
+    target: int  # a global rank, or a pipeline stage for stage_imbalance
+    amount: float  # ms, ms, factor, MB; 0 for hang
+    from_step: int  # first step it acts on
+
+    def active(self, step: int) -> bool:
+        return step >= self.from_step if self.kind != "hang" else step == self.from_step
+
+
+def parse_fault(kind: str, text: str) -> Fault:
+    pattern, form = _SPEC[kind]
+    m = re.match(pattern, text.strip())
+    flag = "--inject-" + kind.replace("_", "-")
+    if not m:
+        raise FaultSpecError(f"{flag} {text!r}: expected {form}")
+    if kind == "hang":
+        return Fault(kind, int(m.group(1)), 0.0, int(m.group(2)))
+    amount = float(m.group(2))
+    if kind == "stage_imbalance" and amount < 1.0:
+        raise FaultSpecError(f"{flag} {text!r}: FACTOR must be at least 1 (1 = no effect)")
+    return Fault(kind, int(m.group(1)), amount, int(m.group(3) or 0))
+
+
+def parse_faults(args: Any, *, world_size: int, pp: int) -> list[Fault]:
+    """All --inject-* flags of ``args``, checked against the layout."""
+    faults = []
+    for kind in KINDS:
+        for text in getattr(args, "inject_" + kind, []) or []:
+            f = parse_fault(kind, text)
+            flag = "--inject-" + kind.replace("_", "-")
+            if kind == "stage_imbalance":
+                if f.target >= pp:
+                    raise FaultSpecError(f"{flag} {text!r}: stage {f.target} does not exist with --pp {pp} "
+                                         f"(stages 0..{pp - 1})")
+            elif f.target >= world_size:
+                raise FaultSpecError(f"{flag} {text!r}: rank {f.target} does not exist in a world of "
+                                     f"{world_size} (ranks 0..{world_size - 1})")
+            faults.append(f)
+    return faults
+
+
+def _sleep_s(seconds: float) -> None:
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+class StageClock:
+    """This rank's faults and clocks. ``begin_step`` / ``end_step`` bracket every step.
+
+    ``micro_batches`` returns how many forwards this rank runs per step (it changes when the
+    micro-batch size is adjusted)."""
+
+    def __init__(self, faults: list[Fault], *, rank: int, stage: int, micro_batches: Callable[[], int],
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = _sleep_s) -> None:
+        self.rank = rank
+        self.stage = stage
+        self._micro_batches = micro_batches
+        self._clock = clock
+        self._sleep = sleep
+        self.straggler = [f for f in faults if f.kind == "straggler" and f.target == rank]
+        self.comm_delay = [f for f in faults if f.kind == "comm_delay" and f.target == rank]
+        self.imbalance = [f for f in faults if f.kind == "stage_imbalance" and f.target == stage]
+        self.mem_growth = [f for f in faults if f.kind == "mem_growth" and f.target == rank]
+        self.hang = [f for f in faults if f.kind == "hang" and f.target == rank]
+        self.needs_hang_group = any(f.kind == "hang" for f in faults)
+        self.hang_group: Any = None
+        self.device: Any = None
+        self.held: list[Any] = []  # memory-growth allocations, kept alive on purpose
+        self.step = -1
+        self.forward_s = self.backward_s = self.dp_reduce_s = 0.0
+        self._fwd_t0 = self._fwd_c0 = self._bwd_t0 = 0.0
+
+    # -- step boundaries ------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.forward_s = self.backward_s = self.dp_reduce_s = 0.0
+        for f in self.mem_growth:
+            if f.active(step):
+                self._grow(f.amount)
+
+    def _grow(self, mb: float) -> None:
+        import torch
+
+        n = int(mb * 2**20) // 4
+        # ones, not empty: the pages must be touched to count against the process.
+        self.held.append(torch.ones(n, dtype=torch.float32, device=self.device))
+
+    def _factor(self) -> float:
+        return max((f.amount for f in self.imbalance if f.active(self.step)), default=1.0)
+
+    # -- installation -----------------------------------------------------------------------
+    def install(self, engine: Any, stage_module: Any, embedding: Any | None) -> None:
+        """Hook the stage module (forward timing, straggler, imbalance, backward markers) and the
+        engine's DP gradient reduction (timing, comm delay, hang)."""
+        stage_module.register_forward_pre_hook(self._pre_forward)
+        stage_module.register_forward_hook(self._post_forward)
+        if embedding is not None:
+            embedding.register_forward_hook(self._after_embedding)
+        original = engine.allreduce_gradients
+
+        def allreduce_gradients(*a: Any, **kw: Any) -> Any:
+            for f in self.hang:
+                if f.active(self.step):
+                    self._hang()
+            self._sleep(sum(f.amount for f in self.comm_delay if f.active(self.step)) / 1000.0)
+            t0 = self._clock()
+            try:
+                return original(*a, **kw)
+            finally:
+                self.dp_reduce_s += self._clock() - t0
+
+        # An instance attribute shadows the method: the engines call self.allreduce_gradients().
+        engine.allreduce_gradients = allreduce_gradients
+
+    def _hang(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        print(f"[reference_trainer] rank {self.rank}: injected hang at step {self.step}: entering an "
+              "all-reduce no other rank joins", flush=True)
+        t = torch.zeros(1, device=self.device)
+        dist.all_reduce(t, group=self.hang_group)
+        if t.is_cuda:  # NCCL returns at once; wait for the kernel that never ends
+            torch.cuda.synchronize()
+        raise RuntimeError("injected hang: the all-reduce returned, which it must not")
+
+    # -- forward ------------------------------------------------------------------------------
+    def _pre_forward(self, module: Any, args: tuple) -> tuple | None:
+        self._fwd_t0 = self._clock()
+        ms = sum(f.amount for f in self.straggler if f.active(self.step))
+        if ms:
+            self._sleep(ms / 1000.0 / max(1, self._micro_batches()))
+        self._fwd_c0 = self._clock()
+        if self.stage > 0 and args:
+            first = args[0]
+            if isinstance(first, tuple):
+                return ((_wrap_end(first[0], self), *first[1:]), *args[1:])
+            return (_wrap_end(first, self), *args[1:])
+        return None
+
+    def _post_forward(self, module: Any, args: tuple, output: Any) -> Any:
+        factor = self._factor()
+        if factor > 1.0:
+            self._sleep((factor - 1.0) * (self._clock() - self._fwd_c0))
+        self.forward_s += self._clock() - self._fwd_t0
+        if isinstance(output, tuple):
+            return (_wrap_start(output[0], self), *output[1:])
+        return _wrap_start(output, self)
+
+    def _after_embedding(self, module: Any, args: tuple, output: Any) -> Any:
+        return _wrap_end(output, self)
+
+    # -- backward (called from the autograd markers) -----------------------------------------
+    def backward_started(self) -> None:
+        self._bwd_t0 = self._clock()
+
+    def backward_ended(self) -> None:
+        factor = self._factor()
+        if factor > 1.0:
+            self._sleep((factor - 1.0) * (self._clock() - self._bwd_t0))
+        self.backward_s += self._clock() - self._bwd_t0
+
+
+def _markers():
+    import torch
+
+    class BackwardStart(torch.autograd.Function):
+        """Identity; its backward runs first in the stage's backward."""
+
+        @staticmethod
+        def forward(ctx, x, clock):  # type: ignore[override]
+            ctx.clock = clock
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            ctx.clock.backward_started()
+            return grad, None
+
+    class BackwardEnd(torch.autograd.Function):
+        """Identity; its backward runs last in the stage's backward."""
+
+        @staticmethod
+        def forward(ctx, x, clock):  # type: ignore[override]
+            ctx.clock = clock
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[override]
+            ctx.clock.backward_ended()
+            return grad, None
+
+    return BackwardStart, BackwardEnd
+
+
+_MARKERS: tuple | None = None
+
+
+def _wrap(x: Any, clock: StageClock, which: int) -> Any:
+    global _MARKERS
+    import torch
+
+    if not (isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled()):
+        return x
+    if _MARKERS is None:
+        _MARKERS = _markers()
+    return _MARKERS[which].apply(x, clock)
+
+
+def _wrap_start(x: Any, clock: StageClock) -> Any:
+    return _wrap(x, clock, 0)
+
+
+def _wrap_end(x: Any, clock: StageClock) -> Any:
+    return _wrap(x, clock, 1)
