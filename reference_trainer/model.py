@@ -15,7 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from reference_trainer.config import ModelPreset
-from reference_trainer.tp_layers import ColumnParallelLinear, RowParallelLinear, TPGroup, init_weight, qkv_rows
+from reference_trainer.tp_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    init_weight,
+    qkv_rows,
+)
 
 
 def layer_seed(seed: int, layer: int, part: int) -> int:

@@ -26,7 +26,6 @@ from reference_trainer.config import (
     ds_config,
     flops_per_token,
     make_layout,
-    n_params,
 )
 from reference_trainer.faults import FaultSpecError, StageClock, parse_faults
 
@@ -148,7 +147,7 @@ def _init_distributed(timeout_s: float) -> None:
 def _build_engine(args: argparse.Namespace, layout: Layout, preset: ModelPreset, rank: int, bf16: bool):
     import deepspeed
     from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+    from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
 
     from reference_trainer.model import GPT, Embedding, layer_specs, loss_fn
     from reference_trainer.tp_layers import TPGroup
