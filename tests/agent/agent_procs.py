@@ -1,0 +1,148 @@
+"""Real agent and hook processes for the relay tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[2]
+HOOK = Path(__file__).with_name("hook_proc.py")
+_LINE = re.compile(r"tracetop agent: listening on .*metrics on http://127\.0\.0\.1:(\d+)/metrics")
+
+
+@dataclass
+class AgentProc:
+    proc: subprocess.Popen
+    metrics_port: int
+    output: list[str] = field(default_factory=list)
+
+    def scrape(self) -> dict[str, float]:
+        """name -> value summed over label sets."""
+        body = (
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(body):
+            for s in fam.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    def scrape_text(self) -> str:
+        return (
+            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
+
+    def wait_drained(self, timeout_s: float = 120.0) -> None:
+        """Until the collector has acked everything the agent holds (hooks' batches and its own)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = self.scrape()
+            if (
+                m.get("tracetop_agent_unacked_batches", 1) == 0
+                and m.get("tracetop_agent_spool_bytes", 1) == 0
+            ):
+                return
+            time.sleep(0.2)
+        raise AssertionError(
+            f"agent did not drain its spool in {timeout_s}s: {self.scrape()}\n" + "\n".join(self.output)
+        )
+
+
+def start_agent(collector: str, sock: str, spool: Path, *extra: str, timeout_s: float = 60.0) -> AgentProc:
+    args = [
+        sys.executable,
+        "-m",
+        "agent",
+        "--collector",
+        collector,
+        "--listen",
+        sock,
+        "--spool-dir",
+        str(spool),
+        "--metrics-port",
+        "0",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        args,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    port: list[int] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            m = _LINE.search(line)
+            if m and not port:
+                port.append(int(m.group(1)))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(timeout_s) or not port:
+        proc.kill()
+        raise RuntimeError("agent did not start:\n" + "\n".join(lines))
+    return AgentProc(proc, port[0], lines)
+
+
+def start_hook(
+    endpoint: str, rank: int, n: int, duration_s: float, run_id: str = "relay-test"
+) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(HOOK), endpoint, str(rank), str(n), str(duration_s), run_id],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def wait_hooks(hooks: list[subprocess.Popen], timeout_s: float = 300.0) -> list[str]:
+    outs = []
+    for h in hooks:
+        out, _ = h.communicate(timeout=timeout_s)
+        assert h.returncode == 0, out
+        outs.append(out)
+    return outs
+
+
+def exactly_once(db: Path) -> dict[int, tuple[int, int]]:
+    """rank -> (rows, distinct steps) of the hooks' STEP rows; every row must be one a hook made."""
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        got = {
+            int(r): (int(c), int(d))
+            for r, c, d in con.execute(
+                "SELECT rank, count(*), count(DISTINCT step) FROM step WHERE run_id = 'relay-test' GROUP BY rank"
+            ).fetchall()
+        }
+        bad_steps = con.execute(
+            "SELECT count(*) FROM step WHERE run_id = 'relay-test' AND (step < 0 OR data_wait_ns <> 1)"
+        ).fetchone()[0]
+    finally:
+        con.close()
+    assert bad_steps == 0
+    return got
