@@ -50,9 +50,9 @@ MAX_BATCH_ROWS = 65536
 BATCH_BYTES = 3 * MiB
 
 
-def _rows_per_batch(kind: Kind) -> int:
+def _rows_per_batch(kind: Kind, budget_bytes: int = BATCH_BYTES) -> int:
     row_bytes = sum(8 if c.dtype in ("i8", "f8") else 4 for c in SCHEMAS[kind])
-    return max(1, min(MAX_BATCH_ROWS, BATCH_BYTES // row_bytes))
+    return max(1, min(MAX_BATCH_ROWS, min(BATCH_BYTES, budget_bytes) // row_bytes))
 
 _GAP_COLUMNS = [c.name for c in SCHEMAS[Kind.GAP]]
 
@@ -291,7 +291,9 @@ class Shipper:
             d = dict(s.__dict__)
             d["dropped_by_reason"] = dict(s.dropped_by_reason)
         with self._lock:
-            d["pending_rows"] = sum(len(q) for q in self._pending.values())
+            d["pending_rows"] = sum(len(q) for q in self._pending.values()) + sum(
+                len(next(iter(cols.values()))) for _, cols, _ in self._bulk
+            )
         return d
 
     # ------------------------------------------------------------------ sealing
@@ -322,7 +324,7 @@ class Shipper:
             for kind, count in overflow.items():
                 self._note_drop(kind.name.lower(), "queue_full", self.source_id, count)
             for kind, rows, first_ns in due:
-                step = _rows_per_batch(kind)
+                step = _rows_per_batch(kind, self.max_unacked_bytes // 8)
                 for i in range(0, len(rows), step):
                     self._seal_rows(kind, rows[i : i + step], first_ns)
             for kind, columns, first_ns in bulk:
@@ -347,7 +349,7 @@ class Shipper:
 
     def _seal_columns(self, kind: Kind, columns: Mapping[str, Any], first_ns: int) -> None:
         n = len(next(iter(columns.values())))
-        step = _rows_per_batch(kind)
+        step = _rows_per_batch(kind, self.max_unacked_bytes // 8)
         for start in range(0, n, step):
             part = columns if n <= step else {k: _slice(v, start, step) for k, v in columns.items()}
             with self._cv:
@@ -436,12 +438,28 @@ class Shipper:
             if e.spool_path is not None or e.batch is None:
                 continue
             self._remove_locked(key)
+            if e.kind == Kind.GAP and e.own:
+                # A gap batch is only counts: fold them back so the next gap row carries them.
+                self._refold_gaps_locked(e.batch)
+                continue
             kind = Kind(e.kind).name.lower() if e.kind in Kind._value2member_map_ else "batch"
             self.stats_.batches_dropped += 1
             gk = (kind, "unacked_full", e.source_id)
             self._gap_pending[gk] = self._gap_pending.get(gk, 0) + e.n
             self.stats_.rows_dropped += e.n
             self.stats_.dropped_by_reason["unacked_full"] = self.stats_.dropped_by_reason.get("unacked_full", 0) + e.n
+
+    def _refold_gaps_locked(self, batch: pb.ColumnBatch) -> None:
+        cols = decode_batch(batch).columns
+
+        def strings(name: str) -> list[str]:
+            codes, dictionary = cols[name]  # type: ignore[misc]
+            return [dictionary[c] for c in codes.tolist()]
+
+        for kind, reason, origin, dropped in zip(
+            strings("kind"), strings("reason"), strings("origin_source"), cols["dropped"].tolist()  # type: ignore[union-attr]
+        ):
+            self._gap_pending[(kind, reason, origin)] = self._gap_pending.get((kind, reason, origin), 0) + dropped
 
     def _remove_locked(self, key: tuple[str, int]) -> _Entry | None:
         e = self._unacked.pop(key, None)
