@@ -18,7 +18,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("agent.cli", "run the node agent: NVML/host sampling, local relay with disk spool"),
     "train": ("reference_trainer.cli", "run the reference 3D-parallel trainer through torchrun"),
     "demo": ("collector.demo", "collector + a 4-rank reference run, then a per-rank summary"),
-    "tui": ("tui.cli", "the live terminal UI (also: `tracetop` with no subcommand)"),
 }
 
 #: `tracetop bench <what>` -> module. Each prints one JSON object with --json.
@@ -64,9 +63,7 @@ def _dispatch(table: dict[str, tuple[str, str]], prefix: str, argv: list[str]) -
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv:
-        argv = ["tui"]
-    if argv[0] == "bench":
+    if argv and argv[0] == "bench":
         return _dispatch(BENCHES, "tracetop bench", argv[1:])
     return _dispatch(COMMANDS, "tracetop", argv)
 
