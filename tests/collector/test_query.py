@@ -1,0 +1,142 @@
+"""Read-only SQL, through a running collector (Query service and `tracetop query --collector`) and
+on its file after it stopped (`tracetop query FILE`); the views' formulas on controlled rows."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from tests.collector.util import Feeder, batch, scalar, sql
+from tests.helpers import ROOT, start_collector
+from tracetop.events import Kind
+from tracetop.wire.codec import encode_batch
+
+TT = [sys.executable, "-m", "tracetop.cli", "query"]
+
+
+def _probes(tmp) -> list[str]:
+    return [
+        "INSERT INTO step SELECT * FROM step",
+        "CREATE TABLE u (x INT)",
+        "UPDATE sources SET hwm = 0",
+        "DELETE FROM ingest_log",
+        f"COPY step TO '{tmp}/leak.csv'",
+        "SELECT * FROM read_csv('/etc/passwd')",
+        "SELECT * FROM read_text('/etc/hostname')",
+        f"ATTACH '{tmp}/other.duckdb' AS o",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "SET enable_external_access = true",
+        "SELECT 1; DROP TABLE step",
+        "CHECKPOINT",
+    ]
+
+
+def _collectives():
+    # Three controlled calls: bytes = duration_ns = 1e9 -> algbw 1 GB/s each.
+    ops = ["all_reduce", "all_gather_into_tensor", "send"]
+    n = len(ops)
+    cols = {
+        "rank": np.zeros(n), "step": np.zeros(n), "start_ns": np.zeros(n),
+        "duration_ns": np.full(n, 10**9), "op": ops, "role": ["dp", "tp", "p2p:pp"],
+        "group_size": [4, 4, 2], "bytes": np.full(n, 10**9), "peer": [-1, -1, 1],
+        "dtype": ["float32"] * n, "is_async": np.zeros(n),
+    }
+    return encode_batch(Kind.COLLECTIVE, cols, source_id="views", seq=2, run_id="run-v")
+
+
+def _steps():
+    n = 3
+    cols = {c: np.zeros(n) for c in ("step", "start_ns", "data_wait_ns", "forward_ns", "backward_ns",
+                                      "optimizer_ns", "comm_exposed_ns", "tokens", "samples")}
+    cols.update(rank=np.zeros(n), duration_ns=[10e6, 20e6, 30e6], compute_ns=[5e6, 7e6, 100e6])
+    return encode_batch(Kind.STEP, cols, source_id="views", seq=1, run_id="run-v")
+
+
+@pytest.fixture(scope="module")
+def collector(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("query")
+    c = start_collector(tmp, extra_args=["--flush-interval-s", "0.1"])
+    f = Feeder(c.addr)
+    f.send(_steps())
+    f.send(_collectives())
+    for seq in range(1, 4):
+        f.send(batch("q", seq, 50))
+    f.wait_ack("q", 3)
+    f.wait_ack("views", 2)
+    f.close()
+    assert f.wait_end() is None
+    c.tmp = tmp
+    yield c
+    c.stop()
+
+
+def _tt(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*TT, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_views_follow_the_formulas(collector):
+    t = sql(collector.addr, "SELECT op, algbw_gbps, busbw_gbps, calls FROM collective_stats WHERE run_id = 'run-v'")
+    got = {r["op"]: (r["calls"], r["algbw_gbps"], r["busbw_gbps"]) for r in t.to_pylist()}
+    assert got == {
+        "all_reduce": (1, 1.0, pytest.approx(2 * 3 / 4)),  # 2(n-1)/n, n = 4
+        "all_gather_into_tensor": (1, 1.0, pytest.approx(3 / 4)),  # (n-1)/n
+        "send": (1, 1.0, pytest.approx(1.0)),
+    }
+    s = sql(collector.addr, "SELECT steps, step_ms_p50, compute_ms_p50 FROM step_summary WHERE run_id = 'run-v'")
+    assert s.to_pylist() == [{"steps": 3, "step_ms_p50": pytest.approx(20.0), "compute_ms_p50": pytest.approx(7.0)}]
+
+
+def test_query_service_refuses_every_probe_and_keeps_ingesting(collector):
+    from tracetop.wire import tracetop_pb2 as pb
+    from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+    rows_before = scalar(collector.addr, "SELECT count(*) FROM step")
+    with grpc.insecure_channel(collector.addr) as ch:
+        stub = pb_grpc.QueryStub(ch)
+        for probe in _probes(collector.tmp):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Sql(pb.QueryRequest(sql=probe), timeout=60)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, (probe, e.value.details())
+            assert "read-only" in e.value.details() or "disabled" in e.value.details(), probe
+    assert not (collector.tmp / "leak.csv").exists()
+    assert scalar(collector.addr, "SELECT count(*) FROM step") == rows_before
+    # The writer still writes.
+    f = Feeder(collector.addr)
+    f.send(batch("q", 4, 50))
+    f.wait_ack("q", 4)
+    f.close()
+    f.wait_end()
+    assert scalar(collector.addr, "SELECT count(*) FROM step") == rows_before + 50
+
+
+def test_cli_through_collector_and_locked_file(collector):
+    r = _tt("--collector", collector.addr, "--json", "SELECT source_id, hwm FROM sources ORDER BY source_id")
+    assert r.returncode == 0, r.stderr
+    assert {"source_id": "views", "hwm": 2} in json.loads(r.stdout)
+    r = _tt("--collector", collector.addr, "INSERT INTO step SELECT * FROM step")
+    assert r.returncode == 2 and "read-only: INSERT is not allowed" in r.stderr
+    r = _tt("--collector", collector.addr, "SELECT * FROM read_csv('/etc/passwd')")
+    assert r.returncode == 2 and "/etc/passwd" in r.stderr and "disabled" in r.stderr
+    # The file itself is held by the collector: say so, and point at --collector.
+    r = _tt(str(collector.db), "SELECT 1")
+    assert r.returncode != 0 and "--collector" in r.stderr, r.stderr
+
+
+def test_cli_on_file_after_stop(collector, tmp_path):
+    assert collector.stop() == 0
+    db = str(collector.db)
+    r = _tt(db, "SELECT count(*) AS n FROM ingest_log WHERE source_id = 'q'")
+    assert r.returncode == 0 and r.stdout.split()[2] == "4", r.stdout
+    r = _tt("--csv", db, "SELECT source_id, rows FROM sources ORDER BY source_id")
+    assert r.returncode == 0 and r.stdout.splitlines()[0] == "source_id,rows"
+    for probe in _probes(tmp_path):
+        r = _tt(db, probe)
+        assert r.returncode == 2, (probe, r.stdout, r.stderr)
+        assert "read-only" in r.stderr, (probe, r.stderr)
+    assert not (tmp_path / "leak.csv").exists()

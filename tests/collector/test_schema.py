@@ -1,0 +1,72 @@
+"""Schema and listen-address rules, on real DuckDB files: migrations at open, newer files refused."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+
+from collector import schema
+from collector.server import ListenError, check_listen
+from tracetop.events import SCHEMAS, Kind, table_name
+
+
+def test_fresh_file_gets_every_table_and_view(tmp_path):
+    con = schema.open_store(str(tmp_path / "f.duckdb"))
+    names = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    for kind in Kind:
+        assert table_name(kind) in names
+        cols = [r[0] for r in con.execute(f"DESCRIBE {table_name(kind)}").fetchall()]
+        assert cols == ["run_id"] + [c.name for c in SCHEMAS[kind]]
+    assert {"sources", "ingest_log", "schema_meta", "runs", "gaps", "step_summary", "collective_stats"} <= names
+    assert schema.stored_version(con) == schema.STORE_VERSION
+    con.close()
+
+
+def test_old_file_is_migrated_in_place(tmp_path):
+    path = str(tmp_path / "old.duckdb")
+    con = duckdb.connect(path)
+    con.execute("CREATE TABLE schema_meta (version INTEGER NOT NULL, applied_ns BIGINT NOT NULL)")
+    for stmt in schema.MIGRATIONS[0]():
+        con.execute(stmt)
+    con.execute("INSERT INTO schema_meta VALUES (1, 0)")
+    con.execute("INSERT INTO sources VALUES ('s', 7, 0, 0, 1, 10)")
+    con.close()
+    con = schema.open_store(path)
+    assert schema.stored_version(con) == schema.STORE_VERSION > 1
+    assert con.execute("SELECT hwm FROM sources").fetchall() == [(7,)]  # data kept
+    assert con.execute("SELECT count(*) FROM step_summary").fetchone()[0] == 0  # a later migration's view
+    con.close()
+
+
+def test_newer_file_and_foreign_file_refused(tmp_path):
+    path = str(tmp_path / "new.duckdb")
+    con = duckdb.connect(path)
+    con.execute("CREATE TABLE schema_meta (version INTEGER, applied_ns BIGINT)")
+    con.execute("INSERT INTO schema_meta VALUES (?, 0)", [schema.STORE_VERSION + 1])
+    con.close()
+    with pytest.raises(schema.SchemaError, match="upgrade tracetop"):
+        schema.open_store(path)
+    foreign = str(tmp_path / "foreign.duckdb")
+    con = duckdb.connect(foreign)
+    con.execute("CREATE TABLE t (x INT)")
+    con.close()
+    with pytest.raises(schema.SchemaError, match="not a tracetop collector file"):
+        schema.open_store(foreign)
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:7000", "localhost:0", "[::1]:7000", "127.1.2.3:9", "unix:///tmp/x.sock"])
+def test_loopback_and_unix_accepted(addr):
+    assert check_listen(addr) == addr
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0:7000", "10.0.0.1:7000", "[::]:7000"])
+def test_other_binds_need_insecure_bind(addr):
+    with pytest.raises(ListenError, match="--insecure-bind"):
+        check_listen(addr)
+    assert check_listen(addr, insecure_bind=True) == addr
+
+
+@pytest.mark.parametrize("addr", ["7000", "host", "unix:", "127.0.0.1:port"])
+def test_malformed_listen_refused(addr):
+    with pytest.raises(ListenError):
+        check_listen(addr)
