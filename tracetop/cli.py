@@ -33,6 +33,8 @@ def _usage(table: dict[str, tuple[str, str]], prefix: str) -> str:
     width = max(len(k) for k in table)
     lines = [f"usage: {prefix} <command> [options]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items()]
+    if table is COMMANDS:
+        lines += [f"  {'bench':<{width}}  benchmarks: {', '.join(BENCHES)} (`{prefix} bench --help`)"]
     lines += ["", f"`{prefix} <command> --help` for a command's options."]
     return "\n".join(lines)
 
