@@ -58,6 +58,16 @@ def _steps():
     return encode_batch(Kind.STEP, cols, source_id="views", seq=1, run_id="run-v")
 
 
+def _run_start():
+    # Two ranks of one run: world_size 2, tp 2; the runs view folds them into one row.
+    from tests.collector.util import columns
+
+    cols = columns(Kind.RUN_START, 2)
+    cols.update(rank=[0, 1], start_ns=[2000, 1000], world_size=[2, 2], tp=[2, 2], pp=[1, 1], dp=[1, 1],
+                model_name=["gpt-tiny", "gpt-tiny"], hostname=["h0", "h1"])
+    return encode_batch(Kind.RUN_START, cols, source_id="views", seq=3, run_id="run-v")
+
+
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("query")
@@ -65,10 +75,11 @@ def collector(tmp_path_factory):
     f = Feeder(c.addr)
     f.send(_steps())
     f.send(_collectives())
+    f.send(_run_start())
     for seq in range(1, 4):
         f.send(batch("q", seq, 50))
     f.wait_ack("q", 3)
-    f.wait_ack("views", 2)
+    f.wait_ack("views", 3)
     f.close()
     assert f.wait_end() is None
     c.tmp = tmp
@@ -90,6 +101,34 @@ def test_views_follow_the_formulas(collector):
     }
     s = sql(collector.addr, "SELECT steps, step_ms_p50, compute_ms_p50 FROM step_summary WHERE run_id = 'run-v'")
     assert s.to_pylist() == [{"steps": 3, "step_ms_p50": pytest.approx(20.0), "compute_ms_p50": pytest.approx(7.0)}]
+
+
+def test_runs_view(collector):
+    t = sql(collector.addr, "SELECT run_id, started_ns, world_size, tp, model_name, ranks_started, hostnames FROM runs")
+    assert t.to_pylist() == [
+        {"run_id": "run-v", "started_ns": 1000, "world_size": 2, "tp": 2, "model_name": "gpt-tiny",
+         "ranks_started": 2, "hostnames": ["h0", "h1"]}
+    ]
+
+
+def test_clock_and_services_not_yet_built(collector):
+    import time
+
+    from tracetop.wire import tracetop_pb2 as pb
+    from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(collector.addr) as ch:
+        sent = time.time_ns()
+        reply = pb_grpc.IngestStub(ch).Clock(pb.ClockRequest(client_send_ns=sent), timeout=30)
+        back = time.time_ns()
+        assert reply.client_send_ns == sent
+        assert sent <= reply.server_recv_ns <= reply.server_send_ns <= back  # same host, same clock
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.QueryStub(ch).Watch(pb.WatchRequest(run_id="run-v"), timeout=30))
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.ControlStub(ch).Report(pb.CommandStatus(command_id="c"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def test_query_service_refuses_every_probe_and_keeps_ingesting(collector):
@@ -118,7 +157,7 @@ def test_query_service_refuses_every_probe_and_keeps_ingesting(collector):
 def test_cli_through_collector_and_locked_file(collector):
     r = _tt("--collector", collector.addr, "--json", "SELECT source_id, hwm FROM sources ORDER BY source_id")
     assert r.returncode == 0, r.stderr
-    assert {"source_id": "views", "hwm": 2} in json.loads(r.stdout)
+    assert {"source_id": "views", "hwm": 3} in json.loads(r.stdout)
     r = _tt("--collector", collector.addr, "INSERT INTO step SELECT * FROM step")
     assert r.returncode == 2 and "read-only: INSERT is not allowed" in r.stderr
     r = _tt("--collector", collector.addr, "SELECT * FROM read_csv('/etc/passwd')")
