@@ -208,7 +208,8 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save-dir", default=None, help="DeepSpeed checkpoint folder")
     g.add_argument("--save-every", type=int, default=0, help="save after every N steps (0: only at the end)")
-    g.add_argument("--load-dir", default=None, help="resume from the latest checkpoint in this folder")
+    g.add_argument("--load-dir", default=None, help="resume from a checkpoint in this folder")
+    g.add_argument("--load-tag", default=None, help="which checkpoint (e.g. step30; default: the latest)")
     g = p.add_argument_group("adjustments (applied on all ranks at a step boundary)")
     g.add_argument("--adjust", action="append", default=[], metavar="STEP:KEY=VALUE",
                    help="before STEP: micro_batch=N (global batch kept) or offload=on|off; repeatable")

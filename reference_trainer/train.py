@@ -202,9 +202,10 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
 
     start_step = 0
     if args.load_dir:
-        _, client = engine.load_checkpoint(args.load_dir)
+        _, client = engine.load_checkpoint(args.load_dir, tag=args.load_tag)
         if client is None:
-            return _fail(rank, f"--load-dir {args.load_dir}: no DeepSpeed checkpoint found there")
+            return _fail(rank, f"--load-dir {args.load_dir}: no DeepSpeed checkpoint found there"
+                         + (f" with tag {args.load_tag}" if args.load_tag else ""))
         start_step = int(client.get("step", 0))
 
     total_params = _count_params(engine, coord, layout)
@@ -258,6 +259,8 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
                     **record, "rank": rank, "stage": coord.pipe, "dp_rank": coord.data, "tp_rank": coord.model,
                     "forward_s": clock.forward_s, "backward_s": clock.backward_s,
                     "dp_reduce_s": clock.dp_reduce_s, "rss_bytes": _rss_bytes(),
+                    "offloaded_states": sorted(str(getattr(s, "value", s))
+                                               for s in getattr(engine.optimizer, "offloaded_states", ())),
                     "peak_rss_bytes": _peak_rss_bytes()}) + "\n")
                 rank_log.flush()
             done = step + 1
