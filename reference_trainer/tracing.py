@@ -2,36 +2,53 @@
 
 The training loop calls :func:`start` once the DeepSpeed engine exists, wraps every
 ``engine.train_batch`` in ``tracing.step(n)`` and calls ``tracing.close()`` at the end (also on
-error). This file is owned by the hooks (``trainer_hooks/``); until they are wired in, every
-method is a no-op. Everything the hooks may need about the run arrives in ``meta``:
+error). This file is owned by the hooks (``trainer_hooks/``). Everything the hooks need about the
+run arrives in ``meta``:
 
 ``world_size, tp, pp, dp, zero_stage, model_name, n_params, flops_per_token, micro_batch,
 micro_batches, seq_len, ds_config (dict), topology (PipeModelDataParallelTopology or None),
 stage (this rank's pipeline stage)``.
+
+Where events go: ``TRACETOP_ENDPOINT`` (a collector or an agent socket); ``TRACETOP_DISABLE=1`` or
+``--no-trace`` turns the hooks off.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 
 class Tracing:
     """No-op tracing: the interface the training loop relies on."""
 
-    @contextlib.contextmanager
-    def step(self, n: int) -> Iterator[None]:
+    def step(self, n: int) -> Any:
         """Context manager around one training step (one ``engine.train_batch``)."""
-        yield
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         """Flush and stop; safe to call more than once."""
 
 
+class _Traced(Tracing):
+    def __init__(self, tracer: Any) -> None:
+        self.tracer = tracer
+
+    def step(self, n: int) -> Any:
+        return self.tracer.step(n)
+
+    def close(self) -> None:
+        self.tracer.close()
+
+
 def start(engine: Any, args: Any, *, meta: dict[str, Any]) -> Tracing:
     """Begin tracing this rank's run; a no-op Tracing when ``args.no_trace`` is set."""
-    del engine, meta
     if getattr(args, "no_trace", False):
         return Tracing()
-    return Tracing()
+    from trainer_hooks.deepspeed import instrument
+
+    meta = dict(meta)
+    pipelined = int(meta.get("pp", 1)) > 1
+    # The ZeRO shape (no pipeline) runs forward/backward/step itself: time those three calls.
+    tracer = instrument(engine, meta=meta, phases=not pipelined)
+    return _Traced(tracer) if tracer.enabled else Tracing()

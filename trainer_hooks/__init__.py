@@ -1,3 +1,17 @@
 """In-process instrumentation for training loops: timers, recorders, integrations, emitter.
 
+    tracer = trainer_hooks.Tracer()            # rank, world, run id, endpoint from the launcher/env
+    with tracer.step(n):
+        with tracer.phase("forward"): ...
+    tracer.close()
+
+DeepSpeed: ``trainer_hooks.deepspeed.instrument(engine)``; Hugging Face:
+``trainer_hooks.hf.TracetopCallback``; Lightning: ``trainer_hooks.lightning.TracetopCallback``.
+
 Never imports the collector, the agent, the TUI, duckdb or textual (checked by a test)."""
+
+from trainer_hooks.bubble import bubble_rate, expected_bubble_rate
+from trainer_hooks.identity import Identity, SetupError
+from trainer_hooks.tracer import Tracer, tracing
+
+__all__ = ["Identity", "SetupError", "Tracer", "bubble_rate", "expected_bubble_rate", "tracing"]

@@ -1,0 +1,717 @@
+"""The Tracer: per-rank recorders for steps, phases, collectives, pipeline instructions, offload
+copies, memory, throughput and heartbeats, shipped through one Shipper.
+
+Hot path (the training thread): a clock read, a few integer additions and at most one tuple
+appended to the shipper's buffer per event. No protobuf, no I/O, no device synchronization, no
+logging per event, no lock but the shipper's append lock.
+
+Timing: on CPU, ``time.perf_counter_ns``. On GPU (``device="cuda"``), a pair of CUDA events
+recorded on the current stream; the emitter thread resolves them later (``query()`` then
+``elapsed_time``) and does the same accounting in the same order, so the training thread never
+calls ``synchronize()``, ``.item()`` or ``elapsed_time()``. (The CUDA path is written to this
+rule but has not been run on a GPU.)
+
+Accounting (per rank, per step; every figure in ns):
+
+* a phase's time is its *self* time: wall time inside ``phase(name)`` minus the collective time
+  inside it. ``forward_ns``/``backward_ns``/``optimizer_ns``/``data_wait_ns`` are sums of those.
+* ``comm_exposed_ns`` is the time the training thread spent inside collectives (outermost calls;
+  async calls count until they return). ``compute_ns = forward + backward + optimizer``.
+  So ``duration ~ data_wait + compute + comm_exposed + untracked``.
+* bubble rate per stage and step (DESIGN §3): ``1 - (forward + backward) / duration``
+  (:func:`trainer_hooks.bubble.bubble_rate`).
+
+No exception escapes a hook at run time: it is counted (``errors``), logged once per place, and
+the training goes on. Setup errors (bad rank, bad run id, no endpoint) raise with a hint.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import resource
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from tracetop import env as tenv
+from tracetop.events import Kind
+from trainer_hooks import collectives as colls
+from trainer_hooks.identity import Identity, SetupError, resolve
+
+log = logging.getLogger("trainer_hooks")
+
+perf_counter_ns = time.perf_counter_ns
+_STEP, _COLL, _INSTR, _OFFLOAD = Kind.STEP, Kind.COLLECTIVE, Kind.PIPE_INSTR, Kind.OFFLOAD
+_MEMORY, _THROUGHPUT, _HEARTBEAT, _RUN_START = Kind.MEMORY, Kind.THROUGHPUT, Kind.HEARTBEAT, Kind.RUN_START
+
+#: phase name -> accumulator slot. Other names are tracked for the heartbeat only.
+PHASE_SLOTS = {"data": 0, "data_wait": 0, "forward": 1, "backward": 2, "optimizer": 3}
+_N_SLOTS = 5  # 4 = anything else (comm instructions, user phases)
+_NAN = float("nan")
+
+
+class _NullCtx:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+_NULL = _NullCtx()
+
+
+class _Acc:
+    """Per-step accounting, fed with durations in the order events happened (by the training
+    thread on CPU, by the emitter on GPU)."""
+
+    __slots__ = ("comm_ns", "sums", "stack")
+
+    def __init__(self) -> None:
+        self.comm_ns = 0
+        self.sums = [0] * _N_SLOTS
+        self.stack: list[int] = []
+
+    def reset(self) -> None:
+        self.comm_ns = 0
+        self.sums = [0] * _N_SLOTS
+        self.stack.clear()
+
+
+class _PhaseCtx:
+    __slots__ = ("t", "name", "slot", "marks")
+
+    def __init__(self, tracer: Tracer, name: str) -> None:
+        self.t = tracer
+        self.name = name
+        self.slot = PHASE_SLOTS.get(name, 4)
+        self.marks: list[tuple[Any, str]] = []
+
+    def __enter__(self) -> None:
+        t = self.t
+        try:
+            if t._cuda is None:
+                acc = t._acc
+                acc.stack.append(acc.comm_ns)
+                self.marks.append((perf_counter_ns(), t.current_phase))
+            else:
+                t._deferred.append((0, None, None, None))  # "enter": snapshot comm time
+                self.marks.append((t._cuda.mark(), t.current_phase))
+            t.current_phase = self.name
+        except Exception as e:
+            t._hook_error("phase", e)
+
+    def __exit__(self, *exc: Any) -> bool:
+        t = self.t
+        try:
+            t0, prev = self.marks.pop()
+            t.current_phase = prev
+            if t._cuda is None:
+                acc = t._acc
+                acc.sums[self.slot] += perf_counter_ns() - t0 - (acc.comm_ns - acc.stack.pop())
+            else:
+                t._deferred.append((1, self.slot, t0, t._cuda.mark()))
+        except Exception as e:
+            t._hook_error("phase", e)
+        return False
+
+
+class _StepCtx:
+    __slots__ = ("t", "n", "tokens", "samples")
+
+    def __init__(self, tracer: Tracer) -> None:
+        self.t = tracer
+        self.n = 0
+        self.tokens = -1
+        self.samples = -1
+
+    def __enter__(self) -> None:
+        t = self.t
+        try:
+            t._step_begin(self.n)
+        except Exception as e:
+            t._hook_error("step", e)
+
+    def __exit__(self, *exc: Any) -> bool:
+        t = self.t
+        try:
+            t._step_end(self.tokens, self.samples)
+        except Exception as e:
+            t._hook_error("step", e)
+        return False
+
+
+class Tracer:
+    """Per-rank instrumentation of a training loop.
+
+    ``with tracer.step(n): ...`` around each step, ``with tracer.phase("forward"): ...`` (``data``,
+    ``forward``, ``backward``, ``optimizer``, or any name) inside it, ``tracer.close()`` at the end.
+    Collectives are timed automatically (``wrap_collectives``; restored on close).
+
+    Args (each: explicit argument, then the TRACETOP_* variable, then the default):
+        endpoint: collector or agent address; TRACETOP_ENDPOINT.
+        run_id: TRACETOP_RUN_ID, then the launcher's job id, then a timestamp agreed on by rank 0.
+        rank, world_size, local_rank: from torchrun / the deepspeed launcher / Slurm variables.
+        enabled: False (or TRACETOP_DISABLE=1) makes every method a no-op.
+        transport / shipper: an in-memory transport (tests) or a ready shipper.
+        device: "cpu" (perf_counter) or "cuda" (CUDA events); default: cuda if torch sees one.
+        heartbeat_s: TRACETOP_HEARTBEAT_S, default 5.
+        memory_budget_bytes: declared budget reported beside the memory rows.
+        flops_per_token / peak_flops / model_share: MFU inputs (model FLOPs per token for the
+            whole model, the device's peak FLOP/s, this rank's share of the model: 1/(tp*pp)).
+        tokens_per_step / samples_per_step: defaults for every step (per data-parallel replica).
+        max_unacked_bytes: memory kept for telemetry while the endpoint is unreachable (beyond it
+            the oldest batches are dropped and reported as gap rows).
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        run_id: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        local_rank: int | None = None,
+        enabled: bool | None = None,
+        transport: Any = None,
+        shipper: Any = None,
+        device: str | None = None,
+        heartbeat_s: float | None = None,
+        wrap_collectives: bool = True,
+        memory_budget_bytes: int | None = None,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        model_share: float = 1.0,
+        tokens_per_step: int | None = None,
+        samples_per_step: int | None = None,
+        max_unacked_bytes: int | None = None,
+        close_timeout_s: float = 5.0,
+        clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.enabled = (not tenv.disabled()) if enabled is None else bool(enabled)
+        self.errors = 0
+        self._warned: set[str] = set()
+        self._closed = False
+        self.current_phase = "idle"
+        self.pending_op = ""
+        self.pending_role = ""
+        self.pending_since_ns = -1
+        self.step_n = -1
+        self.in_step = False
+        self.events = 0  # rows recorded by the training thread (for the benchmark)
+        self._clock_ns = clock_ns
+        self._cuda: _CudaClock | None = None
+        self._acc = _Acc()
+        self._deferred: collections.deque = collections.deque()
+        self._phases: dict[str, _PhaseCtx] = {}
+        self._step_ctx = _StepCtx(self)
+        self._step_t0: Any = 0
+        self._step_wall0 = 0
+        self._step_perf0 = 0
+        self._instr_counts: dict[str, int] = {}
+        self._described = False
+        self.stage = -1
+        self.identity: Identity | None = None
+        self.flops_per_token = float(flops_per_token) if flops_per_token else _NAN
+        self.peak_flops = float(peak_flops) if peak_flops else _NAN
+        self.model_share = model_share
+        self.tokens_per_step = tokens_per_step if tokens_per_step is not None else -1
+        self.samples_per_step = samples_per_step if samples_per_step is not None else -1
+        self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else -1
+        self.close_timeout_s = close_timeout_s
+        self._roles: dict[Any, tuple[str, int]] = {}
+        self._peer_roles: dict[int, str] = {}
+        self._dtypes: dict[Any, str] = {}
+        self._axes: dict[str, list[tuple[int, ...]]] = {}
+        self._axis_roles: dict[str, str] = {}
+        self._coord_of: Callable[[int], dict[str, int]] | None = None
+        self._hostname = socket.gethostname()
+        self._pid = os.getpid()
+        self._statm_fd = -1
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        if not self.enabled:
+            from tracetop.wire.shipper import NullShipper
+
+            self.shipper: Any = NullShipper()
+            self.rank = rank if rank is not None else 0
+            self.world_size = world_size if world_size is not None else 1
+            self.run_id = "disabled"
+            return
+
+        # ---- setup: fail fast with a hint ----
+        self.identity = ident = resolve(rank=rank, world_size=world_size, local_rank=local_rank, run_id=run_id)
+        self.rank, self.world_size, self.local_rank = ident.rank, ident.world_size, ident.local_rank
+        self.run_id = _agree_run_id(ident, explicit=run_id)
+        self.heartbeat_s = float(heartbeat_s if heartbeat_s is not None else tenv.get(tenv.TRACETOP_HEARTBEAT_S, str(tenv.DEFAULT_HEARTBEAT_S)))
+        if not self.heartbeat_s > 0:
+            raise SetupError(f"trainer_hooks: heartbeat every {self.heartbeat_s} s; set {tenv.TRACETOP_HEARTBEAT_S} to a positive number of seconds")
+        if shipper is not None:
+            self.shipper = shipper
+        else:
+            from tracetop.wire.shipper import Shipper
+
+            kw: dict[str, Any] = {}
+            if max_unacked_bytes is not None:
+                kw["max_unacked_bytes"] = max_unacked_bytes
+            target = None if transport is not None else tenv.endpoint(endpoint)
+            self.shipper = Shipper(target, run_id=self.run_id, rank=self.rank, transport=transport, **kw)
+        self.endpoint = getattr(self.shipper, "endpoint", None)
+        self._record = self.shipper.record
+        if device is None:
+            device = _default_device()
+        if device == "cuda":
+            self._cuda = _CudaClock()
+        try:
+            self._statm_fd = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._statm_fd = -1
+        self._wrapped: list[str] = []
+        if wrap_collectives:
+            self._wrapped = self._install_collectives()
+        self._stop = threading.Event()
+        self._emitter = threading.Thread(target=self._run_emitter, name="tracetop-emitter", daemon=True)
+        self._emitter.start()
+
+    # ------------------------------------------------------------------ user API
+    def step(self, n: int, *, tokens: int | None = None, samples: int | None = None) -> Any:
+        """Context manager around one training step ``n``."""
+        if not self.enabled:
+            return _NULL
+        ctx = self._step_ctx
+        ctx.n = n
+        ctx.tokens = self.tokens_per_step if tokens is None else tokens
+        ctx.samples = self.samples_per_step if samples is None else samples
+        return ctx
+
+    def phase(self, name: str) -> Any:
+        """Context manager around one phase of the current step (``data``, ``forward``,
+        ``backward``, ``optimizer`` feed the STEP row; any other name shows in heartbeats)."""
+        if not self.enabled:
+            return _NULL
+        ctx = self._phases.get(name)
+        if ctx is None:
+            ctx = self._phases[name] = _PhaseCtx(self, name)
+        return ctx
+
+    def describe(
+        self,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        zero_stage: int = -1,
+        stage: int = -1,
+        model_name: str = "",
+        n_params: int = -1,
+        flops_per_token: float | None = None,
+        peak_flops: float | None = None,
+        micro_batch: int = -1,
+        micro_batches: int = -1,
+        seq_len: int = -1,
+        ds_config: dict | None = None,
+        **extra: Any,
+    ) -> None:
+        """Record this rank's RUN_START row (once): its place in the topology and the model."""
+        if not self.enabled or self._described:
+            return
+        try:
+            self._described = True
+            self.stage = stage
+            if flops_per_token:
+                self.flops_per_token = float(flops_per_token)
+            if peak_flops:
+                self.peak_flops = float(peak_flops)
+            dp = dp if dp is not None else max(1, self.world_size // max(1, tp * pp))
+            meta = {"launcher": self.identity.launcher if self.identity else "", "local_rank": self.local_rank,
+                    "device": "cuda" if self._cuda else "cpu", "collectives_wrapped": len(self._wrapped), **extra}
+            self._record(
+                _RUN_START, self.rank, -1, self._clock_ns(), 0, self.world_size, tp, pp, dp, zero_stage, stage,
+                model_name, int(n_params), self.flops_per_token, self.peak_flops, micro_batch, micro_batches,
+                seq_len, self._hostname, self._pid, json.dumps(ds_config or {}, default=str),
+                json.dumps(meta, default=str),
+            )
+        except Exception as e:
+            self._hook_error("describe", e)
+
+    def set_topology(self, axes: dict[str, list[tuple[int, ...]]], coord_of: Callable[[int], dict[str, int]] | None = None,
+                     axis_roles: dict[str, str] | None = None) -> None:
+        """Name process groups by their rank sets: ``axes`` maps a role (``tp``, ``pp``, ``dp``,
+        ``mp``) to the rank lists of its groups; ``coord_of(rank)`` gives a rank's coordinates for
+        point-to-point roles, ``axis_roles`` maps a coordinate axis to a role."""
+        self._axes = {role: [tuple(sorted(r)) for r in lists] for role, lists in axes.items()}
+        self._coord_of = coord_of
+        self._axis_roles = dict(axis_roles or {})
+        self._roles.clear()
+        self._peer_roles.clear()
+
+    def record_offload(self, direction: str, what: str, nbytes: int, t0_ns: int, duration_ns: int) -> None:
+        """One offload copy (``d2h``/``h2d``/``h2nvme``/``nvme2h``/``h2h``; ``grads``/``optim_state``/
+        ``params``), timed by the caller with perf_counter_ns."""
+        if not self.enabled:
+            return
+        try:
+            self.events += 1
+            self._record(_OFFLOAD, self.rank, self.step_n, self._wall(t0_ns), duration_ns, direction, what, nbytes)
+        except Exception as e:
+            self._hook_error("offload", e)
+
+    def close(self) -> None:
+        """Restore the collectives, stop the emitter, flush (up to close_timeout_s). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.enabled:
+            return
+        try:
+            colls.uninstall(self)
+            self._stop.set()
+            self._emitter.join(timeout=max(2.0, self.close_timeout_s))
+            self._heartbeat()
+        except Exception as e:
+            self._hook_error("close", e)
+        finally:
+            timeout_s = self.close_timeout_s
+            st = self.shipper.stats()
+            if st and st.get("last_error") and not st.get("connected") and not st.get("batches_acked"):
+                # never reached the endpoint: do not hold the trainer's exit for long
+                timeout_s = min(timeout_s, 1.0)
+                log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
+                            self.rank, self.endpoint, st.get("unacked_batches", 0))
+            self.shipper.close(timeout_s)
+            if self._statm_fd >= 0:
+                os.close(self._statm_fd)
+                self._statm_fd = -1
+            if self.errors:
+                log.warning("trainer_hooks: %d hook errors were counted and skipped on rank %d", self.errors, self.rank)
+
+    def __enter__(self) -> Tracer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        return {"errors": self.errors, "events": self.events, "shipper": self.shipper.stats()}
+
+    # ------------------------------------------------------------------ steps
+    def _wall(self, perf_ns: int) -> int:
+        return self._step_wall0 + (perf_ns - self._step_perf0)
+
+    def _step_begin(self, n: int) -> None:
+        if not self._described:
+            self.describe()
+        self.step_n = n
+        self.in_step = True
+        self._instr_counts.clear()
+        self._step_wall0 = self._clock_ns()
+        self._step_perf0 = perf_counter_ns()
+        if self._cuda is None:
+            self._acc.reset()
+            self._step_t0 = self._step_perf0
+        else:
+            self._deferred.append((3, n, None, None))  # "step begins": reset the accumulator
+            self._step_t0 = self._cuda.mark()
+
+    def _step_end(self, tokens: int, samples: int) -> None:
+        self.in_step = False
+        self.current_phase = "idle"
+        if self._cuda is None:
+            dur = perf_counter_ns() - self._step_t0
+            self._finish_step(self.step_n, self._step_wall0, dur, tokens, samples, self._acc)
+        else:
+            info = (self.step_n, self._step_wall0, tokens, samples)
+            self._deferred.append((4, info, self._step_t0, self._cuda.mark()))
+
+    def _finish_step(self, n: int, wall0: int, dur: int, tokens: int, samples: int, acc: _Acc) -> None:
+        s = acc.sums
+        compute = s[1] + s[2] + s[3]
+        rec = self._record
+        rec(_STEP, self.rank, n, wall0, dur, s[0], s[1], s[2], s[3], acc.comm_ns, compute, tokens, samples)
+        secs = dur / 1e9 if dur > 0 else _NAN
+        tps = tokens / secs if tokens >= 0 else _NAN
+        sps = samples / secs if samples >= 0 else _NAN
+        tflops = tps * self.flops_per_token * self.model_share / 1e12
+        mfu = tflops * 1e12 / self.peak_flops
+        rec(_THROUGHPUT, self.rank, n, wall0, dur, tps, sps, tflops, mfu)
+        alloc, reserved, peak, rss = self._memory()
+        rec(_MEMORY, self.rank, n, wall0 + dur, 0, alloc, reserved, peak, rss, self.memory_budget_bytes)
+        self.events += 3
+
+    def _memory(self) -> tuple[int, int, int, int]:
+        rss = -1
+        if self._statm_fd >= 0:
+            rss = int(os.pread(self._statm_fd, 64, 0).split()[1]) * self._page
+        if self._cuda is not None:
+            alloc, reserved, peak = self._cuda.memory()
+        else:
+            alloc = reserved = -1
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        return alloc, reserved, peak, rss
+
+    # ------------------------------------------------------------------ pipeline instructions
+    def _instr_enter(self, instr: str, slot: int) -> tuple[Any, int, str]:
+        counts = self._instr_counts
+        mb = counts.get(instr, 0)
+        counts[instr] = mb + 1
+        prev = self.current_phase
+        self.current_phase = _INSTR_PHASE.get(instr, "comm")
+        if self._cuda is None:
+            self._acc.stack.append(self._acc.comm_ns)
+            return perf_counter_ns(), mb, prev
+        self._deferred.append((0, None, None, None))
+        return self._cuda.mark(), mb, prev
+
+    def _instr_exit(self, instr: str, slot: int, token: tuple[Any, int, str], has_mb: bool) -> None:
+        t0, mb, prev = token
+        self.current_phase = prev
+        mb = mb if has_mb else -1
+        if self._cuda is None:
+            now = perf_counter_ns()
+            dur = now - t0
+            acc = self._acc
+            acc.sums[slot] += dur - (acc.comm_ns - acc.stack.pop())
+            self._record(_INSTR, self.rank, self.step_n, self._wall(t0), dur, self.stage, mb, instr)
+            self.events += 1
+        else:
+            self._deferred.append((2, (slot, self.step_n, self._wall(perf_counter_ns()), mb, instr), t0, self._cuda.mark()))
+
+    # ------------------------------------------------------------------ collectives
+    def _install_collectives(self) -> list[str]:
+        try:
+            import torch.distributed  # noqa: F401
+        except ImportError:
+            return []
+        return colls.install(self)
+
+    def _group_info(self, group: Any) -> tuple[str, int]:
+        info = self._roles.get(group)
+        if info is None:
+            import torch.distributed.distributed_c10d as c10d
+
+            try:
+                pg = group if group is not None else c10d._get_default_group()
+                ranks = tuple(c10d.get_process_group_ranks(pg))
+            except Exception:
+                ranks = tuple(range(self.world_size))
+            info = (colls.classify_ranks(ranks, self._axes, self.world_size), len(ranks))
+            self._roles[group] = info
+        return info
+
+    def _peer_role(self, peer: int) -> str:
+        role = self._peer_roles.get(peer)
+        if role is None:
+            role = self._peer_roles[peer] = colls.peer_role(self._coord_of, self.rank, peer, self._axis_roles)
+        return role
+
+    def _collective_enter(self, spec: Any, args: tuple, kwargs: dict) -> tuple:
+        nbytes, tensor = colls.payload(spec, args, kwargs)
+        group = kwargs["group"] if "group" in kwargs else (args[spec.group_i] if 0 <= spec.group_i < len(args) else None)
+        role, size = self._group_info(group)
+        peer = -1
+        if spec.peer_name:
+            p = kwargs.get(spec.peer_name) if spec.peer_name in kwargs else (args[spec.peer_i] if 0 <= spec.peer_i < len(args) else None)
+            if p is None:
+                gp = kwargs.get(spec.group_peer_name)
+                if gp is not None and group is not None:
+                    import torch.distributed as dist
+
+                    p = dist.get_global_rank(group, gp)
+            if p is not None:
+                peer = int(p)
+                role = self._peer_role(peer)
+        if spec.name in colls.ALWAYS_ASYNC:
+            is_async = 1
+        else:
+            a = kwargs.get("async_op") if "async_op" in kwargs else (args[spec.async_i] if 0 <= spec.async_i < len(args) else False)
+            is_async = 1 if a else 0
+        dtype = ""
+        if tensor is not None:
+            dt = tensor.dtype
+            dtype = self._dtypes.get(dt)
+            if dtype is None:
+                dtype = self._dtypes[dt] = str(dt).replace("torch.", "")
+        self.pending_op = spec.name
+        self.pending_role = role
+        t0 = perf_counter_ns()
+        self.pending_since_ns = self._wall(t0)
+        if self._cuda is None:
+            return (spec.name, role, size, nbytes, peer, dtype, is_async, t0)
+        return (spec.name, role, size, nbytes, peer, dtype, is_async, t0, self._cuda.mark())
+
+    def _collective_exit(self, token: tuple) -> None:
+        self.pending_op = ""
+        self.pending_since_ns = -1
+        if self._cuda is None:
+            name, role, size, nbytes, peer, dtype, is_async, t0 = token
+            dur = perf_counter_ns() - t0
+            self._acc.comm_ns += dur
+            self._record(_COLL, self.rank, self.step_n, self._wall(t0), dur, name, role, size, nbytes, peer, dtype, is_async)
+        else:
+            name, role, size, nbytes, peer, dtype, is_async, t0, ev0 = token
+            row = (self.step_n, self._wall(t0), name, role, size, nbytes, peer, dtype, is_async)
+            self._deferred.append((5, row, ev0, self._cuda.mark()))
+        self.events += 1
+
+    # ------------------------------------------------------------------ emitter thread
+    def _run_emitter(self) -> None:
+        tick = 0.05 if self._cuda is not None else min(1.0, self.heartbeat_s)
+        next_hb = time.monotonic() + self.heartbeat_s
+        while not self._stop.wait(tick):
+            try:
+                if self._cuda is not None:
+                    self._resolve_deferred()
+                if time.monotonic() >= next_hb:
+                    next_hb += self.heartbeat_s
+                    self._heartbeat()
+            except Exception as e:  # the emitter never dies
+                self._hook_error("emitter", e)
+        if self._cuda is not None:
+            deadline = time.monotonic() + 2.0
+            while self._deferred and time.monotonic() < deadline:
+                self._resolve_deferred()
+                time.sleep(0.01)
+
+    def _heartbeat(self) -> None:
+        phase = "comm" if self.pending_op else (self.current_phase if self.in_step else "idle")
+        self._record(_HEARTBEAT, self.rank, self.step_n, self._clock_ns(), 0, phase, self.pending_op,
+                     self.pending_role if self.pending_op else "", self.pending_since_ns if self.pending_op else -1,
+                     self._hostname, self._pid)
+
+    def _resolve_deferred(self) -> None:
+        """GPU: turn resolved CUDA event pairs into durations, in recording order."""
+        cuda = self._cuda
+        assert cuda is not None
+        acc = self._gpu_acc if hasattr(self, "_gpu_acc") else None
+        if acc is None:
+            acc = self._gpu_acc = _Acc()
+        q = self._deferred
+        while q:
+            op, payload, a, b = q[0]
+            if b is not None and not cuda.ready(b):
+                return
+            q.popleft()
+            if op == 0:
+                acc.stack.append(acc.comm_ns)
+                continue
+            if op == 3:
+                acc.reset()
+                continue
+            dur = cuda.elapsed_ns(a, b)
+            if op == 1:
+                acc.sums[payload] += dur - (acc.comm_ns - acc.stack.pop())
+            elif op == 2:
+                slot, step, wall, mb, instr = payload
+                acc.sums[slot] += dur - (acc.comm_ns - acc.stack.pop())
+                self._record(_INSTR, self.rank, step, wall, dur, self.stage, mb, instr)
+            elif op == 5:
+                step, wall, name, role, size, nbytes, peer, dtype, is_async = payload
+                acc.comm_ns += dur
+                self._record(_COLL, self.rank, step, wall, dur, name, role, size, nbytes, peer, dtype, is_async)
+            elif op == 4:
+                n, wall0, tokens, samples = payload
+                self._finish_step(n, wall0, dur, tokens, samples, acc)
+            cuda.release(a, b)
+
+    def _hook_error(self, where: str, e: BaseException) -> None:
+        self.errors += 1
+        if where not in self._warned:
+            self._warned.add(where)
+            log.warning("trainer_hooks: %s hook failed on rank %s (counted, training goes on): %r",
+                        where, getattr(self, "rank", "?"), e)
+
+
+#: pipeline instruction -> (accumulator slot, heartbeat phase, has a micro-batch)
+INSTRUCTIONS: dict[str, tuple[int, str, bool]] = {
+    "LoadMicroBatch": (0, "data", True),
+    "ForwardPass": (1, "forward", True),
+    "BackwardPass": (2, "backward", True),
+    "OptimizerStep": (3, "optimizer", False),
+    "SendActivation": (4, "comm", True),
+    "RecvActivation": (4, "comm", True),
+    "SendGrad": (4, "comm", True),
+    "RecvGrad": (4, "comm", True),
+    "ReduceGrads": (4, "comm", False),
+    "ReduceTiedGrads": (4, "comm", False),
+}
+_INSTR_PHASE = {k: v[1] for k, v in INSTRUCTIONS.items()}
+
+
+def _default_device() -> str:
+    import sys
+
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            return "cuda"
+    except Exception:
+        pass
+    return "cpu"
+
+
+def _agree_run_id(ident: Identity, explicit: str | None) -> str:
+    """When the run id was made up from a timestamp, take rank 0's so every rank agrees (one
+    small broadcast at setup, before any collective is wrapped)."""
+    import sys
+
+    if explicit or os.environ.get(tenv.TRACETOP_RUN_ID) or os.environ.get("SLURM_JOB_ID") or ident.world_size == 1:
+        return ident.run_id
+    if os.environ.get("TORCHELASTIC_RUN_ID", "none") not in ("", "none"):
+        return ident.run_id
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            box = [ident.run_id]
+            dist.broadcast_object_list(box, src=0)
+            return str(box[0])
+    except Exception as e:
+        log.warning("trainer_hooks: could not agree on a run id with rank 0 (%r); set %s", e, tenv.TRACETOP_RUN_ID)
+    return ident.run_id
+
+
+class _CudaClock:
+    """CUDA events from a pool, recorded on the current stream; resolved by the emitter only."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._pool: list[Any] = []
+
+    def mark(self) -> Any:
+        pool = self._pool
+        ev = pool.pop() if pool else self._torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def ready(self, ev: Any) -> bool:
+        return bool(ev.query())
+
+    def elapsed_ns(self, a: Any, b: Any) -> int:
+        return int(a.elapsed_time(b) * 1e6)
+
+    def release(self, a: Any, b: Any) -> None:
+        if len(self._pool) < 4096:
+            self._pool.append(a)
+            self._pool.append(b)
+
+    def memory(self) -> tuple[int, int, int]:
+        c = self._torch.cuda
+        return c.memory_allocated(), c.memory_reserved(), c.max_memory_allocated()
+
+
+@contextmanager
+def tracing(**kwargs: Any) -> Iterator[Tracer]:
+    """``with trainer_hooks.tracing(...) as tracer:`` — a Tracer closed on the way out."""
+    t = Tracer(**kwargs)
+    try:
+        yield t
+    finally:
+        t.close()
