@@ -29,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
     parser.add_argument("--flush-interval-s", type=float, default=0.5, help="...or once the oldest waited this long")
+    parser.add_argument("--verbose", action="store_true", help="log every commit (rows, milliseconds)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from collector.schema import SchemaError
     from collector.server import ListenError, start
 
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def main() -> int:
         try:

@@ -123,7 +123,14 @@ class CollectorService:
         self.max_query_rows = max_query_rows
         self.closing = False
         self.sinks: set[_AioSink] = set()
+        # Query cursors hang off a root cursor made here, never off the writer's connection from
+        # another thread; each query gets its own (DuckDB connections are not shared across threads).
+        self._query_root = con.cursor()
         self._query_lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._query_lock:
+            self._query_root.close()
 
     # ---- Ingest.Stream --------------------------------------------------------------------
     async def stream(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
@@ -183,8 +190,12 @@ class CollectorService:
             writer.submit(Barrier(sink, StreamEnd()))
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # the client went away mid-stream
+        except grpc.RpcError as e:  # the client went away mid-stream; the RPC ends with it
             log.debug("collector: stream reader ended: %s", e)
+        except Exception as e:  # a bug: end this stream (nothing of its unacked batches is lost)
+            log.exception("collector: stream reader failed")
+            if not self.writer.submit(Barrier(sink, StreamEnd(store_failed=f"stream reader failed: {e!r}"))):
+                sink.deliver(StreamEnd(shutdown=True))
 
     def _reject(self, sink: _AioSink, fault: str, message: str, which: tuple[tuple[str, str], ...] = ()) -> None:
         self.metrics.rejected.labels(fault).inc()
@@ -200,7 +211,8 @@ class CollectorService:
 
     # ---- Query.Sql ------------------------------------------------------------------------
     def _run_sql(self, sql: str, max_rows: int):
-        cur = self.con.cursor()
+        with self._query_lock:
+            cur = self._query_root.cursor()
         try:
             return readonly.run_read_only(cur, sql, max_rows)
         finally:
@@ -283,6 +295,7 @@ class Collector:
         await stopped
         if self.metrics_http is not None:
             self.metrics_http.shutdown()  # type: ignore[attr-defined]
+        self.service.close()
         self.con.close()  # type: ignore[attr-defined]
 
 

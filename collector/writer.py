@@ -223,7 +223,13 @@ class Writer:
             hwm[b.source_id] = b.seq
             accepted.append(item)
         if accepted:
+            t0 = time.perf_counter()
             committed_ns = self._commit(accepted, hwm)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "commit: %d batches, %d rows, %.1f ms",
+                    len(accepted), sum(i.batch.n for i in accepted), (time.perf_counter() - t0) * 1e3,
+                )
             self.hwm = hwm
             for item in accepted:
                 b = item.batch
