@@ -70,7 +70,7 @@ def _v1() -> list[str]:
 
 
 def _v2() -> list[str]:
-    """Views people ask for first: step_summary and collective_stats (DESIGN §6)."""
+    """Views people ask for first: step_summary, collective_stats, offload_bandwidth (DESIGN §6)."""
     return [
         """CREATE VIEW step_summary AS
         SELECT run_id, rank,
@@ -103,6 +103,14 @@ def _v2() -> list[str]:
                quantile_cont(algbw_gbps, 0.5) AS algbw_gbps,
                quantile_cont(algbw_gbps * bus_factor, 0.5) AS busbw_gbps
         FROM c GROUP BY run_id, op, role, group_size""",
+        # Device<->host<->NVMe copies: GB/s over the time spent copying (bytes/ns = GB/s).
+        """CREATE VIEW offload_bandwidth AS
+        SELECT run_id, rank, direction, what,
+               count(*) AS transfers,
+               sum(bytes) AS total_bytes,
+               sum(duration_ns) / 1e6 AS total_ms,
+               sum(bytes) / nullif(sum(duration_ns), 0) AS gbps
+        FROM offload GROUP BY run_id, rank, direction, what""",
     ]
 
 

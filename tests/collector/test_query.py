@@ -68,6 +68,13 @@ def _run_start():
     return encode_batch(Kind.RUN_START, cols, source_id="views", seq=3, run_id="run-v")
 
 
+def _offloads():
+    # rank 0 copies 2 GB d2h in 1 s then 2 GB in 3 s: 4 GB over 4 s = 1 GB/s.
+    cols = {"rank": [0, 0], "step": [1, 1], "start_ns": [0, 0], "duration_ns": [10**9, 3 * 10**9],
+            "direction": ["d2h", "d2h"], "what": ["grads", "grads"], "bytes": [2 * 10**9, 2 * 10**9]}
+    return encode_batch(Kind.OFFLOAD, cols, source_id="views", seq=4, run_id="run-v")
+
+
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("query")
@@ -76,10 +83,11 @@ def collector(tmp_path_factory):
     f.send(_steps())
     f.send(_collectives())
     f.send(_run_start())
+    f.send(_offloads())
     for seq in range(1, 4):
         f.send(batch("q", seq, 50))
     f.wait_ack("q", 3)
-    f.wait_ack("views", 3)
+    f.wait_ack("views", 4)
     f.close()
     assert f.wait_end() is None
     c.tmp = tmp
@@ -101,6 +109,8 @@ def test_views_follow_the_formulas(collector):
     }
     s = sql(collector.addr, "SELECT steps, step_ms_p50, compute_ms_p50 FROM step_summary WHERE run_id = 'run-v'")
     assert s.to_pylist() == [{"steps": 3, "step_ms_p50": pytest.approx(20.0), "compute_ms_p50": pytest.approx(7.0)}]
+    o = sql(collector.addr, "SELECT transfers, total_bytes, gbps FROM offload_bandwidth WHERE run_id = 'run-v'")
+    assert o.to_pylist() == [{"transfers": 2, "total_bytes": 4 * 10**9, "gbps": pytest.approx(1.0)}]
 
 
 def test_runs_view(collector):
@@ -157,7 +167,7 @@ def test_query_service_refuses_every_probe_and_keeps_ingesting(collector):
 def test_cli_through_collector_and_locked_file(collector):
     r = _tt("--collector", collector.addr, "--json", "SELECT source_id, hwm FROM sources ORDER BY source_id")
     assert r.returncode == 0, r.stderr
-    assert {"source_id": "views", "hwm": 3} in json.loads(r.stdout)
+    assert {"source_id": "views", "hwm": 4} in json.loads(r.stdout)
     r = _tt("--collector", collector.addr, "INSERT INTO step SELECT * FROM step")
     assert r.returncode == 2 and "read-only: INSERT is not allowed" in r.stderr
     r = _tt("--collector", collector.addr, "SELECT * FROM read_csv('/etc/passwd')")

@@ -17,7 +17,7 @@ def test_fresh_file_gets_every_table_and_view(tmp_path):
         assert table_name(kind) in names
         cols = [r[0] for r in con.execute(f"DESCRIBE {table_name(kind)}").fetchall()]
         assert cols == ["run_id"] + [c.name for c in SCHEMAS[kind]]
-    assert {"sources", "ingest_log", "schema_meta", "runs", "gaps", "step_summary", "collective_stats"} <= names
+    assert {"sources", "ingest_log", "schema_meta", "runs", "gaps", "step_summary", "collective_stats", "offload_bandwidth"} <= names
     assert schema.stored_version(con) == schema.STORE_VERSION
     con.close()
 
