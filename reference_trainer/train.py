@@ -244,7 +244,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
             step_time_s = time.perf_counter() - t0
             adjust_mod.offload_now(run)
             tokens_per_s = run.global_batch * preset.seq_len / step_time_s
-            record = {"step": step, "loss": loss, "step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
+            record = {"step": step, "time_unix_s": time.time(), "loss": loss, "step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
                       "achieved_tflops": tokens_per_s * fpt / 1e12, "micro_batch": run.micro_batch,
                       "micro_batches": run.micro_batches, "global_batch": run.global_batch}
             if rank == 0:
@@ -259,6 +259,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
                     **record, "rank": rank, "stage": coord.pipe, "dp_rank": coord.data, "tp_rank": coord.model,
                     "forward_s": clock.forward_s, "backward_s": clock.backward_s,
                     "dp_reduce_s": clock.dp_reduce_s, "rss_bytes": _rss_bytes(),
+                    "optimizer_cpu_offload": bool(getattr(engine.optimizer, "cpu_offload", False)),
                     "offloaded_states": sorted(str(getattr(s, "value", s))
                                                for s in getattr(engine.optimizer, "offloaded_states", ())),
                     "peak_rss_bytes": _peak_rss_bytes()}) + "\n")

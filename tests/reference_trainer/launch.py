@@ -1,0 +1,89 @@
+"""Launch the reference trainer under torchrun in its own session, and read back its logs.
+
+    r = torchrun(tmp_path, nproc=4, args=["--pp", "2", "--steps", "5"])
+    r.rc, r.output, r.rows (rank 0's --log-jsonl), r.ranks[k] (rank k's --rank-log-dir rows)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class RunResult:
+    rc: int
+    output: str
+    rows: list[dict]
+    ranks: dict[int, list[dict]]
+    wall_s: float
+    exit_unix_s: float
+    leftover_pids: list[int] = field(default_factory=list)
+
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.rows]
+
+    def rank(self, k: int, key: str) -> list[float]:
+        return [r[key] for r in self.ranks[k]]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def torchrun(tmp: Path, *, nproc: int, args: list[str], timeout_s: float = 400.0, trace: bool = False) -> RunResult:
+    tmp.mkdir(parents=True, exist_ok=True)
+    log, rank_dir = tmp / "rank0.jsonl", tmp / "ranks"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "-m", "reference_trainer", "--quiet", "--log-jsonl", str(log), "--rank-log-dir", str(rank_dir), *args]
+    if not trace:
+        cmd.append("--no-trace")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    t0 = time.monotonic()
+    # A session of its own: every process torchrun started can be found (and cleaned) by its group.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"torchrun did not finish in {timeout_s} s:\n{out[-3000:]}") from None
+    exit_t, exit_unix_s = time.monotonic(), time.time()
+    leftover = _group_members(proc.pid)
+    if leftover:
+        os.killpg(proc.pid, signal.SIGKILL)
+    ranks = {int(p.stem[4:]): _read_jsonl(p) for p in sorted(rank_dir.glob("rank*.jsonl"))}
+    return RunResult(proc.returncode, out, _read_jsonl(log), ranks, exit_t - t0, exit_unix_s, leftover)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live processes still in process group ``pgid`` (torchrun's session)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(d.name))
+    return pids
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2

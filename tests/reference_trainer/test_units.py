@@ -1,0 +1,179 @@
+"""The reference trainer's pure parts: layouts, flags, fault and adjustment specs, data, FLOPs,
+tensor-parallel slicing, and the per-rank clock with an injected clock. No processes started."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from reference_trainer.adjust import AdjustError, parse_adjustment, plan_micro_batch
+from reference_trainer.config import (
+    PRESETS,
+    LayoutError,
+    add_trainer_arguments,
+    ds_config,
+    flops_per_token,
+    make_layout,
+    n_params,
+    to_argv,
+)
+from reference_trainer.data import global_batch, micro_batches_for
+from reference_trainer.faults import Fault, FaultSpecError, StageClock, parse_fault, parse_faults
+from reference_trainer.model import GPT
+from reference_trainer.tp_layers import TPGroup, qkv_rows
+
+from .launch import ROOT
+
+TINY = PRESETS["tiny"]
+
+
+def test_layout_derives_dp_and_picks_the_shape():
+    lay = make_layout(8, 2, 2, 1, "none", TINY)
+    assert (lay.dp, lay.shape) == (2, "3d")
+    assert make_layout(4, 2, 1, 3, "cpu", TINY).shape == "zero"
+
+
+@pytest.mark.parametrize(
+    "world,tp,pp,zero,offload,words",
+    [
+        (6, 2, 2, 1, "none", ["does not divide the world size 6", "multiple of 4"]),
+        (4, 1, 2, 2, "none", ["incompatible with pipeline", "--zero 1 with a pipeline", "--pp 1"]),
+        (4, 1, 2, 3, "none", ["ZeRO-2 and ZeRO-3"]),
+        (2, 1, 1, 0, "cpu", ["needs ZeRO", "--zero 2"]),
+        (3, 3, 1, 1, "none", ["--tp 3 does not divide", "attention heads"]),
+        (8, 1, 8, 1, "none", ["more stages than", "4 blocks"]),
+    ],
+)
+def test_impossible_layouts_say_why_and_what_instead(world, tp, pp, zero, offload, words):
+    with pytest.raises(LayoutError) as e:
+        make_layout(world, tp, pp, zero, offload, TINY)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_ds_config_uses_torch_adam_and_allows_it_with_offload():
+    cfg = ds_config(make_layout(2, 1, 1, 2, "cpu", TINY), micro_batch=4, micro_batches=2, lr=1e-3, bf16=False)
+    assert cfg["optimizer"]["params"]["torch_adam"] is True
+    assert cfg["zero_force_ds_cpu_optimizer"] is False
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg["train_batch_size"] == 4 * 2 * 2
+
+
+def test_to_argv_round_trips_through_the_parser():
+    p = argparse.ArgumentParser()
+    add_trainer_arguments(p)
+    argv = ["--tp", "2", "--pp", "2", "--steps", "7", "--no-trace", "--inject-straggler", "1:50@3",
+            "--inject-straggler", "2:10", "--adjust", "3:micro_batch=2"]
+    a = p.parse_args(argv)
+    assert p.parse_args(to_argv(a)) == a
+    assert to_argv(p.parse_args([])) == []
+
+
+def test_fault_specs_parse_and_bad_ones_are_named():
+    assert parse_fault("straggler", "1:200@5") == Fault("straggler", 1, 200.0, 5)
+    assert parse_fault("comm_delay", "0:150") == Fault("comm_delay", 0, 150.0, 0)
+    assert parse_fault("hang", "3@10") == Fault("hang", 3, 0.0, 10)
+    with pytest.raises(FaultSpecError, match="--inject-straggler '1-200'.*RANK:MS"):
+        parse_fault("straggler", "1-200")
+    with pytest.raises(FaultSpecError, match="FACTOR must be at least 1"):
+        parse_fault("stage_imbalance", "1:0.5")
+    ns = argparse.Namespace(inject_straggler=["9:10"], inject_stage_imbalance=[])
+    with pytest.raises(FaultSpecError, match="rank 9 does not exist in a world of 4"):
+        parse_faults(ns, world_size=4, pp=2)
+    ns = argparse.Namespace(inject_stage_imbalance=["2:3"])
+    with pytest.raises(FaultSpecError, match="stage 2 does not exist with --pp 2"):
+        parse_faults(ns, world_size=4, pp=2)
+
+
+def test_adjustment_specs_and_micro_batch_plan():
+    assert parse_adjustment("20:micro_batch=2").value == 2
+    assert parse_adjustment("3:offload=on").value is True
+    with pytest.raises(AdjustError, match="unknown key"):
+        parse_adjustment("3:speed=11")
+    assert plan_micro_batch(4, 4, 2) == 8
+    assert plan_micro_batch(4, 4, 16) == 1
+    with pytest.raises(AdjustError, match=r"does not divide the 16 samples.*\[1, 2, 4, 8, 16\]"):
+        plan_micro_batch(4, 4, 3)
+
+
+def test_data_is_a_function_of_seed_and_step_and_learnable():
+    x1, y1 = global_batch(3, 7, 8, 64, 32)
+    x2, y2 = global_batch(3, 7, 8, 64, 32)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert not torch.equal(global_batch(4, 7, 8, 64, 32)[0], x1)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # labels are the next tokens
+    stride = (x1[:, 1] - x1[:, 0]) % 64
+    assert torch.equal((x1[:, 2] - x1[:, 1]) % 64, stride)  # determined by the last two tokens
+
+
+def test_micro_batch_split_keeps_each_ranks_samples():
+    kw = dict(dp=2, vocab=64, seq_len=32)
+    a = micro_batches_for(5, 1, dp_rank=1, micro_batch=4, micro_batches=4, **kw)
+    b = micro_batches_for(5, 1, dp_rank=1, micro_batch=2, micro_batches=8, **kw)
+    assert torch.equal(torch.cat([x for x, _ in a]), torch.cat([x for x, _ in b]))
+    other = micro_batches_for(5, 1, dp_rank=0, micro_batch=4, micro_batches=4, **kw)
+    assert not torch.equal(torch.cat([x for x, _ in a]), torch.cat([x for x, _ in other]))
+
+
+def test_declared_parameter_count_matches_the_model():
+    model = GPT(TINY, TPGroup(0, 1), seed=1)
+    assert sum(p.numel() for p in model.parameters()) == n_params(TINY)
+    assert 0.9e9 < n_params(PRESETS["1b"]) < 1.3e9
+
+
+def test_flops_per_token_formula():
+    p = TINY
+    matmul = p.n_layers * (4 * p.hidden**2 + 2 * p.hidden * p.ffn) + p.vocab * p.hidden
+    assert flops_per_token(p) == 6 * matmul + 12 * p.n_layers * p.hidden * p.seq_len
+
+
+def test_qkv_slices_take_q_k_and_v_of_the_same_heads():
+    rows = [qkv_rows(8, 4, TPGroup(r, 2)).tolist() for r in range(2)]
+    assert rows[0] == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19]
+    assert rows[1] == [4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23]
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.t += s
+
+
+def test_stage_clock_straggler_and_imbalance_sleep_the_right_amounts():
+    c = FakeClock()
+    faults = [Fault("straggler", 0, 200.0, 2), Fault("stage_imbalance", 0, 3.0, 0), Fault("mem_growth", 1, 8, 0)]
+    clock = StageClock(faults, rank=0, stage=0, micro_batches=lambda: 4, clock=c, sleep=c.sleep)
+    clock.begin_step(2)
+    clock._pre_forward(None, ())
+    assert c.slept == [0.05]  # 200 ms over 4 micro-batches
+    c.t += 0.010  # 10 ms of compute
+    clock._post_forward(None, (), None)
+    assert c.slept[-1] == pytest.approx(0.020)  # (3 - 1) x 10 ms
+    assert clock.forward_s == pytest.approx(0.05 + 0.010 + 0.020)
+    clock.backward_started()
+    c.t += 0.004
+    clock.backward_ended()
+    assert clock.backward_s == pytest.approx(0.012)
+    assert clock.held == []  # memory growth is rank 1's
+
+
+def test_tracetop_train_dry_run_and_refusal():
+    tt = [sys.executable, "-m", "tracetop.cli", "train"]
+    out = subprocess.run([*tt, "--nproc", "4", "--pp", "2", "--inject-straggler", "1:100", "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--nproc_per_node 4 --standalone -m reference_trainer --pp 2 --inject-straggler 1:100" in out.stdout
+    bad = subprocess.run([*tt, "--nproc", "4", "--pp", "2", "--zero", "3"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "incompatible with pipeline" in bad.stderr
