@@ -225,7 +225,7 @@ class XidWatcher:
         nvml: NVML,
         on_xid: Callable[[int, int, int], None],
         *,
-        wait_ms: int = 500,
+        wait_ms: int = 1000,
         clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self.nvml = nvml

@@ -31,7 +31,8 @@ def _agent(tmp_path, backend, mem):
     )
 
     def shipper_factory(endpoint, **kw):
-        return Shipper(None, transport=mem, flush_interval_s=0.05, **kw)
+        kw["flush_interval_s"] = 0.05
+        return Shipper(None, transport=mem, **kw)
 
     out = io.StringIO()
     return Agent(cfg, nvml_backend=backend, shipper_factory=shipper_factory, out=out), out
