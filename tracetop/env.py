@@ -29,6 +29,10 @@ TRACETOP_SPOOL_DIR = "TRACETOP_SPOOL_DIR"
 TRACETOP_HEARTBEAT_S = "TRACETOP_HEARTBEAT_S"
 """Seconds between a rank's heartbeats. Default: 5."""
 
+TRACETOP_BUFFER_BYTES = "TRACETOP_BUFFER_BYTES"
+"""Bytes of unacked telemetry one rank's hooks keep in memory while their endpoint is unreachable.
+Beyond it the oldest batches are dropped, counted and shipped as gap rows. Default: 256 MiB."""
+
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"

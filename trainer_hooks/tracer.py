@@ -168,8 +168,8 @@ class Tracer:
         flops_per_token / peak_flops / model_share: MFU inputs (model FLOPs per token for the
             whole model, the device's peak FLOP/s, this rank's share of the model: 1/(tp*pp)).
         tokens_per_step / samples_per_step: defaults for every step (per data-parallel replica).
-        max_unacked_bytes: memory kept for telemetry while the endpoint is unreachable (beyond it
-            the oldest batches are dropped and reported as gap rows).
+        max_unacked_bytes: TRACETOP_BUFFER_BYTES; memory kept for telemetry while the endpoint is
+            unreachable (beyond it the oldest batches are dropped and reported as gap rows).
     """
 
     def __init__(
@@ -259,6 +259,12 @@ class Tracer:
             from tracetop.wire.shipper import Shipper
 
             kw: dict[str, Any] = {}
+            if max_unacked_bytes is None and tenv.get(tenv.TRACETOP_BUFFER_BYTES):
+                raw = tenv.get(tenv.TRACETOP_BUFFER_BYTES, "")
+                try:
+                    max_unacked_bytes = int(raw or "")
+                except ValueError as e:
+                    raise SetupError(f"trainer_hooks: {tenv.TRACETOP_BUFFER_BYTES}={raw!r} is not a number of bytes") from e
             if max_unacked_bytes is not None:
                 kw["max_unacked_bytes"] = max_unacked_bytes
             target = None if transport is not None else tenv.endpoint(endpoint)
@@ -527,6 +533,7 @@ class Tracer:
             if p is not None:
                 peer = int(p)
                 role = self._peer_role(peer)
+                size = 2
         if spec.name in colls.ALWAYS_ASYNC:
             is_async = 1
         else:
