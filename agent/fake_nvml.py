@@ -207,6 +207,15 @@ class FakeNVML:
             raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return g.temp_c  # type: ignore[union-attr]
 
+    def nvmlDeviceGetTemperature(self, handle: FakeHandle, sensor: int) -> int:  # deprecated twin
+        g = self._enter("nvmlDeviceGetTemperature", handle)
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return g.temp_c  # type: ignore[union-attr]
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, handle: FakeHandle) -> int:  # deprecated twin
+        return self._enter("nvmlDeviceGetCurrentClocksThrottleReasons", handle).clock_event_reasons  # type: ignore[union-attr]
+
     def nvmlDeviceGetClockInfo(self, handle: FakeHandle, type: int) -> int:
         g = self._enter("nvmlDeviceGetClockInfo", handle)
         if type != pynvml.NVML_CLOCK_SM:

@@ -21,6 +21,10 @@ log = logging.getLogger("tracetop.agent.gpu")
 
 NAN = float("nan")
 _ALL_LINKS = 0xFFFFFFFF  # scopeId UINT_MAX: NVLink throughput summed over all links
+_FAILED = object()
+#: current NVML function first, then the deprecated one older drivers still have
+_TEMPERATURE = ("nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature")
+_CLOCK_EVENTS = ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
 
 
 class GpuReading(NamedTuple):
@@ -126,11 +130,27 @@ class GPUSampler:
             (b.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, _ALL_LINKS),
             (b.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, _ALL_LINKS),
         ]
+        self._chosen: dict[tuple[int, str], str] = {}
         q = nvml.query
         self.uuids = []
         for i, h in enumerate(nvml.handles):
             u = q("nvmlDeviceGetUUID", h)
             self.uuids.append(u.decode() if isinstance(u, bytes) else (u or f"gpu{i}"))
+
+    def _first(self, gpu: int, names: tuple[str, ...], *args: Any) -> Any:
+        """The current NVML function, else its deprecated predecessor (older drivers lack the new
+        symbol). The first one that answers is remembered per GPU."""
+        key = (gpu, names[0])
+        chosen = self._chosen.get(key)
+        if chosen is not None:
+            return self.nvml.query(chosen, *args)
+        for name in names:
+            v = self.nvml.query(name, *args, default=_FAILED)
+            if v is not _FAILED:
+                self._chosen[key] = name
+                return v
+        self._chosen[key] = names[0]  # none works here: one (silent) failing call per interval from now on
+        return None
 
     def read(self) -> tuple[list[GpuReading], list[ProcReading]]:
         q = self.nvml.query
@@ -152,9 +172,9 @@ class GPUSampler:
                     mem_total_bytes=None if mem is None else float(mem.total),
                     power_mw=_num(q("nvmlDeviceGetPowerUsage", h)),
                     energy_mj=_num(q("nvmlDeviceGetTotalEnergyConsumption", h)),
-                    temp_c=_num(q("nvmlDeviceGetTemperatureV", h, c["temp"])),
+                    temp_c=_num(self._first(i, _TEMPERATURE, h, c["temp"])),
                     sm_clock_mhz=_num(q("nvmlDeviceGetClockInfo", h, c["sm"])),
-                    clock_event_reasons=_num(q("nvmlDeviceGetCurrentClocksEventReasons", h)),
+                    clock_event_reasons=_num(self._first(i, _CLOCK_EVENTS, h)),
                     pcie_tx_bytes=tx,
                     pcie_rx_bytes=rx,
                     nvlink_tx_bytes=None if nvtx_kib is None else nvtx_kib * 1024.0,

@@ -108,7 +108,13 @@ class NVML:
         """Call `fn` (a backend function or its name) with args. NVML errors -> `default` (None),
         logged once per (function, device); the first argument, if it is a device handle, names
         the device. Errors of the `passthrough` types are raised instead (an event wait's Timeout)."""
-        func = getattr(self.backend, fn) if isinstance(fn, str) else fn
+        if isinstance(fn, str):
+            func = getattr(self.backend, fn, None)
+            if func is None:  # an older pynvml without this binding: like NVML's FunctionNotFound
+                self._log_once(fn, args[0] if args else None, AttributeError(f"this pynvml has no {fn}"))
+                return default
+        else:
+            func = fn
         try:
             return func(*args)
         except self._error_base as e:

@@ -62,7 +62,13 @@ def test_mixed_support_rows_with_nulls_and_xid_rows(tmp_path):
     fake = FakeNVML(
         [
             FakeGPU(),
-            FakeGPU(unsupported={"nvmlDeviceGetTemperatureV", pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX}),
+            FakeGPU(
+                unsupported={
+                    "nvmlDeviceGetTemperatureV",
+                    "nvmlDeviceGetTemperature",
+                    pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                }
+            ),
             FakeGPU(unsupported={"nvmlDeviceGetTotalEnergyConsumption", "nvmlDeviceRegisterEvents"}),
         ]
     )

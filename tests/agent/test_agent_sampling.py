@@ -72,6 +72,31 @@ def test_mixed_support_gives_nulls_logged_once(caplog):
     assert ("nvmlDeviceGetPowerUsage", 1) in nvml.unsupported()
 
 
+def test_older_driver_falls_back_to_deprecated_calls(caplog):
+    # A driver without the *V / *EventReasons symbols still has the deprecated twins.
+    gpu = FakeGPU(
+        temp_c=71,
+        clock_event_reasons=4,
+        unsupported={"nvmlDeviceGetTemperatureV", "nvmlDeviceGetCurrentClocksEventReasons"},
+    )
+    nvml = NVML(FakeNVML([gpu]))
+    nvml.start()
+    sampler = GPUSampler(nvml, "n")
+    with caplog.at_level(logging.INFO, logger="tracetop.agent.nvml"):
+        a, _ = sampler.sample()
+        b, _ = sampler.sample()
+    assert a["temp_c"][0] == b["temp_c"][0] == 71
+    assert a["clock_event_reasons"][0] == b["clock_event_reasons"][0] == 4
+    assert len(caplog.records) == 2  # each new symbol reported once, then not asked again
+
+
+def test_missing_binding_is_a_null_not_a_crash():
+    nvml = NVML(FakeNVML(1))
+    nvml.start()
+    assert nvml.query("nvmlDeviceGetSomethingFromTheFuture", nvml.handles[0]) is None
+    assert ("nvmlDeviceGetSomethingFromTheFuture", 0) in nvml.unsupported()
+
+
 def test_gpu_columns_are_pure_and_vectorized():
     from agent.gpu import GpuReading
 
