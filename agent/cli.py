@@ -40,6 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint (default loopback)"
     )
     p.add_argument(
+        "--insecure-bind",
+        action="store_true",
+        help="allow a non-loopback --metrics-addr (the endpoint has no TLS or token auth yet)",
+    )
+    p.add_argument(
         "--spool-dir",
         default=None,
         help=f"disk spool folder (default ${env.TRACETOP_SPOOL_DIR} or {env.DEFAULT_SPOOL_DIR})",
@@ -81,6 +86,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.spool_max_mb <= 0:
         print(f"tracetop agent: --spool-max-mb must be > 0, got {args.spool_max_mb}", file=sys.stderr)
+        return 2
+    if args.metrics_addr not in ("127.0.0.1", "localhost", "::1") and not args.insecure_bind:
+        print(
+            f"tracetop agent: refusing --metrics-addr {args.metrics_addr}: not loopback, and the endpoint has no "
+            "TLS or token auth yet; scrape through a local proxy, or pass --insecure-bind on a trusted network",
+            file=sys.stderr,
+        )
         return 2
     backend = None
     if args.fake_gpus is not None:

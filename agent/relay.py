@@ -87,6 +87,31 @@ def _prepare_unix_socket(path: str) -> None:
     )
 
 
+def spooled_high_water(spool_dir: str | os.PathLike[str]) -> dict[str, int]:
+    """source -> highest seq already on the spool (left by a previous agent process).
+
+    Seeds the relay's resend check after a restart, so a hook resending a batch the killed agent
+    had spooled (but whose ack never reached the hook) is acked, not spooled a second time. Reads
+    the shared shipper's spool layout, <spool>/<source_id>/<seq, 20 digits>.batch."""
+    high: dict[str, int] = {}
+    try:
+        folders = [f for f in os.scandir(spool_dir) if f.is_dir()]
+    except OSError:
+        return high
+    for folder in folders:
+        try:
+            seqs = [
+                int(e.name[:-6])
+                for e in os.scandir(folder.path)
+                if e.name.endswith(".batch") and e.name[:-6].isdigit()
+            ]
+        except OSError:
+            continue
+        if seqs:
+            high[folder.name] = max(seqs)
+    return high
+
+
 class Relay:
     """gRPC Ingest server (unix socket and/or loopback TCP) in front of a shipper with a spool.
 
@@ -94,6 +119,7 @@ class Relay:
         shipper: the agent's shipper (`forward(batch) -> bool`, `record(kind, *row)`).
         listen: addresses (``unix:///path``, ``127.0.0.1:PORT``).
         on_batch: called with every accepted DecodedBatch (the agent learns pid -> rank here).
+        high_water: source -> highest seq already spooled (see spooled_high_water).
     """
 
     def __init__(
@@ -104,6 +130,7 @@ class Relay:
         on_batch: Callable[[Any], None] | None = None,
         max_workers: int = 64,
         clock_ns: Callable[[], int] = time.time_ns,
+        high_water: dict[str, int] | None = None,
     ) -> None:
         self.shipper = shipper
         self.listen = listen
@@ -111,7 +138,7 @@ class Relay:
         self.clock_ns = clock_ns
         self._max_workers = max_workers
         self._lock = threading.Lock()
-        self._high: dict[str, int] = {}  # source -> highest seq spooled
+        self._high: dict[str, int] = dict(high_water or {})  # source -> highest seq spooled
         self._source_locks: dict[str, threading.Lock] = {}
         self._refused: set[tuple[str, int]] = set()
         self.stats_ = {

@@ -148,7 +148,9 @@ def test_measure_keeps_min_rtt_and_skips_failures():
     decode_batch(encode_batch(Kind.CLOCK_OFFSET, cols, source_id="s", seq=1, run_id="r"))
 
 
-@pytest.mark.parametrize("bad", [["--interval-s", "0"], ["--spool-max-mb", "-1"]])
+@pytest.mark.parametrize(
+    "bad", [["--interval-s", "0"], ["--spool-max-mb", "-1"], ["--metrics-addr", "0.0.0.0"]]
+)
 def test_cli_refuses_bad_flags(bad, tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "agent", "--collector", "127.0.0.1:1", *bad],

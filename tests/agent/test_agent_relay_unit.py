@@ -189,3 +189,35 @@ def test_stale_socket_file_is_replaced(tmp_path):
     finally:
         relay.stop(0.1)
         shipper.close(1)
+
+
+def test_restarted_relay_acks_resends_of_what_the_killed_agent_spooled(tmp_path):
+    from agent.relay import spooled_high_water
+
+    spool = tmp_path / "spool"
+    # The killed agent: its shipper never reached a collector, so its spool holds hook-7 1..3.
+    dead = Shipper("unix:///nonexistent/collector.sock", run_id="r", source_id="agent:old", spool_dir=spool)
+    for seq in (1, 2, 3):
+        assert dead.forward(_batch(seq))
+    dead.close(0.1)
+    assert spooled_high_water(spool) == {"hook-7": 3}
+    assert spooled_high_water(tmp_path / "missing") == {}
+
+    mem = MemoryTransport()
+    shipper = Shipper(None, run_id="r", transport=mem, spool_dir=spool)  # replays 1..3
+    sock = f"unix://{tmp_path / 'relay.sock'}"
+    relay = Relay(shipper, [sock], high_water=spooled_high_water(spool)).start()
+    try:
+        s = _Stream(sock)
+        s.send(_batch(3))  # its ack was lost in the kill: the hook resends it
+        s.send(_batch(4))
+        s.wait_acks(2)
+        s.close()
+        assert shipper.flush(10)
+    finally:
+        relay.stop(0.1)
+        shipper.close(1)
+    assert s.acks == [("hook-7", 3), ("hook-7", 4)]
+    assert [b.seq for b in mem.batches if b.source_id == "hook-7"] == [1, 2, 3, 4]
+    assert relay.stats()["relay_duplicates"] == 1
+    assert shipper.stats()["spool_bytes"] == 0
