@@ -8,10 +8,12 @@ without a controller. Both are given the same ``Run`` (see ``train.py``).
   micro-batches (gradient accumulation). On the PipelineEngine the cached activation and
   gradient shapes are reset (``reset_activation_shape``), or the next receive would use the old
   buffer size and fail.
-- ``set_optimizer_offload``: optimizer state lives in host memory between optimizer steps
-  (``engine.offload_states`` after each step, ``reload_states`` right before the next optimizer
-  step). DeepSpeed supports this for ZeRO 1 and 2 with torch's Adam and no configured offload;
-  elsewhere the answer is a checkpoint and a relaunch with the other ``--offload`` (the error says so).
+- ``set_optimizer_offload``: with ZeRO 1/2 and no configured offload, the optimizer state lives
+  in host memory between optimizer steps (``engine.offload_states`` after each step,
+  ``reload_states`` right before the next optimizer step; DeepSpeed supports this for ZeRO 1/2
+  with torch's Adam). Elsewhere in the ZeRO shape (ZeRO 3, or a run started with ``--offload``):
+  checkpoint-and-relaunch, in process: save, build a new engine with the other ZeRO offload
+  config, load. ZeRO 0 has nothing to offload and is refused.
 """
 
 from __future__ import annotations
@@ -74,23 +76,33 @@ def set_micro_batch(run: Any, new_micro_batch: int) -> None:
     run.micro_batch, run.micro_batches = new_micro_batch, new_micro_batches
 
 
-def offload_support(layout: Any) -> str | None:
-    """None when ``offload_states`` can toggle optimizer offload on this layout; else why not."""
-    if layout.offload != "none":
-        return (f"the optimizer is already offloaded by --offload {layout.offload}; DeepSpeed cannot move "
-                "offloaded states. Save a checkpoint and relaunch with --offload none --load-dir DIR")
-    if layout.zero not in (1, 2):
-        return (f"offload_states needs ZeRO 1 or 2 with torch Adam (this run has ZeRO {layout.zero}). "
-                "Save a checkpoint (--save-dir) and relaunch with --pp 1 --zero 2 --offload cpu --load-dir DIR")
-    return None
+def offload_method(layout: Any) -> tuple[str | None, str]:
+    """How optimizer offload is toggled on this layout: ``("offload_states", "")``,
+    ``("relaunch", "")`` (checkpoint, new engine with the other ZeRO offload config, load), or
+    ``(None, why)`` when neither applies."""
+    if layout.offload == "none" and layout.zero in (1, 2):
+        return "offload_states", ""
+    if layout.shape == "zero":
+        return "relaunch", ""
+    return None, (f"ZeRO {layout.zero} has no ZeRO optimizer whose state could move; relaunch with --zero 1 "
+                  "(pipeline) or --pp 1 --zero 2/3 (--offload cpu to start offloaded)")
 
 
 def set_optimizer_offload(run: Any, on: bool) -> None:
-    """Keep optimizer state (Adam moments and fp32 master weights) in host memory between
-    optimizer steps, or stop doing so. Call at a step boundary on all ranks."""
-    why = offload_support(run.layout)
-    if why:
+    """Optimizer state in host memory, or back on the device. Call at a step boundary on all ranks.
+
+    ZeRO 1/2 without configured offload: ``offload_states`` after every step and ``reload_states``
+    right before the next optimizer step (the state is off the device during forward/backward).
+    The ZeRO shape otherwise (ZeRO 3, or a run started with --offload): checkpoint and rebuild the
+    engine with ``offload_optimizer`` (and for ZeRO 3 ``offload_param``) set to cpu, or removed."""
+    method, why = offload_method(run.layout)
+    if method is None:
         raise AdjustError(f"optimizer offload {'on' if on else 'off'}: {why}")
+    if method == "relaunch":
+        offloaded = run.layout.offload != "none"
+        if offloaded != on:
+            run.rebuild("cpu" if on else "none")
+        return
     engine = run.engine
     if not getattr(engine, "_rt_offload_installed", False):
         _install_reload_before_step(engine, run)

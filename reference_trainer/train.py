@@ -54,6 +54,10 @@ class Run:
     dp_rank: int
     offload_states_on: bool = False
     states_offloaded: bool = False
+    step: int = 0
+    n_params: int = 0
+    tracing: Any = None
+    rebuild: Any = None  # (offload: str) -> None; set in the ZeRO shape
 
     @property
     def global_batch(self) -> int:
@@ -106,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 adjust_mod.plan_micro_batch(args.micro_batch, args.micro_batches, a.value)
             except adjust_mod.AdjustError as e:
                 return _fail(rank, f"--adjust {a.step}:micro_batch={a.value}: {e}")
-        elif a.key == "offload" and (why := adjust_mod.offload_support(layout)):
-            return _fail(rank, f"--adjust {a.step}:offload: {why}")
+        elif a.key == "offload" and adjust_mod.offload_method(layout)[0] is None:
+            return _fail(rank, f"--adjust {a.step}:offload: {adjust_mod.offload_method(layout)[1]}")
     if layout.offload == "nvme":
         why = _nvme_unavailable()
         if why:
@@ -144,7 +148,10 @@ def _init_distributed(timeout_s: float) -> None:
     deepspeed.init_distributed(timeout=timeout)
 
 
-def _build_engine(args: argparse.Namespace, layout: Layout, preset: ModelPreset, rank: int, bf16: bool):
+def _build_engine(args: argparse.Namespace, layout: Layout, preset: ModelPreset, rank: int, bf16: bool, *,
+                  micro_batch: int, micro_batches: int, grid: Any = None):
+    """The DeepSpeed engine for ``layout``. The ZeRO shape reuses ``grid`` (its process groups)
+    when given one, as a rebuild at a new ZeRO config does."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipelineParallelGrid, PipeModelDataParallelTopology
@@ -155,7 +162,7 @@ def _build_engine(args: argparse.Namespace, layout: Layout, preset: ModelPreset,
     topo = PipeModelDataParallelTopology(num_pp=layout.pp, num_mp=layout.tp, num_dp=layout.dp)
     coord = topo.get_coord(rank)
     tp = TPGroup(coord.model, layout.tp)
-    cfg = ds_config(layout, micro_batch=args.micro_batch, micro_batches=args.micro_batches, lr=args.lr,
+    cfg = ds_config(layout, micro_batch=micro_batch, micro_batches=micro_batches, lr=args.lr,
                     bf16=bf16, nvme_path=args.nvme_path)
     if layout.shape == "3d":
         module = PipelineModule(layers=layer_specs(preset, tp, args.seed), loss_fn=loss_fn, topology=topo,
@@ -165,13 +172,21 @@ def _build_engine(args: argparse.Namespace, layout: Layout, preset: ModelPreset,
         params = [p for p in module.parameters() if p.requires_grad]
         engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, config=cfg)
     else:
-        grid = PipelineParallelGrid(topology=topo)
+        grid = grid or PipelineParallelGrid(topology=topo)
         tp.group = grid.get_slice_parallel_group()
         model = GPT(preset, tp, args.seed)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                                                config=cfg, mpu=grid)
     embedding = next((m for m in engine.module.modules() if isinstance(m, Embedding)), None)
-    return engine, topo, coord, cfg, embedding
+    return engine, topo, coord, cfg, embedding, grid
+
+
+def _meta(run: Run, cfg: dict, topo: Any) -> dict:
+    lay = run.layout
+    return dict(world_size=lay.world_size, tp=lay.tp, pp=lay.pp, dp=lay.dp, zero_stage=lay.zero,
+                model_name=run.preset.name, n_params=run.n_params, flops_per_token=flops_per_token(run.preset),
+                micro_batch=run.micro_batch, micro_batches=run.micro_batches, seq_len=run.preset.seq_len,
+                ds_config=cfg, topology=topo, stage=run.stage)
 
 
 def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
@@ -191,7 +206,8 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and on_gpu)
     torch.manual_seed(args.seed)
 
-    engine, topo, coord, cfg, embedding = _build_engine(args, layout, preset, rank, bf16)
+    engine, topo, coord, cfg, embedding, grid = _build_engine(
+        args, layout, preset, rank, bf16, micro_batch=args.micro_batch, micro_batches=args.micro_batches)
     run = Run(engine=engine, layout=layout, preset=preset, micro_batch=args.micro_batch,
               micro_batches=args.micro_batches, rank=rank, stage=coord.pipe, dp_rank=coord.data)
     clock = StageClock(faults, rank=rank, stage=coord.pipe, micro_batches=lambda: run.micro_batches)
@@ -208,35 +224,61 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
                          + (f" with tag {args.load_tag}" if args.load_tag else ""))
         start_step = int(client.get("step", 0))
 
-    total_params = _count_params(engine, coord, layout)
+    run.n_params = _count_params(engine, coord, layout)
     fpt = flops_per_token(preset)
-    meta = dict(world_size=layout.world_size, tp=layout.tp, pp=layout.pp, dp=layout.dp, zero_stage=layout.zero,
-                model_name=preset.name, n_params=total_params, flops_per_token=fpt,
-                micro_batch=run.micro_batch, micro_batches=run.micro_batches, seq_len=preset.seq_len,
-                ds_config=cfg, topology=topo, stage=coord.pipe)
-    tracing = tracing_mod.start(engine, args, meta=meta)
+    run.tracing = tracing_mod.start(engine, args, meta=_meta(run, cfg, topo))
+
+    def rebuild(offload: str) -> None:
+        """Checkpoint, then a new engine with the new ZeRO offload config, loaded from it: the
+        in-process form of checkpoint-and-relaunch, for engines offload_states cannot serve."""
+        import gc
+
+        try:
+            new_layout = make_layout(layout.world_size, layout.tp, layout.pp, run.layout.zero, offload, preset)
+        except LayoutError as e:
+            raise adjust_mod.AdjustError(str(e)) from e
+        folder = args.save_dir or os.path.join(
+            os.environ.get("TMPDIR", "/tmp"), f"reference_trainer-{os.environ.get('MASTER_PORT', 'x')}-relaunch")
+        tag = f"relaunch-step{run.step}"
+        run.engine.save_checkpoint(folder, tag=tag, client_state={"step": run.step}, save_latest=False)
+        run.tracing.close()
+        run.engine = None
+        gc.collect()
+        accel.empty_cache()
+        new_engine, _, _, new_cfg, new_embedding, _ = _build_engine(
+            args, new_layout, preset, rank, bf16, micro_batch=run.micro_batch, micro_batches=run.micro_batches,
+            grid=grid)
+        new_engine.load_checkpoint(folder, tag=tag)
+        clock.install(new_engine, new_engine.module, new_embedding if coord.pipe == 0 else None)
+        run.engine, run.layout = new_engine, new_layout
+        run.tracing = tracing_mod.start(new_engine, args, meta=_meta(run, new_cfg, topo))
+
+    if layout.shape == "zero":
+        run.rebuild = rebuild
     log = open(args.log_jsonl, "a") if (args.log_jsonl and rank == 0) else None
     rank_log = None
     if args.rank_log_dir:
         os.makedirs(args.rank_log_dir, exist_ok=True)
         rank_log = open(os.path.join(args.rank_log_dir, f"rank{rank}.jsonl"), "a")
     if rank == 0 and not args.quiet:
-        print(f"[reference_trainer] model {preset.name} ({total_params / 1e6:.2f}M params, {fpt / 1e6:.1f} "
+        print(f"[reference_trainer] model {preset.name} ({run.n_params / 1e6:.2f}M params, {fpt / 1e6:.1f} "
               f"MFLOP/token) layout tp={layout.tp} pp={layout.pp} dp={layout.dp} zero={layout.zero} "
               f"offload={layout.offload} shape={layout.shape} micro_batch={run.micro_batch} "
               f"micro_batches={run.micro_batches} global_batch={run.global_batch} "
               f"dtype={'bf16' if bf16 else 'fp32'}", flush=True)
     try:
         for step in range(start_step, args.steps):
+            run.step = step
             for a in adjustments:
                 if a.step == step:
                     _apply(run, a)
+            engine = run.engine
             clock.begin_step(step)
             batches = micro_batches_for(step, args.seed, dp_rank=run.dp_rank, dp=layout.dp,
                                         micro_batch=run.micro_batch, micro_batches=run.micro_batches,
                                         vocab=preset.vocab, seq_len=preset.seq_len)
             t0 = time.perf_counter()
-            with tracing.step(step):
+            with run.tracing.step(step):
                 if layout.shape == "3d":
                     loss = float(engine.train_batch(data_iter=iter(batches)))
                 else:
@@ -244,9 +286,10 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
             step_time_s = time.perf_counter() - t0
             adjust_mod.offload_now(run)
             tokens_per_s = run.global_batch * preset.seq_len / step_time_s
-            record = {"step": step, "time_unix_s": time.time(), "loss": loss, "step_time_s": step_time_s, "tokens_per_s": tokens_per_s,
-                      "achieved_tflops": tokens_per_s * fpt / 1e12, "micro_batch": run.micro_batch,
-                      "micro_batches": run.micro_batches, "global_batch": run.global_batch}
+            record = {"step": step, "time_unix_s": time.time(), "loss": loss, "step_time_s": step_time_s,
+                      "tokens_per_s": tokens_per_s, "achieved_tflops": tokens_per_s * fpt / 1e12,
+                      "micro_batch": run.micro_batch, "micro_batches": run.micro_batches,
+                      "global_batch": run.global_batch}
             if rank == 0:
                 if not args.quiet:
                     print(f"step {step} loss {loss:.4f} step_time {step_time_s * 1000:.1f} ms "
@@ -259,7 +302,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
                     **record, "rank": rank, "stage": coord.pipe, "dp_rank": coord.data, "tp_rank": coord.model,
                     "forward_s": clock.forward_s, "backward_s": clock.backward_s,
                     "dp_reduce_s": clock.dp_reduce_s, "rss_bytes": _rss_bytes(),
-                    "optimizer_cpu_offload": bool(getattr(engine.optimizer, "cpu_offload", False)),
+                    "optimizer_cpu_offload": _optimizer_on_host(engine),
                     "offloaded_states": sorted(str(getattr(s, "value", s))
                                                for s in getattr(engine.optimizer, "offloaded_states", ())),
                     "peak_rss_bytes": _peak_rss_bytes()}) + "\n")
@@ -268,7 +311,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
             if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.steps):
                 engine.save_checkpoint(args.save_dir, tag=f"step{done}", client_state={"step": done})
     finally:
-        tracing.close()
+        run.tracing.close()
         if log:
             log.close()
         if rank_log:
@@ -276,6 +319,12 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _optimizer_on_host(engine: Any) -> bool:
+    """What DeepSpeed's ZeRO optimizer itself says about optimizer offload (stage 1/2, stage 3)."""
+    opt = engine.optimizer
+    return bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False))
 
 
 def _apply(run: Run, a: adjust_mod.Adjustment) -> None:

@@ -109,3 +109,20 @@ def test_zero_shape_with_cpu_offload_runs(zero2_offload):
     for k in (0, 1):  # DeepSpeed's ZeRO optimizer itself says it keeps its state on the host
         assert all(r["optimizer_cpu_offload"] for r in zero2_offload.ranks[k])
     assert zero2_offload.rows[-1]["loss"] < zero2_offload.rows[0]["loss"]
+
+
+@pytest.fixture(scope="module")
+def zero3_relaunch(tmp_path_factory) -> RunResult:
+    """ZeRO 3 x DP2: optimizer offload on before step 2 and off before step 4, which this engine
+    can only do by checkpoint-and-relaunch (in process)."""
+    tmp = tmp_path_factory.mktemp("zero3")
+    return _ok(torchrun(tmp, nproc=2, args=["--zero", "3", "--steps", "6", "--seed", "3",
+                                            "--adjust", "2:offload=on", "--adjust", "4:offload=off"]))
+
+
+def test_zero3_offload_toggle_relaunches_the_engine_and_keeps_the_losses(zero3_relaunch, pp2dp2):
+    for k in (0, 1):
+        assert zero3_relaunch.rank(k, "optimizer_cpu_offload") == [False, False, True, True, False, False]
+    # DP2 with the same seed and global batch as the uninterrupted PP2 x DP2 run.
+    want, got = pp2dp2.losses()[:6], zero3_relaunch.losses()
+    assert max(abs(a - b) for a, b in zip(want, got)) <= 1e-4, (want, got)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from reference_trainer.adjust import AdjustError, parse_adjustment, plan_micro_batch
+from reference_trainer.adjust import AdjustError, offload_method, parse_adjustment, plan_micro_batch
 from reference_trainer.config import (
     PRESETS,
     LayoutError,
@@ -98,6 +98,15 @@ def test_adjustment_specs_and_micro_batch_plan():
     assert plan_micro_batch(4, 4, 16) == 1
     with pytest.raises(AdjustError, match=r"does not divide the 16 samples.*\[1, 2, 4, 8, 16\]"):
         plan_micro_batch(4, 4, 3)
+
+
+def test_offload_toggle_method_per_layout():
+    assert offload_method(make_layout(4, 1, 2, 1, "none", TINY))[0] == "offload_states"
+    assert offload_method(make_layout(2, 1, 1, 2, "none", TINY))[0] == "offload_states"
+    assert offload_method(make_layout(2, 1, 1, 3, "none", TINY))[0] == "relaunch"
+    assert offload_method(make_layout(2, 1, 1, 2, "cpu", TINY))[0] == "relaunch"
+    method, why = offload_method(make_layout(4, 1, 2, 0, "none", TINY))
+    assert method is None and "--zero 1" in why
 
 
 def test_data_is_a_function_of_seed_and_step_and_learnable():
