@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="log every commit (rows, milliseconds)")
 
 
+MIN_BATCH_MB = 4
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import logging
@@ -41,6 +44,13 @@ def run(args: argparse.Namespace) -> int:
     from collector.server import ListenError, start
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    if args.max_batch_mb < MIN_BATCH_MB:
+        # Shippers seal batches of up to 3 MiB (tracetop.wire.shipper.BATCH_BYTES); a smaller cap would
+        # refuse them with RESOURCE_EXHAUSTED, which names no batch, and they would be resent forever.
+        print(f"tracetop collector: --max-batch-mb {args.max_batch_mb} is below {MIN_BATCH_MB}, the smallest that "
+              "holds every shipper's batches (they are up to 3 MiB); use the default 64", file=sys.stderr)
+        return 2
 
     async def main() -> int:
         try:

@@ -612,7 +612,7 @@ class Shipper:
             e = self._remove_locked((source, int(seq)))
             self.stats_.batches_rejected += 1
             if e is not None:
-                fault = detail.split(":", 1)[0][:40] if detail else "invalid"
+                fault = md.get("tracetop-fault") or (detail.split(":", 1)[0][:40] if detail else "invalid")
                 gk = (Kind(e.kind).name.lower() if e.kind in Kind._value2member_map_ else "batch", f"rejected:{fault}", e.source_id)
                 self._gap_pending[gk] = self._gap_pending.get(gk, 0) + e.n
                 self.stats_.rows_dropped += e.n

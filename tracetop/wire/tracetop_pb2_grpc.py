@@ -51,8 +51,10 @@ class IngestServicer:
 
     def Stream(self, request_iterator, context):
         """Batches in, cumulative acks out. A batch that fails validation ends the stream with
-        INVALID_ARGUMENT naming the fault; trailing metadata `tracetop-rejected-source` and
-        `tracetop-rejected-seq` say which batch, so the shipper can drop it (recording a gap) and go on.
+        INVALID_ARGUMENT naming the fault; trailing metadata `tracetop-fault` (the fault's short name),
+        `tracetop-rejected-source` and `tracetop-rejected-seq` say which batch, so the shipper can drop
+        it (recording a gap) and go on. Receivers accept messages of at least 4 MiB; shippers seal
+        batches of at most 3 MiB of column data.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
