@@ -43,7 +43,7 @@ class Steady:
 
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
-    c = start_collector(tmp_path_factory.mktemp("bad"), extra_args=["--max-batch-mb", "1", "--flush-interval-s", "0.1"], metrics=True)
+    c = start_collector(tmp_path_factory.mktemp("bad"), extra_args=["--max-batch-mb", "4", "--flush-interval-s", "0.1"], metrics=True)
     yield c
     c.stop()
 
@@ -119,7 +119,7 @@ def test_oversized_message_resource_exhausted(collector, steady):
     f = Feeder(collector.addr)
     f.send(batch("big", 1, N))
     f.wait_ack("big", 1)
-    big = batch("big", 2, 20_000)  # 20k STEP rows = 1.9 MB > --max-batch-mb 1
+    big = batch("big", 2, 60_000)  # 60k STEP rows = 5.7 MB > --max-batch-mb 4 (the smallest allowed)
     assert big.ByteSize() > 1024 * 1024
     f.send(big)
     err = f.wait_end()
