@@ -22,13 +22,10 @@ GROUP BY s.rank ORDER BY s.rank
 """
 
 BUBBLE_SQL = """
-SELECT r.stage,
-       count(DISTINCT s.rank) AS ranks,
-       avg(1 - (s.forward_ns + s.backward_ns) / s.duration_ns) AS bubble_rate,
-       (max(r.pp) - 1) / (max(r.micro_batches) + max(r.pp) - 1) AS ideal_bubble_rate
-FROM step s JOIN run_start r ON r.run_id = s.run_id AND r.rank = s.rank
-WHERE s.run_id = ? AND s.step >= ? AND r.pp > 1 AND s.duration_ns > 0
-GROUP BY r.stage ORDER BY r.stage
+SELECT stage, max(ranks) AS ranks, avg(bubble_rate) AS bubble_rate, any_value(ideal_bubble_rate) AS ideal_bubble_rate
+FROM bubble_by_stage
+WHERE run_id = ? AND step >= ?
+GROUP BY stage ORDER BY stage
 """
 
 COLLECTIVES_SQL = """

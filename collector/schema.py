@@ -114,8 +114,25 @@ def _v2() -> list[str]:
     ]
 
 
+def _v3() -> list[str]:
+    """bubble_by_stage (DESIGN §3): 1 - (forward + backward compute) / schedule wall time, per stage
+    and step, beside the balanced-1F1B ideal (p-1)/(m+p-1). forward_ns/backward_ns are the
+    ForwardPass/BackwardPass self times the hooks record; duration_ns is the whole train_batch."""
+    return [
+        """CREATE VIEW bubble_by_stage AS
+        SELECT s.run_id, r.stage, s.step,
+               count(*) AS ranks,
+               1 - sum(s.forward_ns + s.backward_ns) / sum(s.duration_ns) AS bubble_rate,
+               (max(r.pp) - 1) / (max(r.micro_batches) + max(r.pp) - 1) AS ideal_bubble_rate
+        FROM step s
+        JOIN run_start r ON r.run_id = s.run_id AND r.rank = s.rank
+        WHERE r.pp > 1 AND s.duration_ns > 0
+        GROUP BY s.run_id, r.stage, s.step""",
+    ]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3]
 STORE_VERSION = len(MIGRATIONS)
 
 
