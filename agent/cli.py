@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         else ""
     )
     print(
-        f"tracetop agent: listening on {', '.join(cfg.listen)}; {gpus} GPUs; shipping to {cfg.collector}; "
+        f"tracetop agent: listening on {', '.join(agent.relay.addresses() if agent.relay else cfg.listen)}; {gpus} GPUs; shipping to {cfg.collector}; "
         f"spool {cfg.spool_dir}{metrics}",
         flush=True,
     )

@@ -211,6 +211,15 @@ class Relay:
                 except OSError:
                     pass
 
+    def addresses(self) -> list[str]:
+        """The listen addresses as bound (a TCP port 0 replaced by the port picked)."""
+        out = []
+        for addr, port in self.ports.items():
+            if unix_path(addr) is None and addr.endswith(":0"):
+                addr = f"{addr[:-2]}:{port}"
+            out.append(addr)
+        return out
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self.stats_)

@@ -221,3 +221,20 @@ def test_restarted_relay_acks_resends_of_what_the_killed_agent_spooled(tmp_path)
     assert [b.seq for b in mem.batches if b.source_id == "hook-7"] == [1, 2, 3, 4]
     assert relay.stats()["relay_duplicates"] == 1
     assert shipper.stats()["spool_bytes"] == 0
+
+
+def test_loopback_tcp_listen_and_non_loopback_refused():
+    shipper = Shipper(None, run_id="r", transport=MemoryTransport())
+    with pytest.raises(RelayListenError, match="loopback only"):
+        Relay(shipper, ["0.0.0.0:0"]).start()
+    relay = Relay(shipper, ["127.0.0.1:0"]).start()
+    try:
+        (addr,) = relay.addresses()
+        assert addr.startswith("127.0.0.1:") and not addr.endswith(":0")
+        s = _Stream(addr)
+        s.send(_batch(1))
+        s.wait_acks(1)
+        s.close()
+    finally:
+        relay.stop(0.1)
+        shipper.close(1)
