@@ -4,15 +4,17 @@ Every fault acts on the real run, never on a reported number:
 
 - straggler RANK:MS[@STEP]: that rank sleeps MS per step inside its forward (split across its
   micro-batches), so its compute is longer and its peers wait for it in their collectives;
-- comm delay RANK:MS[@STEP]: that rank sleeps MS right before its data-parallel gradient
-  reduction (the engine's ``allreduce_gradients``), so it enters its DP collectives late; nothing
-  in ``torch.distributed`` is wrapped, so hooks that wrap it see the late entry as it is;
+- comm delay RANK:MS[@STEP]: that rank sleeps MS right before the step's first data-parallel
+  gradient reduction (the engine's ``allreduce_gradients``, or a ZeRO 2/3 bucket reduction during
+  backward), so it enters its DP collectives late; nothing in ``torch.distributed`` is wrapped,
+  so hooks that wrap it see the late entry as it is;
 - stage imbalance STAGE:FACTOR[@STEP]: every rank of that pipeline stage measures its forward and
   its backward and sleeps (FACTOR - 1) times as long inside each, so the stage is FACTOR x slower;
 - memory growth RANK:MB[@STEP]: that rank allocates, touches and holds MB more every step (host
   memory on CPU, device memory on GPU);
-- hang RANK@STEP: at STEP that rank enters an all-reduce on a group nobody else joins, where it
-  stays until the process group's timeout; the others block in their next collective with it.
+- hang RANK@STEP: at STEP, where its first DP reduction would start, that rank enters an
+  all-reduce on a (gloo) group nobody else joins, where it stays until the timeout; the others
+  block in their next collective with it until theirs.
 
 ``StageClock`` also measures, per rank and step, the forward time of the stage module, the
 backward time of the stage and the time in the DP gradient reduction (``--rank-log-dir``).
@@ -111,12 +113,14 @@ class StageClock:
         self.device: Any = None
         self.held: list[Any] = []  # memory-growth allocations, kept alive on purpose
         self.step = -1
+        self._in_reduction = self._entered_reduction = False
         self.forward_s = self.backward_s = self.dp_reduce_s = 0.0
         self._fwd_t0 = self._fwd_c0 = self._bwd_t0 = 0.0
 
     # -- step boundaries ------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.step = step
+        self._entered_reduction = False
         self.forward_s = self.backward_s = self.dp_reduce_s = 0.0
         for f in self.mem_growth:
             if f.active(step):
@@ -140,21 +144,37 @@ class StageClock:
         stage_module.register_forward_hook(self._post_forward)
         if embedding is not None:
             embedding.register_forward_hook(self._after_embedding)
-        original = engine.allreduce_gradients
+        # Where DP gradient reductions start: the engine's allreduce_gradients (ZeRO 0/1, the
+        # pipeline's ReduceGrads, the ZeRO 2/3 epilogue), the bf16 pipeline path, and the ZeRO 2/3
+        # bucket reductions that run from gradient hooks during backward. Instance attributes
+        # shadow the methods: DeepSpeed calls them as self.<name>().
+        for owner, name in ((engine, "allreduce_gradients"), (engine, "_bf16_reduce_grads"),
+                            (engine.optimizer, "reduce_ipg_grads"),
+                            (engine.optimizer, "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads")):
+            original = getattr(owner, name, None)
+            if callable(original):
+                setattr(owner, name, self._reduction(original))
 
-        def allreduce_gradients(*a: Any, **kw: Any) -> Any:
-            for f in self.hang:
-                if f.active(self.step):
-                    self._hang()
-            self._sleep(sum(f.amount for f in self.comm_delay if f.active(self.step)) / 1000.0)
+    def _reduction(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def reduction(*a: Any, **kw: Any) -> Any:
+            if self._in_reduction:  # nested (the epilogue calls the bucket reduction): counted once
+                return original(*a, **kw)
+            self._in_reduction = True
             t0 = self._clock()
             try:
+                if not self._entered_reduction:  # the step's first DP reduction
+                    self._entered_reduction = True
+                    for f in self.hang:
+                        if f.active(self.step):
+                            self._hang()
+                    self._sleep(sum(f.amount for f in self.comm_delay if f.active(self.step)) / 1000.0)
+                    t0 = self._clock()
                 return original(*a, **kw)
             finally:
                 self.dp_reduce_s += self._clock() - t0
+                self._in_reduction = False
 
-        # An instance attribute shadows the method: the engines call self.allreduce_gradients().
-        engine.allreduce_gradients = allreduce_gradients
+        return reduction
 
     def _hang(self) -> None:
         import torch
@@ -162,10 +182,7 @@ class StageClock:
 
         print(f"[reference_trainer] rank {self.rank}: injected hang at step {self.step}: entering an "
               "all-reduce no other rank joins", flush=True)
-        t = torch.zeros(1, device=self.device)
-        dist.all_reduce(t, group=self.hang_group)
-        if t.is_cuda:  # NCCL returns at once; wait for the kernel that never ends
-            torch.cuda.synchronize()
+        dist.all_reduce(torch.zeros(1), group=self.hang_group)  # a gloo group: blocks until its timeout
         raise RuntimeError("injected hang: the all-reduce returned, which it must not")
 
     # -- forward ------------------------------------------------------------------------------

@@ -192,8 +192,6 @@ def _meta(run: Run, cfg: dict, topo: Any) -> dict:
 def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
     import torch
     import torch.distributed as dist
-
-    _init_distributed(args.dist_timeout_s)
     from deepspeed.accelerator import get_accelerator
 
     from reference_trainer.data import micro_batches_for
@@ -201,8 +199,9 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
 
     accel = get_accelerator()
     on_gpu = accel.device_name() == "cuda"
-    if on_gpu:
+    if on_gpu:  # before the process groups: NCCL binds each rank to its device
         accel.set_device(local_rank)
+    _init_distributed(args.dist_timeout_s)
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and on_gpu)
     torch.manual_seed(args.seed)
 
@@ -213,7 +212,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
     clock = StageClock(faults, rank=rank, stage=coord.pipe, micro_batches=lambda: run.micro_batches)
     clock.device = engine.device
     if clock.needs_hang_group:  # every rank takes part in creating it; only the hanging rank uses it
-        clock.hang_group = dist.new_group(ranks=list(range(layout.world_size)))
+        clock.hang_group = dist.new_group(ranks=list(range(layout.world_size)), backend="gloo")
     clock.install(engine, engine.module, embedding if coord.pipe == 0 else None)
 
     start_step = 0
@@ -305,7 +304,9 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
                     "optimizer_cpu_offload": _optimizer_on_host(engine),
                     "offloaded_states": sorted(str(getattr(s, "value", s))
                                                for s in getattr(engine.optimizer, "offloaded_states", ())),
-                    "peak_rss_bytes": _peak_rss_bytes()}) + "\n")
+                    "peak_rss_bytes": _peak_rss_bytes(),
+                    **({"device_allocated_bytes": accel.memory_allocated(),
+                        "device_peak_bytes": accel.max_memory_allocated()} if on_gpu else {})}) + "\n")
                 rank_log.flush()
             done = step + 1
             if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.steps):
