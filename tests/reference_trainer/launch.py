@@ -41,11 +41,17 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def torchrun(tmp: Path, *, nproc: int, args: list[str], timeout_s: float = 400.0, trace: bool = False) -> RunResult:
+def torchrun(tmp: Path, *, nproc: int, args: list[str], timeout_s: float = 400.0, trace: bool = False,
+             via_tracetop: bool = False) -> RunResult:
+    """``torchrun -m reference_trainer`` (or ``tracetop train``, which execs the same) with logs in tmp."""
     tmp.mkdir(parents=True, exist_ok=True)
     log, rank_dir = tmp / "rank0.jsonl", tmp / "ranks"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           "-m", "reference_trainer", "--quiet", "--log-jsonl", str(log), "--rank-log-dir", str(rank_dir), *args]
+    if via_tracetop:
+        launcher = [sys.executable, "-m", "tracetop.cli", "train", "--nproc", str(nproc)]
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                    "-m", "reference_trainer"]
+    cmd = [*launcher, "--quiet", "--log-jsonl", str(log), "--rank-log-dir", str(rank_dir), *args]
     if not trace:
         cmd.append("--no-trace")
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

@@ -35,14 +35,15 @@ def tp2pp2dp2(tmp_path_factory) -> RunResult:
 def pp2_ckpt(tmp_path_factory):
     """PP2 (2 processes, ZeRO 1), 6 steps, checkpoints after 3 and 6; optimizer offload via
     offload_states on before step 1 and off before step 4. Then a resume from the step-3
-    checkpoint to step 6."""
+    checkpoint to step 6, launched by `tracetop train`."""
     tmp = tmp_path_factory.mktemp("ckpt")
     ck = tmp / "ck"
     full = _ok(torchrun(tmp / "full", nproc=2, args=["--pp", "2", "--steps", "6", "--save-dir", str(ck),
                                                      "--save-every", "3", "--adjust", "1:offload=on",
                                                      "--adjust", "4:offload=off"]))
-    resumed = _ok(torchrun(tmp / "resumed", nproc=2, args=["--pp", "2", "--steps", "6", "--load-dir", str(ck),
-                                                           "--load-tag", "step3"]))
+    # The resume goes through `tracetop train`, which execs torchrun with the same flags.
+    resumed = _ok(torchrun(tmp / "resumed", nproc=2, via_tracetop=True,
+                           args=["--pp", "2", "--steps", "6", "--load-dir", str(ck), "--load-tag", "step3"]))
     return full, resumed
 
 

@@ -186,3 +186,13 @@ def test_tracetop_train_dry_run_and_refusal():
     bad = subprocess.run([*tt, "--nproc", "4", "--pp", "2", "--zero", "3"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "incompatible with pipeline" in bad.stderr
+
+
+def test_trainer_refuses_an_impossible_layout_before_starting_anything():
+    out = subprocess.run([sys.executable, "-m", "reference_trainer", "--pp", "2", "--zero", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2
+    assert "does not divide the world size 1" in out.stderr  # a world of one process
+    out = subprocess.run([sys.executable, "-m", "reference_trainer", "--inject-straggler", "0-5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2 and "--inject-straggler '0-5': expected RANK:MS[@STEP]" in out.stderr
