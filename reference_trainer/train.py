@@ -271,6 +271,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
             for a in adjustments:
                 if a.step == step:
                     _apply(run, a)
+            _apply_commands(run, step)
             engine = run.engine
             clock.begin_step(step)
             batches = micro_batches_for(step, args.seed, dp_rank=run.dp_rank, dp=layout.dp,
@@ -328,11 +329,33 @@ def _optimizer_on_host(engine: Any) -> bool:
     return bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False))
 
 
+def _apply_commands(run: Run, step: int) -> None:
+    """The control path's seam: at every step boundary, outside any step, the loop asks the
+    tracing object for adjustments all ranks agreed to apply at ``step``
+    (``tracing.adjustments(step) -> [(key, value), ...]``, keys as in --adjust: ``micro_batch`` an
+    int, ``offload`` a bool) and reports each outcome back
+    (``tracing.adjustment_result(step, key, value, applied, message)``). Both are optional."""
+    pending = getattr(run.tracing, "adjustments", None)
+    if pending is None:
+        return
+    report = getattr(run.tracing, "adjustment_result", None)
+    for key, value in pending(step) or ():
+        try:
+            _apply(run, adjust_mod.Adjustment(step, key, value))
+            applied, message = True, ""
+        except adjust_mod.AdjustError as e:
+            applied, message = False, str(e)
+        if report is not None:
+            report(step, key, value, applied, message)
+
+
 def _apply(run: Run, a: adjust_mod.Adjustment) -> None:
     if a.key == "micro_batch":
-        adjust_mod.set_micro_batch(run, a.value)
+        adjust_mod.set_micro_batch(run, int(a.value))
     elif a.key == "offload":
-        adjust_mod.set_optimizer_offload(run, a.value)
+        adjust_mod.set_optimizer_offload(run, bool(a.value))
+    else:
+        raise adjust_mod.AdjustError(f"unknown adjustment {a.key!r}; use micro_batch or offload")
     if run.rank == 0:
         print(f"[reference_trainer] step {a.step}: {a.key} -> {a.value} (micro_batch={run.micro_batch}, "
               f"micro_batches={run.micro_batches}, global_batch={run.global_batch})", flush=True)

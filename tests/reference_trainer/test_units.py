@@ -196,3 +196,27 @@ def test_trainer_refuses_an_impossible_layout_before_starting_anything():
     out = subprocess.run([sys.executable, "-m", "reference_trainer", "--inject-straggler", "0-5"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 2 and "--inject-straggler '0-5': expected RANK:MS[@STEP]" in out.stderr
+
+
+def test_control_seam_asks_tracing_for_adjustments_and_reports_outcomes():
+    from reference_trainer.train import Run, _apply_commands
+
+    class Seam:  # what the hooks' tracing object offers the loop
+        def __init__(self):
+            self.results = []
+
+        def adjustments(self, step):
+            return [("micro_batch", 3), ("speed", 2)] if step == 7 else []
+
+        def adjustment_result(self, step, key, value, applied, message):
+            self.results.append((step, key, value, applied, message))
+
+    run = Run(engine=None, layout=make_layout(2, 1, 2, 1, "none", TINY), preset=TINY, micro_batch=4,
+              micro_batches=4, rank=0, stage=0, dp_rank=0, tracing=Seam())
+    _apply_commands(run, 6)
+    assert run.tracing.results == []
+    _apply_commands(run, 7)  # both refused before touching the engine; the run is unchanged
+    (s1, k1, v1, ok1, m1), (s2, k2, v2, ok2, m2) = run.tracing.results
+    assert (s1, k1, v1, ok1) == (7, "micro_batch", 3, False) and "does not divide the 16 samples" in m1
+    assert (k2, ok2) == ("speed", False) and "unknown adjustment" in m2
+    assert (run.micro_batch, run.micro_batches) == (4, 4)
