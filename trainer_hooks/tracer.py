@@ -42,6 +42,7 @@ from typing import Any
 from tracetop import env as tenv
 from tracetop.events import Kind
 from trainer_hooks import collectives as colls
+from trainer_hooks import columns as cols
 from trainer_hooks.identity import Identity, SetupError, resolve
 
 log = logging.getLogger("trainer_hooks")
@@ -194,6 +195,8 @@ class Tracer:
         samples_per_step: int | None = None,
         max_unacked_bytes: int | None = None,
         close_timeout_s: float = 5.0,
+        drain_interval_s: float = 0.5,
+        flush_interval_s: float = 1.0,
         clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self.enabled = (not tenv.disabled()) if enabled is None else bool(enabled)
@@ -201,9 +204,8 @@ class Tracer:
         self._warned: set[str] = set()
         self._closed = False
         self.current_phase = "idle"
-        self.pending_op = ""
-        self.pending_role = ""
-        self.pending_since_ns = -1
+        self.pending_sig = -1  # index into _sig_list of the collective in progress, -1 if none
+        self.pending_t0 = 0
         self.step_n = -1
         self.in_step = False
         self.events = 0  # rows recorded by the training thread (for the benchmark)
@@ -213,10 +215,21 @@ class Tracer:
         self._deferred: collections.deque = collections.deque()
         self._phases: dict[str, _PhaseCtx] = {}
         self._step_ctx = _StepCtx(self)
+        self._switched: _PhaseCtx | None = None
         self._step_t0: Any = 0
         self._step_wall0 = 0
         self._step_perf0 = 0
         self._instr_counts: dict[str, int] = {}
+        # hot-path buffers (plain lists; the emitter drains them into columns)
+        self._rc: list[tuple] = []  # collectives: (step, start_ns, duration_ns, bytes, sig)
+        self._ri: list[tuple] = []  # pipeline instructions: (step, start_ns, duration_ns, micro_batch, code)
+        self._rs: list[tuple] = []  # one per step: columns.STEP_FIELDS
+        self._sigs: dict[tuple, int] = {}
+        self._sig_cache: dict[tuple, int] = {}
+        self._sig_list: list[tuple] = []
+        self._instr_codes: dict[str, int] = {}
+        self._instr_names: list[str] = []
+        self._drain_lock = threading.Lock()
         self._described = False
         self.stage = -1
         self.identity: Identity | None = None
@@ -227,6 +240,7 @@ class Tracer:
         self.samples_per_step = samples_per_step if samples_per_step is not None else -1
         self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else -1
         self.close_timeout_s = close_timeout_s
+        self.drain_interval_s = drain_interval_s
         self._roles: dict[Any, tuple[str, int]] = {}
         self._peer_roles: dict[int, str] = {}
         self._dtypes: dict[Any, str] = {}
@@ -258,7 +272,7 @@ class Tracer:
         else:
             from tracetop.wire.shipper import Shipper
 
-            kw: dict[str, Any] = {}
+            kw: dict[str, Any] = {"flush_interval_s": flush_interval_s}
             if max_unacked_bytes is None and tenv.get(tenv.TRACETOP_BUFFER_BYTES):
                 raw = tenv.get(tenv.TRACETOP_BUFFER_BYTES, "")
                 try:
@@ -306,6 +320,31 @@ class Tracer:
         if ctx is None:
             ctx = self._phases[name] = _PhaseCtx(self, name)
         return ctx
+
+    def begin_step(self, n: int, *, tokens: int | None = None, samples: int | None = None) -> None:
+        """For callback-style integrations: the same as entering ``step(n)``."""
+        if self.enabled and not self.in_step:
+            self.step(n, tokens=tokens, samples=samples).__enter__()
+
+    def end_step(self) -> None:
+        """Ends the step begun with :meth:`begin_step` (and a phase left open by :meth:`switch_phase`)."""
+        if self.enabled and self.in_step:
+            self.switch_phase(None)
+            self._step_ctx.__exit__(None, None, None)
+
+    def switch_phase(self, name: str | None) -> None:
+        """For callback-style integrations: leave the phase entered by the last switch (if any) and
+        enter ``name`` (None: enter nothing)."""
+        if not self.enabled:
+            return
+        current = self._switched
+        if current is not None:
+            self._switched = None
+            current.__exit__(None, None, None)
+        if name:
+            ctx = self.phase(name)
+            ctx.__enter__()
+            self._switched = ctx
 
     def describe(
         self,
@@ -357,6 +396,7 @@ class Tracer:
         self._axis_roles = dict(axis_roles or {})
         self._roles.clear()
         self._peer_roles.clear()
+        self._sig_cache.clear()
 
     def record_offload(self, direction: str, what: str, nbytes: int, t0_ns: int, duration_ns: int) -> None:
         """One offload copy (``d2h``/``h2d``/``h2nvme``/``nvme2h``/``h2h``; ``grads``/``optim_state``/
@@ -438,17 +478,13 @@ class Tracer:
 
     def _finish_step(self, n: int, wall0: int, dur: int, tokens: int, samples: int, acc: _Acc) -> None:
         s = acc.sums
-        compute = s[1] + s[2] + s[3]
-        rec = self._record
-        rec(_STEP, self.rank, n, wall0, dur, s[0], s[1], s[2], s[3], acc.comm_ns, compute, tokens, samples)
         secs = dur / 1e9 if dur > 0 else _NAN
         tps = tokens / secs if tokens >= 0 else _NAN
         sps = samples / secs if samples >= 0 else _NAN
         tflops = tps * self.flops_per_token * self.model_share / 1e12
-        mfu = tflops * 1e12 / self.peak_flops
-        rec(_THROUGHPUT, self.rank, n, wall0, dur, tps, sps, tflops, mfu)
-        alloc, reserved, peak, rss = self._memory()
-        rec(_MEMORY, self.rank, n, wall0 + dur, 0, alloc, reserved, peak, rss, self.memory_budget_bytes)
+        # memory is sampled by the emitter when it ships these rows (at most drain_interval_s later)
+        self._rs.append((n, wall0, dur, s[0], s[1], s[2], s[3], acc.comm_ns, s[1] + s[2] + s[3], tokens, samples,
+                         tps, sps, tflops, tflops * 1e12 / self.peak_flops))
         self.events += 3
 
     def _memory(self) -> tuple[int, int, int, int]:
@@ -484,7 +520,10 @@ class Tracer:
             dur = now - t0
             acc = self._acc
             acc.sums[slot] += dur - (acc.comm_ns - acc.stack.pop())
-            self._record(_INSTR, self.rank, self.step_n, self._wall(t0), dur, self.stage, mb, instr)
+            code = self._instr_codes.get(instr)
+            if code is None:
+                code = self._instr_code(instr)
+            self._ri.append((self.step_n, self._wall(t0), dur, mb, code))
             self.events += 1
         else:
             self._deferred.append((2, (slot, self.step_n, self._wall(perf_counter_ns()), mb, instr), t0, self._cuda.mark()))
@@ -518,63 +557,83 @@ class Tracer:
         return role
 
     def _collective_enter(self, spec: Any, args: tuple, kwargs: dict) -> tuple:
-        nbytes, tensor = colls.payload(spec, args, kwargs)
-        group = kwargs["group"] if "group" in kwargs else (args[spec.group_i] if 0 <= spec.group_i < len(args) else None)
-        role, size = self._group_info(group)
-        peer = -1
-        if spec.peer_name:
-            p = kwargs.get(spec.peer_name) if spec.peer_name in kwargs else (args[spec.peer_i] if 0 <= spec.peer_i < len(args) else None)
-            if p is None:
-                gp = kwargs.get(spec.group_peer_name)
-                if gp is not None and group is not None:
-                    import torch.distributed as dist
-
-                    p = dist.get_global_rank(group, gp)
-            if p is not None:
-                peer = int(p)
-                role = self._peer_role(peer)
-                size = 2
-        if spec.name in colls.ALWAYS_ASYNC:
-            is_async = 1
+        n = len(args)
+        if spec.kind == "arg":  # one tensor: the common case, inlined
+            tensor = args[spec.index] if spec.index < n else kwargs.get(spec.arg_name)
+            nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
         else:
-            a = kwargs.get("async_op") if "async_op" in kwargs else (args[spec.async_i] if 0 <= spec.async_i < len(args) else False)
-            is_async = 1 if a else 0
-        dtype = ""
-        if tensor is not None:
-            dt = tensor.dtype
-            dtype = self._dtypes.get(dt)
-            if dtype is None:
-                dtype = self._dtypes[dt] = str(dt).replace("torch.", "")
-        self.pending_op = spec.name
-        self.pending_role = role
-        t0 = perf_counter_ns()
-        self.pending_since_ns = self._wall(t0)
+            nbytes, tensor = colls.payload(spec, args, kwargs)
+        gi, ai, pi = spec.group_i, spec.async_i, spec.peer_i
+        if kwargs:
+            group = kwargs["group"] if "group" in kwargs else (args[gi] if 0 <= gi < n else None)
+            is_async = kwargs["async_op"] if "async_op" in kwargs else (args[ai] if 0 <= ai < n else False)
+            peer = kwargs[spec.peer_name] if spec.peer_name in kwargs else (args[pi] if 0 <= pi < n else None)
+            if peer is None and spec.group_peer_name in kwargs and group is not None:
+                import torch.distributed as dist
+
+                peer = dist.get_global_rank(group, kwargs[spec.group_peer_name])
+        else:
+            group = args[gi] if 0 <= gi < n else None
+            is_async = args[ai] if 0 <= ai < n else False
+            peer = args[pi] if 0 <= pi < n else None
+        key = (spec, group, tensor.dtype if tensor is not None else None, bool(is_async), peer)
+        sig = self._sig_cache.get(key)
+        if sig is None:
+            sig = self._new_sig(spec, group, tensor, bool(is_async), peer, key)
+        self.pending_sig = sig
+        t0 = self.pending_t0 = perf_counter_ns()
         if self._cuda is None:
-            return (spec.name, role, size, nbytes, peer, dtype, is_async, t0)
-        return (spec.name, role, size, nbytes, peer, dtype, is_async, t0, self._cuda.mark())
+            return (sig, nbytes, t0)
+        return (sig, nbytes, t0, self._cuda.mark())
+
+    def _new_sig(self, spec: Any, group: Any, tensor: Any, is_async: bool, peer: Any, key: tuple) -> int:
+        """First call of its kind: name the group, the peer and the dtype once."""
+        role, size = self._group_info(group)
+        peer_rank = -1
+        if spec.peer_name and peer is not None:
+            peer_rank = int(peer)
+            role, size = self._peer_role(peer_rank), 2
+        dtype = str(tensor.dtype).replace("torch.", "") if tensor is not None else ""
+        asynchronous = 1 if (is_async or spec.name in colls.ALWAYS_ASYNC) else 0
+        full = (spec.name, role, size, peer_rank, dtype, asynchronous)
+        sig = self._sigs.get(full)
+        if sig is None:
+            sig = self._sigs[full] = len(self._sig_list)
+            self._sig_list.append(full)
+        self._sig_cache[key] = sig
+        return sig
 
     def _collective_exit(self, token: tuple) -> None:
-        self.pending_op = ""
-        self.pending_since_ns = -1
+        self.pending_sig = -1
         if self._cuda is None:
-            name, role, size, nbytes, peer, dtype, is_async, t0 = token
+            sig, nbytes, t0 = token
             dur = perf_counter_ns() - t0
             self._acc.comm_ns += dur
-            self._record(_COLL, self.rank, self.step_n, self._wall(t0), dur, name, role, size, nbytes, peer, dtype, is_async)
+            self._rc.append((self.step_n, self._step_wall0 + (t0 - self._step_perf0), dur, nbytes, sig))
         else:
-            name, role, size, nbytes, peer, dtype, is_async, t0, ev0 = token
-            row = (self.step_n, self._wall(t0), name, role, size, nbytes, peer, dtype, is_async)
+            sig, nbytes, t0, ev0 = token
+            row = (self.step_n, self._wall(t0), nbytes, sig)
             self._deferred.append((5, row, ev0, self._cuda.mark()))
         self.events += 1
 
+    @property
+    def pending(self) -> tuple[str, str, int]:
+        """(op, role, wall clock ns it entered) of the collective this rank is inside, or ("", "", -1)."""
+        sig, t0 = self.pending_sig, self.pending_t0
+        if sig < 0:
+            return "", "", -1
+        op, role = self._sig_list[sig][:2]
+        return op, role, self._wall(t0)
+
     # ------------------------------------------------------------------ emitter thread
     def _run_emitter(self) -> None:
-        tick = 0.05 if self._cuda is not None else min(1.0, self.heartbeat_s)
+        tick = 0.05 if self._cuda is not None else min(self.drain_interval_s, self.heartbeat_s)
         next_hb = time.monotonic() + self.heartbeat_s
         while not self._stop.wait(tick):
             try:
                 if self._cuda is not None:
                     self._resolve_deferred()
+                self._drain()
                 if time.monotonic() >= next_hb:
                     next_hb += self.heartbeat_s
                     self._heartbeat()
@@ -585,11 +644,48 @@ class Tracer:
             while self._deferred and time.monotonic() < deadline:
                 self._resolve_deferred()
                 time.sleep(0.01)
+        try:
+            self._drain()
+        except Exception as e:
+            self._hook_error("emitter", e)
+
+    def _instr_code(self, instr: str) -> int:
+        code = self._instr_codes.get(instr)
+        if code is None:
+            self._instr_names.append(instr)
+            code = self._instr_codes[instr] = len(self._instr_names) - 1
+        return code
+
+    @staticmethod
+    def _take(buf: list) -> list:
+        """Everything appended so far (appends only ever add at the end; slicing and deleting a
+        prefix are single operations under the GIL, so nothing is lost or taken twice)."""
+        n = len(buf)
+        chunk = buf[:n]
+        del buf[:n]
+        return chunk
+
+    def _drain(self) -> None:
+        """Emitter: hot-path rows -> columns -> the shipper, a few vectorised operations per kind."""
+        with self._drain_lock:
+            rows = self._take(self._rc)
+            if rows:
+                self.shipper.record_many(_COLL, cols.collective_columns(self.rank, rows, list(self._sig_list)))
+            rows = self._take(self._ri)
+            if rows:
+                self.shipper.record_many(_INSTR, cols.instr_columns(self.rank, self.stage, rows, list(self._instr_names)))
+            rows = self._take(self._rs)
+            if rows:
+                sample = (*self._memory(), self.memory_budget_bytes)
+                step, throughput, memory = cols.step_columns(self.rank, [r + sample for r in rows])
+                self.shipper.record_many(_STEP, step)
+                self.shipper.record_many(_THROUGHPUT, throughput)
+                self.shipper.record_many(_MEMORY, memory)
 
     def _heartbeat(self) -> None:
-        phase = "comm" if self.pending_op else (self.current_phase if self.in_step else "idle")
-        self._record(_HEARTBEAT, self.rank, self.step_n, self._clock_ns(), 0, phase, self.pending_op,
-                     self.pending_role if self.pending_op else "", self.pending_since_ns if self.pending_op else -1,
+        op, role, since = self.pending
+        phase = "comm" if op else (self.current_phase if self.in_step else "idle")
+        self._record(_HEARTBEAT, self.rank, self.step_n, self._clock_ns(), 0, phase, op, role, since,
                      self._hostname, self._pid)
 
     def _resolve_deferred(self) -> None:
@@ -617,11 +713,11 @@ class Tracer:
             elif op == 2:
                 slot, step, wall, mb, instr = payload
                 acc.sums[slot] += dur - (acc.comm_ns - acc.stack.pop())
-                self._record(_INSTR, self.rank, step, wall, dur, self.stage, mb, instr)
+                self._ri.append((step, wall, dur, mb, self._instr_codes.get(instr) or self._instr_code(instr)))
             elif op == 5:
-                step, wall, name, role, size, nbytes, peer, dtype, is_async = payload
+                step, wall, nbytes, sig = payload
                 acc.comm_ns += dur
-                self._record(_COLL, self.rank, step, wall, dur, name, role, size, nbytes, peer, dtype, is_async)
+                self._rc.append((step, wall, dur, nbytes, sig))
             elif op == 4:
                 n, wall0, tokens, samples = payload
                 self._finish_step(n, wall0, dur, tokens, samples, acc)
