@@ -23,7 +23,7 @@ from agent.gpu import GPUSampler, XidWatcher, xid_columns
 from agent.host import HostSampler
 from agent.metrics import AgentMetrics
 from agent.nvml import NVML, NVMLUnavailable
-from agent.relay import Relay, spooled_high_water
+from agent.relay import Relay
 from tracetop import env
 from tracetop.events import Kind
 
@@ -138,7 +138,6 @@ class Agent:
     # ---- lifecycle ----
     def start(self) -> Agent:
         cfg = self.cfg
-        high_water = spooled_high_water(cfg.spool_dir)  # before the shipper starts draining the spool
         self.shipper = self._shipper_factory(
             cfg.collector,
             run_id=self.run_id,
@@ -171,7 +170,7 @@ class Agent:
             cfg.listen,
             on_batch=self.pid_ranks.learn,
             clock_ns=self.clock_ns,
-            high_water=high_water,
+            high_water=getattr(self.shipper, "replayed_high_water", {}),
         ).start()
         if cfg.clock_interval_s > 0:
             exchange, self._close_clock = grpc_exchange(cfg.collector)

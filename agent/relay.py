@@ -87,31 +87,6 @@ def _prepare_unix_socket(path: str) -> None:
     )
 
 
-def spooled_high_water(spool_dir: str | os.PathLike[str]) -> dict[str, int]:
-    """source -> highest seq already on the spool (left by a previous agent process).
-
-    Seeds the relay's resend check after a restart, so a hook resending a batch the killed agent
-    had spooled (but whose ack never reached the hook) is acked, not spooled a second time. Reads
-    the shared shipper's spool layout, <spool>/<source_id>/<seq, 20 digits>.batch."""
-    high: dict[str, int] = {}
-    try:
-        folders = [f for f in os.scandir(spool_dir) if f.is_dir()]
-    except OSError:
-        return high
-    for folder in folders:
-        try:
-            seqs = [
-                int(e.name[:-6])
-                for e in os.scandir(folder.path)
-                if e.name.endswith(".batch") and e.name[:-6].isdigit()
-            ]
-        except OSError:
-            continue
-        if seqs:
-            high[folder.name] = max(seqs)
-    return high
-
-
 class Relay:
     """gRPC Ingest server (unix socket and/or loopback TCP) in front of a shipper with a spool.
 
@@ -119,7 +94,7 @@ class Relay:
         shipper: the agent's shipper (`forward(batch) -> bool`, `record(kind, *row)`).
         listen: addresses (``unix:///path``, ``127.0.0.1:PORT``).
         on_batch: called with every accepted DecodedBatch (the agent learns pid -> rank here).
-        high_water: source -> highest seq already spooled (see spooled_high_water).
+        high_water: source -> highest seq already spooled (the shipper's `replayed_high_water`).
     """
 
     def __init__(

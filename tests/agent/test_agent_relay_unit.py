@@ -192,21 +192,18 @@ def test_stale_socket_file_is_replaced(tmp_path):
 
 
 def test_restarted_relay_acks_resends_of_what_the_killed_agent_spooled(tmp_path):
-    from agent.relay import spooled_high_water
-
     spool = tmp_path / "spool"
     # The killed agent: its shipper never reached a collector, so its spool holds hook-7 1..3.
     dead = Shipper("unix:///nonexistent/collector.sock", run_id="r", source_id="agent:old", spool_dir=spool)
     for seq in (1, 2, 3):
         assert dead.forward(_batch(seq))
     dead.close(0.1)
-    assert spooled_high_water(spool) == {"hook-7": 3}
-    assert spooled_high_water(tmp_path / "missing") == {}
 
     mem = MemoryTransport()
     shipper = Shipper(None, run_id="r", transport=mem, spool_dir=spool)  # replays 1..3
+    assert shipper.replayed_high_water == {"hook-7": 3}
     sock = f"unix://{tmp_path / 'relay.sock'}"
-    relay = Relay(shipper, [sock], high_water=spooled_high_water(spool)).start()
+    relay = Relay(shipper, [sock], high_water=shipper.replayed_high_water).start()
     try:
         s = _Stream(sock)
         s.send(_batch(3))  # its ack was lost in the kill: the hook resends it

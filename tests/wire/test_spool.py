@@ -50,3 +50,15 @@ def test_a_full_spool_refuses_instead_of_dropping(tmp_path: Path) -> None:
     assert s.stats()["spool_full"] == 2
     s.close(timeout_s=0.2)
     assert len(list(tmp_path.rglob("*.batch"))) == 3
+
+
+def test_forwarding_the_same_batch_twice_spools_it_once(tmp_path: Path) -> None:
+    s = Shipper(_dead_address(), run_id="sp", spool_dir=tmp_path)
+    b = _batch("hook", 1)
+    assert s.forward(b) and s.forward(b)
+    assert s.stats()["spool_bytes"] == b.ByteSize(), "a resend must not count against the spool twice"
+    assert s.stats()["unacked_batches"] == 1
+    s.close(timeout_s=0.2)
+    second = Shipper(None, run_id="sp", spool_dir=tmp_path, transport=MemoryTransport())
+    assert second.replayed_high_water == {"hook": 1}
+    second.close()

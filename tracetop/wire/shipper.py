@@ -215,6 +215,8 @@ class Shipper:
         self._warned: set[str] = set()
 
         self._spool: _Spool | None = None
+        #: source -> highest seq found on the spool at start (what a killed predecessor had accepted).
+        self.replayed_high_water: dict[str, int] = {}
         if spool_dir is not None:
             self._spool = _Spool(Path(spool_dir), spool_max_bytes, spool_fsync)
             self._replay_spool()
@@ -297,9 +299,15 @@ class Shipper:
         return d
 
     # ------------------------------------------------------------------ sealing
+    def _has_pending(self) -> bool:
+        return bool(self._bulk or self._gap_pending or any(self._pending.values()))
+
     def _run_flusher(self) -> None:
-        tick = max(0.01, self.flush_interval_s / 4)
+        busy_tick = max(0.01, self.flush_interval_s / 4)
+        tick = busy_tick
         while not self._stop.wait(tick):
+            # Idle: wake once per flush interval (a first record then waits at most that long).
+            tick = busy_tick if self._has_pending() else self.flush_interval_s
             try:
                 self._seal(force=False)
             except Exception as e:  # never let the flusher die: count, log once, go on
@@ -399,6 +407,9 @@ class Shipper:
     def _enqueue(self, batch: pb.ColumnBatch, own: bool) -> bool:
         nbytes = batch.ByteSize()
         spool_path = None
+        with self._cv:
+            if (batch.source_id, batch.seq) in self._unacked:
+                return True  # already held (and spooled): a resend, not new data
         if self._spool is not None:
             spool_path = self._spool.write(batch, nbytes)
             if spool_path is None:
@@ -503,6 +514,8 @@ class Shipper:
     def _replay_spool(self) -> None:
         assert self._spool is not None
         for path, batch in self._spool.load():
+            high = self.replayed_high_water
+            high[batch.source_id] = max(high.get(batch.source_id, 0), batch.seq)
             nbytes = batch.ByteSize()
             with self._cv:
                 key = (batch.source_id, batch.seq)
@@ -541,7 +554,7 @@ class Shipper:
                     return batch
                 if self._closing:
                     return None
-                self._cv.wait(0.1)
+                self._cv.wait(1.0)  # enqueue, epoch changes and close all notify
 
     def _requests(self, epoch: int):
         while True:
