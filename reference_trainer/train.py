@@ -127,8 +127,9 @@ def _nvme_unavailable() -> str | None:
             return None
     except Exception as e:  # an absent builder is the same answer as an incompatible one
         return f"--offload nvme needs DeepSpeed's async_io op, which cannot load here ({e}); use --offload cpu"
-    return ("--offload nvme needs DeepSpeed's async_io op (libaio and a build with DS_BUILD_AIO=1), which is not "
-            "available here; install libaio-dev and reinstall deepspeed with DS_BUILD_AIO=1, or use --offload cpu")
+    return ("--offload nvme needs DeepSpeed's async_io op, which is not available here (it needs libaio: install "
+            "libaio-dev, then DeepSpeed builds the op on first use, or at install with DS_BUILD_AIO=1); "
+            "or use --offload cpu")
 
 
 def _init_distributed(timeout_s: float) -> None:
