@@ -134,7 +134,14 @@ class StageClock:
         self.held.append(torch.ones(n, dtype=torch.float32, device=self.device))
 
     def _factor(self) -> float:
-        return max((f.amount for f in self.imbalance if f.active(self.step)), default=1.0)
+        factor = max((f.amount for f in self.imbalance if f.active(self.step)), default=1.0)
+        if factor > 1.0 and getattr(self.device, "type", "cpu") == "cuda":
+            # Kernels run asynchronously: wait for them, so the clock reads compute, not launches.
+            # Only the imbalanced stage does this, and only while the fault is on.
+            import torch
+
+            torch.cuda.synchronize()
+        return factor
 
     # -- installation -----------------------------------------------------------------------
     def install(self, engine: Any, stage_module: Any, embedding: Any | None) -> None:
@@ -187,6 +194,7 @@ class StageClock:
 
     # -- forward ------------------------------------------------------------------------------
     def _pre_forward(self, module: Any, args: tuple) -> tuple | None:
+        self._factor()  # on GPU, an imbalanced stage starts its clock with an empty queue
         self._fwd_t0 = self._clock()
         ms = sum(f.amount for f in self.straggler if f.active(self.step))
         if ms:
@@ -213,6 +221,7 @@ class StageClock:
 
     # -- backward (called from the autograd markers) -----------------------------------------
     def backward_started(self) -> None:
+        self._factor()
         self._bwd_t0 = self._clock()
 
     def backward_ended(self) -> None:
