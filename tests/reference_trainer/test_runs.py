@@ -27,8 +27,11 @@ def pp2dp2(tmp_path_factory) -> RunResult:
 
 @pytest.fixture(scope="module")
 def tp2pp2dp2(tmp_path_factory) -> RunResult:
+    """TP2 x PP2 x DP2, 5 steps; the micro-batch goes 4 -> 8 before step 3 (the pipeline's cached
+    partitioned-activation shapes must be reset)."""
     tmp = tmp_path_factory.mktemp("tp2pp2dp2")
-    return _ok(torchrun(tmp, nproc=8, args=["--tp", "2", "--pp", "2", "--steps", "5", "--seed", "3"]))
+    return _ok(torchrun(tmp, nproc=8, args=["--tp", "2", "--pp", "2", "--steps", "5", "--seed", "3",
+                                            "--adjust", "3:micro_batch=8"]))
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +74,13 @@ def test_micro_batch_change_keeps_every_rank_training_with_the_global_batch(pp2d
 def test_tp2pp2dp2_trains(tp2pp2dp2):
     assert [r["step"] for r in tp2pp2dp2.rows] == list(range(5))
     assert sorted(tp2pp2dp2.ranks) == list(range(8))
+    for k, rows in tp2pp2dp2.ranks.items():
+        assert [(r["micro_batch"], r["micro_batches"]) for r in rows] == [(4, 4)] * 3 + [(8, 2)] * 2, k
     assert tp2pp2dp2.rows[-1]["loss"] < tp2pp2dp2.rows[0]["loss"]
 
 
 def test_tp2_gives_the_tp1_losses(tp2pp2dp2, pp2dp2):
+    # Same seed and global batch; the micro-batch change of the TP2 run does not change the data.
     tp2, tp1 = tp2pp2dp2.losses(), pp2dp2.losses()[:5]
     assert max(abs(a - b) for a, b in zip(tp1, tp2)) <= 1e-4, (tp1, tp2)
 
