@@ -25,8 +25,20 @@ CHUNK_ROWS = 16384
 MAX_INFLIGHT_BATCHES = 2
 
 
-def run_source(endpoint: str, run_id: str, source: int, events: int, chunk_rows: int = CHUNK_ROWS, rate_eps: float = 0.0) -> dict:
-    """Ship `events` STEP rows tagged (rank=source, step=0..events-1); return the shipper's stats."""
+def run_source(
+    endpoint: str,
+    run_id: str,
+    source: int,
+    events: int,
+    chunk_rows: int = CHUNK_ROWS,
+    rate_eps: float = 0.0,
+    start_file: str | None = None,
+) -> dict:
+    """Ship `events` STEP rows tagged (rank=source, step=0..events-1); return the shipper's stats.
+
+    With start_file: once set up (imports done, shipper started), create `<start_file>.ready.<source>`
+    and wait until start_file exists, so a benchmark can start every source at once and leave
+    interpreter start-up out of its window."""
     import numpy as np
 
     from tracetop.events import SCHEMAS, Kind
@@ -34,6 +46,10 @@ def run_source(endpoint: str, run_id: str, source: int, events: int, chunk_rows:
 
     shipper = Shipper(endpoint, run_id=run_id, source_id=f"loadgen-{source}-{os.getpid()}", rank=source)
     names = [c.name for c in SCHEMAS[Kind.STEP]]
+    if start_file:
+        Path(f"{start_file}.ready.{source}").touch()
+        while not os.path.exists(start_file):
+            time.sleep(0.005)
     t0 = time.monotonic()
     sent = 0
     while sent < events:
@@ -116,16 +132,33 @@ def wait_ready(address: str, timeout_s: float, proc: subprocess.Popen | None = N
     raise TimeoutError(f"nothing listening on {address} after {timeout_s} s")
 
 
-def start_sources(endpoint: str, run_id: str, sources: int, events: int, rate_eps: float = 0.0) -> list[subprocess.Popen]:
+def start_sources(
+    endpoint: str, run_id: str, sources: int, events: int, rate_eps: float = 0.0, start_file: Path | None = None
+) -> list[subprocess.Popen]:
+    """Launch the source processes. With start_file they get ready and wait; call release(start_file)."""
+    extra = ["--start-file", str(start_file)] if start_file else []
     return [
         subprocess.Popen(
             [sys.executable, "-m", "collector.loadgen", "--endpoint", endpoint, "--run-id", run_id,
-             "--source", str(i), "--events", str(events), "--rate-eps", str(rate_eps)],
+             "--source", str(i), "--events", str(events), "--rate-eps", str(rate_eps), *extra],
             stdout=subprocess.PIPE,
             text=True,
         )
         for i in range(sources)
     ]
+
+
+def release(start_file: Path, procs: list[subprocess.Popen], timeout_s: float = 120.0) -> None:
+    """Wait until every source is set up, then let them all go at once."""
+    deadline = time.monotonic() + timeout_s
+    for i, p in enumerate(procs):
+        while not Path(f"{start_file}.ready.{i}").exists():
+            if p.poll() is not None:
+                raise RuntimeError(f"load source {i} exited {p.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"load source {i} not ready after {timeout_s} s")
+            time.sleep(0.01)
+    start_file.touch()
 
 
 def collect_sources(procs: list[subprocess.Popen], timeout_s: float = 900) -> list[dict]:
@@ -161,8 +194,9 @@ def main() -> None:
     p.add_argument("--source", type=int, required=True)
     p.add_argument("--events", type=int, required=True)
     p.add_argument("--rate-eps", type=float, default=0.0, help="events/s pacing; 0 = as fast as acks allow")
+    p.add_argument("--start-file", default=None, help="get ready, then wait until this file exists")
     a = p.parse_args()
-    stats = run_source(a.endpoint, a.run_id, a.source, a.events, rate_eps=a.rate_eps)
+    stats = run_source(a.endpoint, a.run_id, a.source, a.events, rate_eps=a.rate_eps, start_file=a.start_file)
     print(json.dumps(stats), flush=True)
 
 
