@@ -15,9 +15,10 @@ Two measurements:
    ``overhead_wall_pct`` is the same figure from wall-clock step times, for reference. The
    collector runs at nice 10 (in production it is on another host).
 2. **Host time per recorded event** (``ns_per_event``): a microbenchmark of the exact hot paths on
-   this process's training thread, with a real Shipper to the same collector: a gloo world of 1,
-   and per step a ``tracer.step``, phases, ``--collectives`` ``all_reduce`` calls through the
-   wrapper and pipeline-instruction handlers through the instruction wrapper. Blocks of steps
+   this process's training thread, with a real Shipper to the same collector: a gloo world of 1
+   and, per step, ``tracer.step`` around the instruction sequence of the reference trainer's
+   stage 0 (PP2, 4 micro-batches: 22 instructions through the instruction wrapper, 10 collectives
+   through the collective wrapper, gloo all_reduce standing in for send/recv). Blocks of steps
    with hooks on and off alternate; (on - off) CPU time of the training thread
    (``time.thread_time_ns``: immune to other processes taking the CPU) / rows recorded, median
    over blocks. ``ns_per_event_wall`` is the same with wall time (includes GIL waits).
@@ -53,7 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="reference trainer model preset (default tiny)")
     p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
     p.add_argument("--micro-blocks", type=int, default=30, help="microbenchmark blocks (default 30)")
-    p.add_argument("--collectives", type=int, default=8, help="all_reduce calls per microbenchmark step (default 8)")
     p.add_argument("--keep", default=None, help="keep the collector's file and the run logs in this folder")
 
 
@@ -142,28 +142,42 @@ def _microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
                     heartbeat_s=5.0, device="cpu")
     tracer.set_topology({"dp": [(0,)]})
 
-    class _Engine:  # a PipelineEngine-shaped object: instruction handlers are plain functions
+    class _Engine:  # a PipelineEngine-shaped object: the reference trainer's schedule, shape for shape
         pass
-
-    def noop(self: Any, buffer_id: int = 0) -> None:
-        return None
 
     from trainer_hooks import collectives as colls
 
-    names = ["LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvGrad"]
-    table = {type(n, (), {}): noop for n in names}
+    def compute(self: Any, buffer_id: int = 0) -> None:
+        return None
+
+    def p2p(self: Any, buffer_id: int = 0) -> None:  # a pipeline send/recv: a meta and a data tensor
+        dist.all_reduce(tensor)
+        dist.all_reduce(tensor)
+
+    def reduce(self: Any, buffer_id: int = 0) -> None:  # gradient all-reduce + grad-norm all-reduce
+        dist.all_reduce(tensor)
+        dist.all_reduce(tensor)
+
+    kinds = {"LoadMicroBatch": compute, "ForwardPass": compute, "BackwardPass": compute, "SendActivation": p2p,
+             "RecvGrad": p2p, "ReduceGrads": reduce, "OptimizerStep": compute}
+    table = {type(n, (), {}): fn for n, fn in kinds.items()}
     _Engine._INSTRUCTION_MAP = table  # type: ignore[attr-defined]
     engine = _Engine()
     pipeline_mod.wrap(engine, tracer)
-    handlers = list(engine._INSTRUCTION_MAP.values())  # type: ignore[attr-defined]
-    plain = list(table.values())
+    wrapped = engine._INSTRUCTION_MAP  # type: ignore[attr-defined]
+    by_name = {cls.__name__: cls for cls in table}
+    # one step of stage 0 in a PP2 1F1B schedule with 4 micro-batches (what the reference trainer runs)
+    schedule = [*(["LoadMicroBatch", "ForwardPass", "SendActivation"] * 2),
+                *(["LoadMicroBatch", "ForwardPass", "SendActivation", "RecvGrad", "BackwardPass"] * 2),
+                *(["RecvGrad", "BackwardPass"] * 2), "ReduceGrads", "OptimizerStep"]
+    on_steps = [wrapped[by_name[n]] for n in schedule]
+    off_steps = [table[by_name[n]] for n in schedule]
     null = tracer.__class__(enabled=False)
-    n_coll = args.collectives
-    steps_per_block = 200
+    steps_per_block = 100
 
     def block(on: bool) -> tuple[int, int, int]:
         t = tracer if on else null
-        hs = handlers if on else plain
+        handlers = on_steps if on else off_steps
         if on:
             colls.install(tracer)
         else:
@@ -173,16 +187,8 @@ def _microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
         t0 = time.perf_counter_ns()
         for n in range(steps_per_block):
             with t.step(n):
-                for h in hs:
-                    h(engine, 0)
-                with t.phase("forward"):
-                    for _ in range(n_coll // 2):
-                        dist.all_reduce(tensor)
-                with t.phase("backward"):
-                    for _ in range(n_coll - n_coll // 2):
-                        dist.all_reduce(tensor)
-                with t.phase("optimizer"):
-                    pass
+                for h in handlers:
+                    h(engine)
         return time.thread_time_ns() - c0, time.perf_counter_ns() - t0, tracer.events - ev0
 
     block(True)

@@ -500,33 +500,20 @@ class Tracer:
 
     # ------------------------------------------------------------------ pipeline instructions
     def _instr_enter(self, instr: str, slot: int) -> tuple[Any, int, str]:
+        """GPU path (the CPU path is inlined in trainer_hooks.pipeline)."""
         counts = self._instr_counts
         mb = counts.get(instr, 0)
         counts[instr] = mb + 1
         prev = self.current_phase
         self.current_phase = _INSTR_PHASE.get(instr, "comm")
-        if self._cuda is None:
-            self._acc.stack.append(self._acc.comm_ns)
-            return perf_counter_ns(), mb, prev
         self._deferred.append((0, None, None, None))
-        return self._cuda.mark(), mb, prev
+        return self._cuda.mark(), mb, prev  # type: ignore[union-attr]
 
     def _instr_exit(self, instr: str, slot: int, token: tuple[Any, int, str], has_mb: bool) -> None:
         t0, mb, prev = token
         self.current_phase = prev
-        mb = mb if has_mb else -1
-        if self._cuda is None:
-            now = perf_counter_ns()
-            dur = now - t0
-            acc = self._acc
-            acc.sums[slot] += dur - (acc.comm_ns - acc.stack.pop())
-            code = self._instr_codes.get(instr)
-            if code is None:
-                code = self._instr_code(instr)
-            self._ri.append((self.step_n, self._wall(t0), dur, mb, code))
-            self.events += 1
-        else:
-            self._deferred.append((2, (slot, self.step_n, self._wall(perf_counter_ns()), mb, instr), t0, self._cuda.mark()))
+        row = (slot, self.step_n, self._wall(perf_counter_ns()), mb if has_mb else -1, instr)
+        self._deferred.append((2, row, t0, self._cuda.mark()))  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ collectives
     def _install_collectives(self) -> list[str]:
@@ -557,10 +544,19 @@ class Tracer:
         return role
 
     def _collective_enter(self, spec: Any, args: tuple, kwargs: dict) -> tuple:
+        """GPU path: name the call and record the start event."""
+        sig, nbytes = self._collective_sig(spec, args, kwargs)
+        self.pending_sig = sig
+        t0 = self.pending_t0 = perf_counter_ns()
+        return (sig, nbytes, t0, self._cuda.mark())  # type: ignore[union-attr]
+
+    def _collective_sig(self, spec: Any, args: tuple, kwargs: dict) -> tuple[int, int]:
+        """(signature index, bytes) of one collective call; the signature is looked up once per
+        (op, group, dtype, async, peer) and holds its op, role, group size, peer, dtype, async."""
         n = len(args)
         if spec.kind == "arg":  # one tensor: the common case, inlined
             tensor = args[spec.index] if spec.index < n else kwargs.get(spec.arg_name)
-            nbytes = tensor.numel() * tensor.element_size() if tensor is not None else 0
+            nbytes = tensor.nbytes if tensor is not None else 0
         else:
             nbytes, tensor = colls.payload(spec, args, kwargs)
         gi, ai, pi = spec.group_i, spec.async_i, spec.peer_i
@@ -580,11 +576,7 @@ class Tracer:
         sig = self._sig_cache.get(key)
         if sig is None:
             sig = self._new_sig(spec, group, tensor, bool(is_async), peer, key)
-        self.pending_sig = sig
-        t0 = self.pending_t0 = perf_counter_ns()
-        if self._cuda is None:
-            return (sig, nbytes, t0)
-        return (sig, nbytes, t0, self._cuda.mark())
+        return sig, nbytes
 
     def _new_sig(self, spec: Any, group: Any, tensor: Any, is_async: bool, peer: Any, key: tuple) -> int:
         """First call of its kind: name the group, the peer and the dtype once."""
@@ -604,16 +596,10 @@ class Tracer:
         return sig
 
     def _collective_exit(self, token: tuple) -> None:
+        """GPU path: record the end event; the emitter does the accounting."""
         self.pending_sig = -1
-        if self._cuda is None:
-            sig, nbytes, t0 = token
-            dur = perf_counter_ns() - t0
-            self._acc.comm_ns += dur
-            self._rc.append((self.step_n, self._step_wall0 + (t0 - self._step_perf0), dur, nbytes, sig))
-        else:
-            sig, nbytes, t0, ev0 = token
-            row = (self.step_n, self._wall(t0), nbytes, sig)
-            self._deferred.append((5, row, ev0, self._cuda.mark()))
+        sig, nbytes, t0, ev0 = token
+        self._deferred.append((5, (self.step_n, self._wall(t0), nbytes, sig), ev0, self._cuda.mark()))  # type: ignore[union-attr]
         self.events += 1
 
     @property
