@@ -171,6 +171,9 @@ class Tracer:
         tokens_per_step / samples_per_step: defaults for every step (per data-parallel replica).
         max_unacked_bytes: TRACETOP_BUFFER_BYTES; memory kept for telemetry while the endpoint is
             unreachable (beyond it the oldest batches are dropped and reported as gap rows).
+        drain_interval_s: how often the emitter turns hot-path rows into columns (and samples memory).
+        flush_interval_s: how often the shipper seals a batch per kind.
+        close_timeout_s: how long close() waits for the endpoint's acks.
     """
 
     def __init__(
