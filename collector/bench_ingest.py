@@ -91,6 +91,7 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None) 
         "p99_ms": round(p99, 1),
         "collector_cpu_pct": round(100 * cpu_s / (wall1 - wall0), 1),
         "collector_peak_rss_mb": round(peak_rss, 1),
+        "sources_cpu_pct": round(100 * sum(r["cpu_s"] for r in results) / (wall1 - wall0), 1),
         "batches": int(len(n)),
         "wall_s": round(wall1 - wall0, 2),
     }

@@ -195,6 +195,7 @@ class Shipper:
         self._first_ns: dict[Kind, int] = {}
         self._overflow: dict[Kind, int] = dict.fromkeys(Kind, 0)
         self._bulk: list[tuple[Kind, Mapping[str, Any], int]] = []
+        self._bulk_rows = 0
 
         # --- outbox: guarded by _cv ---
         self._cv = threading.Condition()
@@ -211,6 +212,7 @@ class Shipper:
 
         self._seal_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set when a buffer reaches flush_rows or bulk columns arrive
         self._closing = False
         self._warned: set[str] = set()
 
@@ -236,6 +238,8 @@ class Shipper:
             elif not q:
                 self._first_ns[kind] = self._clock_ns()
             q.append(row)
+            if len(q) == self.flush_rows:
+                self._wake.set()  # once per batch: seal it now rather than at the next tick
 
     def record_many(self, kind: Kind, columns: Mapping[str, Any]) -> None:
         """Queue whole columns (numpy arrays, or lists of str for string columns) as rows."""
@@ -244,6 +248,10 @@ class Shipper:
             return
         with self._lock:
             self._bulk.append((kind, columns, self._clock_ns()))
+            self._bulk_rows += n
+            full = self._bulk_rows >= self.flush_rows
+        if full:
+            self._wake.set()
 
     def forward(self, batch: pb.ColumnBatch) -> bool:
         """Relay a batch sealed elsewhere, keeping its source_id and seq. With a spool, returns
@@ -270,6 +278,7 @@ class Shipper:
         ok = self.flush(timeout_s)
         self._closing = True
         self._stop.set()
+        self._wake.set()
         with self._cv:
             self._epoch += 1
             self._cv.notify_all()
@@ -305,7 +314,11 @@ class Shipper:
     def _run_flusher(self) -> None:
         busy_tick = max(0.01, self.flush_interval_s / 4)
         tick = busy_tick
-        while not self._stop.wait(tick):
+        while True:
+            self._wake.wait(tick)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             # Idle: wake once per flush interval (a first record then waits at most that long).
             tick = busy_tick if self._has_pending() else self.flush_interval_s
             try:
@@ -325,7 +338,11 @@ class Shipper:
                     if force or len(q) >= self.flush_rows or age_s >= self.flush_interval_s:
                         self._pending[kind] = collections.deque(maxlen=self._max_pending)
                         due.append((kind, list(q), self._first_ns.pop(kind, now)))
-                bulk, self._bulk = self._bulk, []
+                bulk: list[tuple[Kind, Mapping[str, Any], int]] = []
+                if self._bulk and (
+                    force or self._bulk_rows >= self.flush_rows or (now - self._bulk[0][2]) / 1e9 >= self.flush_interval_s
+                ):
+                    bulk, self._bulk, self._bulk_rows = self._bulk, [], 0
                 overflow = {k: v for k, v in self._overflow.items() if v}
                 for k in overflow:
                     self._overflow[k] = 0
