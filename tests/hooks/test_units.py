@@ -180,3 +180,17 @@ def test_callback_style_steps_and_phase_switches() -> None:
     assert list(steps["step"]) == [0, 1]
     assert all(steps["forward_ns"] >= 10_000_000) and all(steps["backward_ns"] >= 20_000_000)
     assert all(steps["optimizer_ns"] >= 0) and tracer.errors == 0
+
+
+def test_setup_errors_fail_fast_with_a_hint(monkeypatch) -> None:
+    from trainer_hooks import SetupError
+
+    monkeypatch.setenv("TRACETOP_HEARTBEAT_S", "often")
+    with pytest.raises(SetupError, match="TRACETOP_HEARTBEAT_S"):
+        Tracer(rank=0, world_size=1, run_id="u", transport=MemoryTransport(), wrap_collectives=False)
+    monkeypatch.delenv("TRACETOP_HEARTBEAT_S")
+    monkeypatch.setenv("TRACETOP_BUFFER_BYTES", "lots")
+    with pytest.raises(SetupError, match="TRACETOP_BUFFER_BYTES"):
+        Tracer(rank=0, world_size=1, run_id="u", endpoint="127.0.0.1:9", wrap_collectives=False)
+    with pytest.raises(SetupError, match="outside a world"):
+        Tracer(rank=3, world_size=2, run_id="u", transport=MemoryTransport(), wrap_collectives=False)
