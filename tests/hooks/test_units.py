@@ -194,3 +194,34 @@ def test_setup_errors_fail_fast_with_a_hint(monkeypatch) -> None:
         Tracer(rank=0, world_size=1, run_id="u", endpoint="127.0.0.1:9", wrap_collectives=False)
     with pytest.raises(SetupError, match="outside a world"):
         Tracer(rank=3, world_size=2, run_id="u", transport=MemoryTransport(), wrap_collectives=False)
+
+
+def test_heartbeat_names_the_pending_collective() -> None:
+    from trainer_hooks import collectives as colls
+
+    tracer, mem = _tracer(heartbeat_s=0.05)
+    tracer.set_topology({"tp": [(0,)]})
+
+    class T:
+        nbytes = 64
+        dtype = "float32"
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        time.sleep(0.4)  # stuck in a collective, as a hung rank would be
+
+    wrapped = colls._make_wrapper(colls._Spec("all_reduce", all_reduce), all_reduce)
+    colls._installed.sink = tracer
+    try:
+        with tracer.step(3):
+            before = time.time_ns()
+            wrapped(T())
+    finally:
+        colls._installed.sink = None
+    tracer.close()
+    hb = mem.rows(Kind.HEARTBEAT)
+    inside = [i for i, op in enumerate(hb["pending_op"]) if op == "all_reduce"]
+    assert inside, list(hb["pending_op"])
+    i = inside[0]
+    assert (hb["phase"][i], hb["pending_role"][i], hb["step"][i]) == ("comm", "tp", 3)
+    assert before - 5_000_000 <= hb["pending_since_ns"][i] <= hb["start_ns"][i]
+    assert hb["pending_op"][-1] == "" and hb["pending_since_ns"][-1] == -1  # the closing heartbeat
