@@ -18,8 +18,8 @@ from tests.hooks._harness import ROOT, query, trainer_env
 
 pytest.importorskip("deepspeed")
 
-STEPS = 140
-COLLECTOR_BACK_AT = 60  # the collector starts once the trainer logged this step
+STEPS = 500
+AWAY_S = 8.0  # the collector starts once the trainer has logged this much training time
 
 
 def _free_port() -> int:
@@ -39,19 +39,20 @@ def test_unreachable_collector_never_slows_training_and_drops_arrive_as_gaps(tmp
     port = _free_port()
     addr = f"127.0.0.1:{port}"
     log = tmp_path / "steps.jsonl"
-    env = trainer_env(addr, "nb1", TRACETOP_BUFFER_BYTES=str(64 * 1024))
+    env = trainer_env(addr, "nb1", TRACETOP_BUFFER_BYTES=str(96 * 1024))
     trainer = subprocess.Popen([sys.executable, "-m", "reference_trainer", "--quiet", "--steps", str(STEPS),
                                 "--log-jsonl", str(log)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     collector = None
     try:
         deadline = time.monotonic() + 240
-        while len(_logged(log)) <= COLLECTOR_BACK_AT:
+        while sum(s["step_time_s"] for s in _logged(log)) < AWAY_S:
             assert trainer.poll() is None, trainer.stdout.read() if trainer.stdout else ""
             assert time.monotonic() < deadline, "the trainer did not reach the step where the collector returns"
             time.sleep(0.05)
         collector = start_collector(tmp_path, listen=addr)
         back_at = len(_logged(log))  # the collector listens from here on (it takes seconds to start)
+        away_until = back_at
         out, _ = trainer.communicate(timeout=240)
         assert trainer.returncode == 0, out[-4000:]
     finally:
@@ -62,12 +63,12 @@ def test_unreachable_collector_never_slows_training_and_drops_arrive_as_gaps(tmp
     steps = _logged(log)
     assert [s["step"] for s in steps] == list(range(STEPS))
     # pace: steps while nobody listened vs steps once the collector was back (the trainer's own clock)
-    away = statistics.median(s["step_time_s"] for s in steps[3:COLLECTOR_BACK_AT])
-    assert back_at < STEPS - 15, "the run ended before the collector was back; raise STEPS"
+    away = statistics.median(s["step_time_s"] for s in steps[3:away_until])
+    assert back_at < STEPS - 80, "the run ended before the collector was back; raise STEPS"
     back = statistics.median(s["step_time_s"] for s in steps[back_at + 5:])
     # generous: the machine is shared and noisy; blocking on the network would cost seconds
     assert away < 2 * back + 0.05, f"median step {away * 1e3:.1f} ms unreachable vs {back * 1e3:.1f} ms reachable"
-    worst = max(s["step_time_s"] for s in steps[3:COLLECTOR_BACK_AT])
+    worst = max(s["step_time_s"] for s in steps[3:away_until])
     assert worst < 10 * back + 0.5, f"a step took {worst:.2f} s while the collector was unreachable"
 
     db = collector.db
@@ -76,8 +77,9 @@ def test_unreachable_collector_never_slows_training_and_drops_arrive_as_gaps(tmp
     dropped = {kind: n for kind, _, n in gaps}
     stored = {s for (s,) in query(db, "SELECT step FROM step WHERE run_id = 'nb1'")}
     # the tail after the collector returned is complete; every missing STEP row is counted as dropped
-    assert set(range(back_at + 5, STEPS)) <= stored, (back_at, sorted(stored), gaps)
-    assert dropped.get("step", 0) > 0
+    # (a second's margin: the buffered backlog is resent first)
+    assert set(range(back_at + 30, STEPS)) <= stored, (back_at, sorted(stored), gaps)
+    assert sum(dropped.values()) > 0
     # nothing lost silently: every missing STEP row is counted in a gap row. (>=: a batch dropped from
     # the resend buffer while in flight may still have arrived; the shipper cannot know.)
-    assert len(stored) + dropped["step"] >= STEPS, (len(stored), dropped)
+    assert len(stored) + dropped.get("step", 0) >= STEPS, (len(stored), dropped)
