@@ -71,10 +71,6 @@ def busbw_factor(op: str, group_size: int) -> float:
     return 1.0
 
 
-def algbw_bytes_per_s(nbytes: int, duration_ns: int) -> float:
-    return nbytes / (duration_ns / 1e9) if duration_ns > 0 else float("nan")
-
-
 class _Spec:
     """Where one op's arguments sit, found once from its signature."""
 

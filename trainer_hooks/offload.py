@@ -169,23 +169,32 @@ def _wrap_stage3(opt: Any, tracer: Tracer) -> list[str]:
     return ["_offload_grad_partition_at_boundary"]
 
 
-def _state_sizes(opt: Any) -> dict[str, int]:
-    """Bytes offload_states moves per state, read from the partitions (ZeRO-1/2)."""
+def _state_sizes(opt: Any, include: Any = None) -> dict[str, int]:
+    """Bytes offload_states moves per kind of state, read from the partitions (ZeRO-1/2):
+    hp_params (this rank's fp32 partition) and lp_params (the flat low-precision parameters) are
+    ``params``, optim_states (exp_avg, exp_avg_sq, ...) is ``optim_state``. ``include``: the
+    states asked for (OffloadStateTypeEnum members or their names); None: all of them. lp_grads
+    and the contiguous gradient buffer are not counted."""
+    names = None if include is None else {str(getattr(s, "value", s)) for s in include}
     sizes = {"params": 0, "optim_state": 0}
-    for g in getattr(opt, "single_partition_of_fp32_groups", []) or []:
-        sizes["params"] += _nbytes(g)  # hp_params
-    for g in getattr(opt, "bit16_groups_flat", []) or []:
-        sizes["params"] += _nbytes(g)  # lp_params
-    inner = getattr(opt, "optimizer", None)
-    for state in getattr(inner, "state", {}).values():
-        for v in state.values():
-            if hasattr(v, "numel") and v.dim() > 0:
-                sizes["optim_state"] += _nbytes(v)
+    if names is None or "hp_params" in names:
+        sizes["params"] += sum(_nbytes(g) for g in getattr(opt, "single_partition_of_fp32_groups", []) or [])
+    if names is None or "lp_params" in names:
+        sizes["params"] += sum(_nbytes(g) for g in getattr(opt, "bit16_groups_flat", []) or [])
+    if names is None or "optim_states" in names:
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            for v in state.values():
+                if hasattr(v, "numel") and v.dim() > 0:
+                    sizes["optim_state"] += _nbytes(v)
     return sizes
 
 
 def _wrap_states(opt: Any, tracer: Tracer) -> list[str]:
+    """offload_states (d2h) / reload_states (h2d): bytes of the states moved (reload: the states
+    the last offload moved)."""
     done = []
+    moved_last: dict[str, int] = {}
     for name, direction in (("offload_states", "d2h"), ("reload_states", "h2d")):
         orig = getattr(opt, name, None)
         if orig is None:
@@ -195,7 +204,14 @@ def _wrap_states(opt: Any, tracer: Tracer) -> list[str]:
             @functools.wraps(orig)
             def moved(*a: Any, **kw: Any) -> Any:
                 sizes: dict[str, int] = {}
-                _guard(tracer, lambda: sizes.update(_state_sizes(opt)))
+                if direction == "d2h":
+                    include = kw.get("include", a[0] if a else None)
+                    _guard(tracer, lambda: sizes.update(_state_sizes(opt, include)))
+                    moved_last.clear()
+                    moved_last.update(sizes)
+                else:
+                    sizes.update(moved_last)
+                    moved_last.clear()
                 t0 = perf_counter_ns()
                 out = orig(*a, **kw)
 

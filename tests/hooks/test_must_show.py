@@ -30,6 +30,9 @@ RUNS = {
                     "--inject-stage-imbalance", "1:2@4"]),
     # offload: the ZeRO shape, ZeRO-2 with the optimizer on the host, gradient accumulation 2
     "offload": (2, ["--zero", "2", "--offload", "cpu", "--steps", "3", "--micro-batches", "2", "--micro-batch", "2"]),
+    # offload_states / reload_states between steps (ZeRO-2 without configured offload), from step 2
+    "offload_states": (2, ["--zero", "2", "--steps", "4", "--micro-batches", "2", "--micro-batch", "2",
+                           "--adjust", "2:offload=on"]),
 }
 
 
@@ -135,9 +138,9 @@ def test_bubble_rate_by_stage(db: Path) -> None:
     assert fast_slowed > fast_balanced and fast_slowed > slow_slowed, eight
 
 
-def _expected_offload(rank: int, dp: int, gas: int) -> dict[tuple[str, str], int]:
-    """Bytes per step DeepSpeed moves in ZeRO-2 + cpu offload (fp32), derived from the partition:
-    the flat fp32 parameters split evenly over dp; S_ov = numel of the params overlapping it."""
+def _partition(rank: int, dp: int) -> tuple[int, int, int]:
+    """(partition numel, numel of the params overlapping it, numel of real params in it) of this
+    rank's ZeRO-1/2 partition: the flat fp32 parameters padded and split evenly over dp."""
     import torch
 
     from reference_trainer.config import PRESETS
@@ -157,6 +160,12 @@ def _expected_offload(rank: int, dp: int, gas: int) -> dict[tuple[str, str], int
             s_ov += n
         pos += n
     in_part = min(hi, total) - lo
+    return part, s_ov, in_part
+
+
+def _expected_offload(rank: int, dp: int, gas: int) -> dict[tuple[str, str], int]:
+    """Bytes per step DeepSpeed moves in ZeRO-2 + cpu offload (fp32), derived from the partition."""
+    part, s_ov, in_part = _partition(rank, dp)
     return {
         ("d2h", "grads"): 4 * (gas * s_ov + in_part),
         ("h2d", "grads"): 4 * (gas - 1) * s_ov,
@@ -176,3 +185,19 @@ def test_offload_bytes_match_the_partitions(db: Path) -> None:
             assert set(got) == set(want), got
             for key, nbytes in want.items():
                 assert got[key] == pytest.approx(nbytes, rel=0.01), (rank, step, key)
+
+
+@pytest.mark.slow
+def test_offload_states_bytes_match_the_partitions(db: Path) -> None:
+    rows = query(db, """SELECT rank, step, direction, what, sum(bytes) FROM offload WHERE run_id = ?
+                        GROUP BY ALL ORDER BY ALL""", "offload_states")
+    for rank in range(2):
+        part, _, _ = _partition(rank, dp=2)
+        # hp_params: the fp32 partition; optim_states: AdamW's exp_avg and exp_avg_sq of it
+        want = {("params", 4 * part), ("optim_state", 2 * 4 * part)}
+        for direction in ("d2h", "h2d"):
+            got = [(s, w, b) for r, s, d, w, b in rows if r == rank and d == direction]
+            assert got, (rank, direction, rows)
+            steps = {s for s, _, _ in got}
+            for step in steps:
+                assert {(w, b) for s, w, b in got if s == step} == want, (rank, direction, step)
