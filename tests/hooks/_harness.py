@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,19 +16,22 @@ def trainer_env(endpoint: str, run_id: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def torchrun_argv(nproc: int, trainer_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "-m", "reference_trainer", "--quiet", *trainer_args]
+def torchrun(tmp: Path, nproc: int, trainer_args: list[str], *, endpoint: str, run_id: str,
+             timeout_s: float = 400, **extra_env: str) -> None:
+    """Run the reference trainer to the end with the hooks on, shipping to ``endpoint`` (through
+    the reference trainer tests' launcher, which also cleans up its process group)."""
+    import pytest
 
+    from tests.reference_trainer.launch import torchrun as launch
 
-def torchrun(nproc: int, trainer_args: list[str], *, endpoint: str, run_id: str, timeout_s: float = 300,
-             **extra_env: str) -> subprocess.CompletedProcess:
-    """Run the reference trainer to the end; raise with its output if it fails."""
-    proc = subprocess.run(torchrun_argv(nproc, trainer_args), cwd=ROOT, env=trainer_env(endpoint, run_id, **extra_env),
-                          capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        raise AssertionError(f"reference trainer run {run_id} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"TRACETOP_ENDPOINT": endpoint, "TRACETOP_RUN_ID": run_id, "TRACETOP_HEARTBEAT_S": "1",
+                           **extra_env}.items():
+            mp.setenv(key, value)
+        mp.delenv("TRACETOP_DISABLE", raising=False)
+        result = launch(tmp / run_id, nproc=nproc, args=trainer_args, timeout_s=timeout_s, trace=True)
+    if result.rc != 0:
+        raise AssertionError(f"reference trainer run {run_id} failed ({result.rc}):\n{result.output[-5000:]}")
 
 
 def query(db: Path, sql: str, *params) -> list[tuple]:

@@ -42,7 +42,7 @@ def db(tmp_path_factory) -> Path:
     collector = start_collector(tmp)
     try:
         for run_id, (nproc, args) in RUNS.items():
-            torchrun(nproc, args, endpoint=collector.addr, run_id=run_id)
+            torchrun(tmp, nproc, args, endpoint=collector.addr, run_id=run_id)
     finally:
         assert collector.stop() == 0, collector.text()
     return collector.db
