@@ -67,8 +67,8 @@ def instrument(
     peak_flops, micro_batch, micro_batches, seq_len, ds_config (a dict); anything else goes into
     RUN_START's meta_json. ``topology`` defaults to the engine's (``engine.mpu`` / ``grid``)."""
     meta = dict(meta or {})
-    meta.pop("topology", None) if topology is not None else None
-    topology = topology if topology is not None else meta.pop("topology", None)
+    meta_topology = meta.pop("topology", None)
+    topology = topology if topology is not None else meta_topology
     if topology is None:
         grid = getattr(engine, "grid", None) or getattr(engine, "mpu", None)
         topology = getattr(grid, "_topo", None) or getattr(grid, "topology", lambda: None)()
@@ -81,8 +81,7 @@ def instrument(
         pp = int(meta.pop("pp", topology.get_dim("pipe") if topology is not None else 1) or 1)
         dp = int(meta.pop("dp", topology.get_dim("data") if topology is not None else tracer.world_size) or 1)
         if topology is not None:
-            roles = dict(AXIS_ROLES)
-            tracer.set_topology(topology_axes(topology), _coord_of(topology), roles)
+            tracer.set_topology(topology_axes(topology), _coord_of(topology), dict(AXIS_ROLES))
             stage = meta.pop("stage", topology.get_coord(tracer.rank).pipe if pp > 1 else -1)
         else:
             tracer.set_topology({"dp": [tuple(range(tracer.world_size))]})
@@ -122,8 +121,9 @@ def instrument(
     def close() -> None:
         pipeline_mod.unwrap(engine)
         offload_mod.unwrap(getattr(engine, "optimizer", None))
-        for name in ("forward", "backward", "step"):
-            engine.__dict__.pop(name, None) if phases else None
+        if phases:
+            for name in ("forward", "backward", "step"):
+                engine.__dict__.pop(name, None)
         original_close()
 
     tracer.close = close  # type: ignore[method-assign]
