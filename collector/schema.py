@@ -89,7 +89,7 @@ def _v2() -> list[str]:
             SELECT run_id, op, role, group_size, bytes, duration_ns,
                    bytes / nullif(duration_ns, 0) AS algbw_gbps,
                    CASE WHEN op LIKE 'all_reduce%' THEN 2.0 * (group_size - 1) / group_size
-                        WHEN op LIKE 'all_gather%' OR op LIKE 'reduce_scatter%' OR op LIKE 'all_to_all%'
+                        WHEN op LIKE '%all_gather%' OR op LIKE '%reduce_scatter%' OR op LIKE 'all_to_all%'
                              THEN 1.0 * (group_size - 1) / group_size
                         ELSE 1.0 END AS bus_factor
             FROM collective WHERE group_size > 0

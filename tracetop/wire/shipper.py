@@ -68,6 +68,7 @@ class _Entry:
     spool_path: Path | None
     own: bool
     idx: int = 0  # enqueue order; flush() waits for every entry up to an index
+    sent_epoch: int = -1  # the connection it was last sent on
 
 
 @dataclass
@@ -208,6 +209,7 @@ class Shipper:
         self._seq = 0
         self._enq_counter = 0
         self._gap_pending: dict[tuple[str, str, str], int] = {}  # (kind, reason, origin) -> count
+        self._limbo: dict[str, dict[int, _Entry]] = {}  # dropped while in flight: source -> seq -> entry
         self.stats_ = ShipperStats()
 
         self._seal_lock = threading.Lock()
@@ -456,7 +458,12 @@ class Shipper:
         return True
 
     def _make_room_locked(self, nbytes: int) -> None:
-        """Drop the oldest memory-only batches until nbytes more fit (each drop becomes a gap row)."""
+        """Drop the oldest memory-only batches until nbytes more fit (each drop becomes a gap row).
+
+        A batch in flight on the open stream may already be stored by the receiver, so its drop is
+        not counted yet: it waits in limbo (metadata only) until an ack covers it (stored, no gap)
+        or the stream ends without one (counted then: the only case where a gap row can over-count,
+        if the receiver committed it and died before acking)."""
         if self._mem_bytes <= self.max_unacked_bytes:
             return
         for key in list(self._unacked.keys()):
@@ -466,16 +473,31 @@ class Shipper:
             if e.spool_path is not None or e.batch is None:
                 continue
             self._remove_locked(key)
-            if e.kind == Kind.GAP and e.own:
-                # A gap batch is only counts: fold them back so the next gap row carries them.
-                self._refold_gaps_locked(e.batch)
-                continue
-            kind = Kind(e.kind).name.lower() if e.kind in Kind._value2member_map_ else "batch"
-            self.stats_.batches_dropped += 1
-            gk = (kind, "unacked_full", e.source_id)
-            self._gap_pending[gk] = self._gap_pending.get(gk, 0) + e.n
-            self.stats_.rows_dropped += e.n
-            self.stats_.dropped_by_reason["unacked_full"] = self.stats_.dropped_by_reason.get("unacked_full", 0) + e.n
+            if e.sent_epoch == self._epoch:
+                if e.kind != Kind.GAP:
+                    e.batch = None  # keep only the metadata
+                self._limbo.setdefault(e.source_id, {})[e.seq] = e
+            else:
+                self._count_lost_locked(e)
+
+    def _count_lost_locked(self, e: _Entry) -> None:
+        if e.kind == Kind.GAP and e.own and e.batch is not None:
+            # A gap batch is only counts: fold them back so the next gap row carries them.
+            self._refold_gaps_locked(e.batch)
+            return
+        self.stats_.batches_dropped += 1
+        kind = Kind(e.kind).name.lower() if e.kind in Kind._value2member_map_ else "batch"
+        gk = (kind, "unacked_full", e.source_id)
+        self._gap_pending[gk] = self._gap_pending.get(gk, 0) + e.n
+        self.stats_.rows_dropped += e.n
+        self.stats_.dropped_by_reason["unacked_full"] = self.stats_.dropped_by_reason.get("unacked_full", 0) + e.n
+
+    def _end_limbo_locked(self) -> None:
+        """The stream ended: limbo batches were never acked; count them lost now."""
+        limbo, self._limbo = self._limbo, {}
+        for entries in limbo.values():
+            for e in entries.values():
+                self._count_lost_locked(e)
 
     def _refold_gaps_locked(self, batch: pb.ColumnBatch) -> None:
         cols = decode_batch(batch).columns
@@ -520,6 +542,10 @@ class Shipper:
                     done.append(e)
             if dq is not None and not dq:
                 self._by_source.pop(source_id, None)
+            limbo = self._limbo.get(source_id)
+            if limbo:
+                for s in [s for s in limbo if s <= seq]:
+                    del limbo[s]  # it was stored after all: no gap
             self.stats_.batches_acked += len(done)
             self.stats_.rows_acked += sum(e.n for e in done)
             self._cv.notify_all()
@@ -567,6 +593,7 @@ class Shipper:
                         if batch is None:
                             self._remove_locked(key)
                             continue
+                    e.sent_epoch = epoch
                     self.stats_.batches_sent += 1
                     return batch
                 if self._closing:
@@ -625,6 +652,7 @@ class Shipper:
                 with self._cv:
                     if self._epoch == epoch:
                         self._epoch += 1
+                    self._end_limbo_locked()
                     self._cv.notify_all()
             if self._stop.is_set():
                 break
