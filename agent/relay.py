@@ -29,11 +29,10 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from tracetop.events import Kind
 from tracetop.wire import tracetop_pb2 as pb
-from tracetop.wire.codec import ID_RE, BatchError, decode_batch
+from tracetop.wire.codec import Rejection, parse_batch, receive
 
 log = logging.getLogger("tracetop.agent.relay")
 
@@ -44,19 +43,6 @@ class RelayListenError(RuntimeError):
     pass
 
 
-class _Undecodable:
-    __slots__ = ("size", "why")
-
-    def __init__(self, size: int, why: str) -> None:
-        self.size = size
-        self.why = why
-
-
-def _parse_batch(raw: bytes) -> pb.ColumnBatch | _Undecodable:
-    try:
-        return pb.ColumnBatch.FromString(raw)
-    except DecodeError as e:
-        return _Undecodable(len(raw), str(e))
 
 
 def unix_path(listen: str) -> str | None:
@@ -142,7 +128,7 @@ class Relay:
             {
                 "Stream": grpc.stream_stream_rpc_method_handler(
                     self._stream,
-                    request_deserializer=_parse_batch,
+                    request_deserializer=parse_batch,
                     response_serializer=pb.Ack.SerializeToString,
                 ),
                 "Clock": grpc.unary_unary_rpc_method_handler(
@@ -211,13 +197,11 @@ class Relay:
         )
 
     # ---- Ingest.Stream ----
-    def _reject(
-        self, context: Any, fault: str, message: str, which: tuple[tuple[str, str], ...] = ()
-    ) -> None:
+    def _reject(self, context: Any, r: Rejection) -> None:
         self._count("relay_rejected")
-        log.warning("agent relay: rejected batch: %s: %s", fault, message)
-        context.set_trailing_metadata((("tracetop-fault", fault),) + which)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{fault}: {message}")
+        log.warning("agent relay: rejected batch: %s: %s", r.fault, r.message)
+        context.set_trailing_metadata(r.metadata)
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{r.fault}: {r.message}")
 
     def _source_lock(self, source: str) -> threading.Lock:
         with self._lock:
@@ -228,21 +212,9 @@ class Relay:
 
     def _stream(self, request_iterator: Iterator[Any], context: Any) -> Iterator[pb.Ack]:
         for raw in request_iterator:
-            if isinstance(raw, _Undecodable):
-                self._reject(
-                    context, "not_a_batch", f"not a tracetop.v1.ColumnBatch ({raw.size} bytes: {raw.why})"
-                )
-                return
-            try:
-                batch = decode_batch(raw)
-            except BatchError as e:
-                which: tuple[tuple[str, str], ...] = ()
-                if ID_RE.match(raw.source_id):
-                    which = (
-                        ("tracetop-rejected-source", raw.source_id),
-                        ("tracetop-rejected-seq", str(raw.seq)),
-                    )
-                self._reject(context, e.fault, str(e), which)
+            batch = receive(raw)
+            if isinstance(batch, Rejection):
+                self._reject(context, batch)
                 return
             source, seq = batch.source_id, batch.seq
             # One source is one shipper: its batches are forwarded in order, even across a reconnect

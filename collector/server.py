@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from collector import readonly
 from collector.metrics import CollectorMetrics, serve_metrics
@@ -34,7 +33,7 @@ from collector.writer import Ack, Barrier, Pending, StreamEnd, StreamSink, Write
 from tracetop.events import table_name
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
-from tracetop.wire.codec import ID_RE, BatchError, decode_batch
+from tracetop.wire.codec import Rejection, parse_batch, receive
 
 log = logging.getLogger("tracetop.collector")
 
@@ -45,19 +44,6 @@ class ListenError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class Undecodable:
-    """What the Stream deserializer yields for bytes that are not a ColumnBatch."""
-
-    size: int
-    why: str
-
-
-def _parse_batch(raw: bytes) -> pb.ColumnBatch | Undecodable:
-    try:
-        return pb.ColumnBatch.FromString(raw)
-    except DecodeError as e:
-        return Undecodable(len(raw), str(e))
 
 
 def check_listen(listen: str, *, insecure_bind: bool = False) -> str:
@@ -151,8 +137,8 @@ class CollectorService:
 
     async def _end(self, end: StreamEnd, context: grpc.aio.ServicerContext) -> None:
         if end.fault:
-            md = (("tracetop-fault", end.fault),) + end.metadata
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{end.fault}: {end.message}", trailing_metadata=md)
+            # end.metadata: tracetop-fault, then tracetop-rejected-source/-seq when the batch is known
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{end.fault}: {end.message}", trailing_metadata=end.metadata)
         if end.shutdown:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -170,16 +156,9 @@ class CollectorService:
             async for raw in request_iterator:
                 if self.closing or sink.failed:
                     return  # not taken: unacked, the shipper resends
-                if isinstance(raw, Undecodable):
-                    self._reject(sink, "not_a_batch", f"not a tracetop.v1.ColumnBatch ({raw.size} bytes: {raw.why})")
-                    return
-                try:
-                    batch = decode_batch(raw)
-                except BatchError as e:
-                    which: tuple[tuple[str, str], ...] = ()
-                    if ID_RE.match(raw.source_id):
-                        which = (("tracetop-rejected-source", raw.source_id), ("tracetop-rejected-seq", str(raw.seq)))
-                    self._reject(sink, e.fault, str(e), which)
+                batch = receive(raw)
+                if isinstance(batch, Rejection):
+                    self._reject(sink, batch)
                     return
                 self.metrics.received.labels(table_name(batch.kind)).inc(batch.n)
                 table = batch_to_arrow(batch)
@@ -197,10 +176,10 @@ class CollectorService:
             if not self.writer.submit(Barrier(sink, StreamEnd(store_failed=f"stream reader failed: {e!r}"))):
                 sink.deliver(StreamEnd(shutdown=True))
 
-    def _reject(self, sink: _AioSink, fault: str, message: str, which: tuple[tuple[str, str], ...] = ()) -> None:
-        self.metrics.rejected.labels(fault).inc()
-        log.warning("collector: rejected batch: %s: %s", fault, message)
-        end = StreamEnd(fault=fault, message=message, metadata=which)
+    def _reject(self, sink: _AioSink, r: Rejection) -> None:
+        self.metrics.rejected.labels(r.fault).inc()
+        log.warning("collector: rejected batch: %s: %s", r.fault, r.message)
+        end = StreamEnd(fault=r.fault, message=r.message, metadata=r.metadata)
         if not self.writer.submit(Barrier(sink, end)):
             sink.deliver(end)
 
@@ -240,7 +219,7 @@ class CollectorService:
             "tracetop.v1.Ingest",
             {
                 "Stream": grpc.stream_stream_rpc_method_handler(
-                    self.stream, request_deserializer=_parse_batch, response_serializer=pb.Ack.SerializeToString
+                    self.stream, request_deserializer=parse_batch, response_serializer=pb.Ack.SerializeToString
                 ),
                 "Clock": grpc.unary_unary_rpc_method_handler(
                     self.clock,

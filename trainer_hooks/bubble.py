@@ -30,15 +30,4 @@ def bubble_rate(forward_ns: float, backward_ns: float, schedule_ns: float) -> fl
         return math.nan
     return min(1.0, max(0.0, 1.0 - (forward_ns + backward_ns) / schedule_ns))
 
-
-#: The SQL the collector's ``bubble_by_stage`` view needs (tables ``step`` and ``run_start``).
-BUBBLE_BY_STAGE_SQL = """
-SELECT s.run_id, r.stage, s.step,
-       count(*) AS ranks,
-       1 - sum(s.forward_ns + s.backward_ns) / sum(s.duration_ns) AS bubble_rate,
-       (max(r.pp) - 1) / (max(r.micro_batches) + max(r.pp) - 1) AS ideal_bubble_rate
-FROM step s
-JOIN run_start r ON r.run_id = s.run_id AND r.rank = s.rank
-WHERE r.pp > 1 AND s.duration_ns > 0
-GROUP BY s.run_id, r.stage, s.step
-"""
+# The collector's `bubble_by_stage` view (collector/schema.py) applies the same definition in SQL.

@@ -186,3 +186,49 @@ def decode_batch(batch: pb.ColumnBatch) -> DecodedBatch:
         sealed_ns=batch.sealed_ns,
         nbytes=nbytes,
     )
+
+
+# ---- the receiving side (collector and agent relay): one place decides what a batch is ----
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """What `parse_batch` yields for bytes that are not a ColumnBatch."""
+
+    size: int
+    why: str
+
+
+def parse_batch(raw: bytes) -> pb.ColumnBatch | Undecodable:
+    """gRPC request deserializer for Ingest.Stream: parse failures become a marker, so the
+    receiver answers INVALID_ARGUMENT naming them rather than gRPC's opaque INTERNAL."""
+    from google.protobuf.message import DecodeError
+
+    try:
+        return pb.ColumnBatch.FromString(raw)
+    except DecodeError as e:
+        return Undecodable(len(raw), str(e))
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why a received message is refused: INVALID_ARGUMENT "<fault>: <message>" with `metadata`
+    as trailing metadata (tracetop-fault, and tracetop-rejected-source/-seq when they are known)."""
+
+    fault: str
+    message: str
+    metadata: tuple[tuple[str, str], ...]
+
+
+def receive(raw: pb.ColumnBatch | Undecodable) -> DecodedBatch | Rejection:
+    """Validate one received message: a DecodedBatch, or the Rejection to answer with."""
+    if isinstance(raw, Undecodable):
+        fault = "not_a_batch"
+        return Rejection(fault, f"not a tracetop.v1.ColumnBatch ({raw.size} bytes: {raw.why})", (("tracetop-fault", fault),))
+    try:
+        return decode_batch(raw)
+    except BatchError as e:
+        which: tuple[tuple[str, str], ...] = (("tracetop-fault", e.fault),)
+        if ID_RE.match(raw.source_id):
+            which += (("tracetop-rejected-source", raw.source_id), ("tracetop-rejected-seq", str(raw.seq)))
+        return Rejection(e.fault, str(e), which)
