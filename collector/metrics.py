@@ -37,6 +37,10 @@ class CollectorMetrics:
             "tracetop_collector_writer_queue_rows", "Rows waiting for the writer thread", registry=r
         )
         self.flushes = Counter("tracetop_collector_commits", "Writer transactions committed", registry=r)
+        self.streams = Counter("tracetop_collector_streams", "Ingest streams opened", registry=r)
+        self.streams_open = Gauge(
+            "tracetop_collector_streams_open", "Ingest streams open now (shippers open one per burst)", registry=r
+        )
 
     def on_flush(self, stats: FlushStats) -> None:
         for kind, rows in stats.rows_by_kind.items():

@@ -122,6 +122,8 @@ class CollectorService:
     async def stream(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         sink = _AioSink(asyncio.get_running_loop())
         self.sinks.add(sink)
+        self.metrics.streams.inc()
+        self.metrics.streams_open.set(len(self.sinks))
         reader = asyncio.ensure_future(self._read(request_iterator, sink))
         try:
             while True:
@@ -133,6 +135,7 @@ class CollectorService:
                 return
         finally:
             self.sinks.discard(sink)
+            self.metrics.streams_open.set(len(self.sinks))
             reader.cancel()
 
     async def _end(self, end: StreamEnd, context: grpc.aio.ServicerContext) -> None:

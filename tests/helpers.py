@@ -3,6 +3,7 @@
     c = start_collector(tmp_path)                      # 127.0.0.1, a free port picked by the collector
     c = start_collector(tmp_path, listen="unix")       # a unix socket in tmp_path
     c.addr, c.db, c.proc, c.metrics_port; c.stop()     # SIGTERM, wait, returns the exit code
+    scrape_metrics(c.metrics_port)                     # {"name{labels}": value} from /metrics
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,3 +100,14 @@ def start_collector(
     return CollectorProc(
         addr=m.group(1), db=db, proc=proc, metrics_port=int(m.group(3)) if m.group(3) else None, output=lines
     )
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The collector's Prometheus page as {"name{labels}": value}."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

@@ -4,14 +4,13 @@ nothing of the bad batch stored, and a well-behaved source streaming at the same
 from __future__ import annotations
 
 import threading
-import urllib.request
 
 import grpc
 import pytest
 from google.protobuf.message import DecodeError
 
 from tests.collector.util import Feeder, batch, scalar, trailing
-from tests.helpers import start_collector
+from tests.helpers import scrape_metrics, start_collector
 from tracetop.wire import tracetop_pb2 as pb
 
 N = 100  # rows per batch
@@ -168,18 +167,8 @@ def test_duplicates_acked_not_stored(collector, steady):
     assert scalar(collector.addr, "SELECT count(*) FROM step WHERE run_id = 'run-1' AND step IN (1, 2, 3, 5)") >= 4 * N
 
 
-def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
 def test_prometheus_counts_what_happened(collector, steady):
-    before = _scrape(collector.metrics_port)
+    before = scrape_metrics(collector.metrics_port)
     f = Feeder(collector.addr)
     for seq in (1, 2, 3):
         f.send(batch("prom", seq, 7, kind=pb.COLLECTIVE))
@@ -190,7 +179,7 @@ def test_prometheus_counts_what_happened(collector, steady):
     _bad_crc(bad)
     f.send(bad)
     assert f.wait_end().code() == grpc.StatusCode.INVALID_ARGUMENT
-    after = _scrape(collector.metrics_port)
+    after = scrape_metrics(collector.metrics_port)
 
     def delta(key: str) -> float:
         return after.get(key, 0.0) - before.get(key, 0.0)

@@ -13,6 +13,7 @@ import pytest
 from collector.bench_chaos import chaos
 from collector.loadgen import CollectorProcess
 from tracetop.events import Kind
+from tests.helpers import scrape_metrics, start_collector
 from tracetop.wire.shipper import MemoryTransport, Shipper
 
 
@@ -136,3 +137,28 @@ def test_gap_rows_count_exactly_what_was_lost_across_a_reconnect(tmp_path: Path)
     assert stored == distinct
     assert dropped > 0, "the 4 KiB budget must force drops, or this checks nothing"
     assert stored + dropped == 300, (stored, dropped)
+
+
+def test_streams_open_per_burst_and_close_between(tmp_path: Path) -> None:
+    """An idle open stream costs the producer CPU in grpcio's polling threads, so the shipper
+    opens one stream per burst: after its acks nothing stays open, and the next burst opens anew."""
+    c = start_collector(tmp_path, extra_args=["--flush-interval-s", "0.05"], metrics=True)
+    try:
+        s = Shipper(c.addr, run_id="burst", flush_interval_s=60, burst_linger_s=0.05)
+        for burst in range(3):
+            for i in range(100):
+                s.record(Kind.COLLECTIVE, *_row(burst * 100 + i))
+            assert s.flush(30)
+            deadline = time.monotonic() + 30
+            while scrape_metrics(c.metrics_port)["tracetop_collector_streams_open"] != 0:
+                assert time.monotonic() < deadline, "the stream stayed open after its burst was acked"
+                time.sleep(0.05)
+        assert s.stats()["batches_acked"] == 3
+        s.close()
+        assert scrape_metrics(c.metrics_port)["tracetop_collector_streams_total"] == 3
+    finally:
+        assert c.stop() == 0
+    con = duckdb.connect(str(c.db), read_only=True)
+    steps = [r[0] for r in con.execute("SELECT step FROM collective ORDER BY step").fetchall()]
+    con.close()
+    assert steps == list(range(300))

@@ -68,6 +68,50 @@ def test_a_row_of_the_wrong_arity_is_dropped_and_counted_not_raised() -> None:
     assert gaps["reason"].tolist() == ["bad_row"] and gaps["dropped"].tolist() == [1]
 
 
+def _collective_columns(steps: range, ops: list[str], roles: tuple) -> dict:
+    n = len(steps)
+    cols = {c.name: np.full(n, 7) for c in SCHEMAS[Kind.COLLECTIVE]}
+    cols["step"] = np.array(steps)
+    cols["op"] = [ops[i % len(ops)] for i in range(n)]  # plain strings
+    cols["role"] = (np.arange(n, dtype="<i4") % len(roles[1]), list(roles[1])) if roles[0] else ["dp"] * n
+    cols["dtype"] = ["float32"] * n
+    return cols
+
+
+def test_every_bulk_of_a_kind_since_the_last_seal_ships_as_one_batch() -> None:
+    """The emitter hands over columns several times per shipment; each gRPC message costs the
+    trainer CPU, so they go out as one batch, with one merged dictionary per string column."""
+    sink = MemoryTransport()
+    s = Shipper(None, run_id="r", transport=sink, flush_interval_s=60, flush_rows=10**6)
+    s.record_many(Kind.COLLECTIVE, _collective_columns(range(0, 5), ["all_reduce", "send"], (True, ("tp", "dp"))))
+    s.record_many(Kind.COLLECTIVE, _collective_columns(range(5, 12), ["recv", "all_reduce"], (True, ("pp", "tp", "dp"))))
+    s.record_many(Kind.COLLECTIVE, _collective_columns(range(12, 15), ["broadcast"], (False, ())))
+    assert s.flush(10)
+    s.close()
+    batches = [b for b in sink.batches if b.kind == Kind.COLLECTIVE]
+    assert len(batches) == 1 and batches[0].n == 15
+    rows = sink.rows(Kind.COLLECTIVE)
+    assert rows["step"].tolist() == list(range(15))
+    assert rows["op"].tolist() == [*["all_reduce", "send"] * 2, "all_reduce", *["recv", "all_reduce"] * 3, "recv",
+                                   *["broadcast"] * 3]
+    assert rows["role"].tolist() == [*"tp dp tp dp tp".split(), *"pp tp dp pp tp dp pp".split(), "dp", "dp", "dp"]
+
+
+def test_a_malformed_bulk_is_dropped_and_counted_while_the_rest_ships() -> None:
+    sink = MemoryTransport()
+    s = Shipper(None, run_id="r", transport=sink, flush_interval_s=60, flush_rows=10**6)
+    s.record_many(Kind.COLLECTIVE, _collective_columns(range(0, 4), ["send"], (False, ())))
+    bad = _collective_columns(range(4, 10), ["send"], (False, ()))
+    del bad["peer"]
+    s.record_many(Kind.COLLECTIVE, bad)
+    s.record_many(Kind.COLLECTIVE, _collective_columns(range(10, 13), ["recv"], (False, ())))
+    assert s.flush(10)
+    s.close()
+    assert sorted(sink.rows(Kind.COLLECTIVE)["step"].tolist()) == [0, 1, 2, 3, 10, 11, 12]
+    gaps = sink.rows(Kind.GAP)
+    assert gaps["reason"].tolist() == ["bad_row"] and gaps["dropped"].tolist() == [6]
+
+
 def test_null_shipper_accepts_everything_and_does_nothing() -> None:
     s = NullShipper()
     s.record(Kind.STEP, 1)

@@ -69,6 +69,35 @@ def dict_encode(values: Sequence[str] | np.ndarray) -> tuple[np.ndarray, list[st
     return np.fromiter(codes, dtype="<i4", count=len(codes)), list(index)
 
 
+def _is_encoded(value: object) -> bool:
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], np.ndarray)
+
+
+def concat_columns(kind: Kind, parts: Sequence[Mapping[str, object]]) -> dict[str, object]:
+    """Several column sets of one kind -> one, in order (what `encode_batch` accepts).
+
+    String columns (lists of str or ready ``(codes, dictionary)`` pairs) get one merged
+    dictionary, each part's codes remapped into it. Raises KeyError/ValueError/IndexError when a
+    part lacks a column or its codes fall outside its dictionary."""
+    out: dict[str, object] = {}
+    for col in SCHEMAS[kind]:
+        values = [p[col.name] for p in parts]
+        if col.dtype == "str":
+            index: dict[str, int] = {}
+            codes = []
+            for v in values:
+                c, d = v if _is_encoded(v) else dict_encode(v)  # type: ignore[misc,arg-type]
+                remap = np.fromiter((index.setdefault(s, len(index)) for s in d), "<i4", len(d))
+                c = np.asarray(c, np.intp)
+                if len(c) and (c.min() < 0 or c.max() >= len(d)):
+                    raise IndexError(f"concat_columns: {kind.name}.{col.name} codes outside their dictionary")
+                codes.append(remap[c] if len(c) else np.zeros(0, "<i4"))
+            out[col.name] = (np.concatenate(codes).astype("<i4", copy=False), list(index))
+        else:
+            out[col.name] = np.concatenate([np.asarray(v, NUMPY_DTYPES[col.dtype]).reshape(-1) for v in values])
+    return out
+
+
 def encode_batch(
     kind: Kind,
     columns: Mapping[str, object],
@@ -96,7 +125,7 @@ def encode_batch(
         value = columns[col.name]
         dictionary: list[str] = []
         if col.dtype == "str":
-            if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], np.ndarray):
+            if _is_encoded(value):
                 codes, dictionary = np.asarray(value[0], dtype="<i4"), list(value[1])
             else:
                 codes, dictionary = dict_encode(value)  # type: ignore[arg-type]
