@@ -171,9 +171,10 @@ class Tracer:
         tokens_per_step / samples_per_step: defaults for every step (per data-parallel replica).
         max_unacked_bytes: TRACETOP_BUFFER_BYTES; memory kept for telemetry while the endpoint is
             unreachable (beyond it the oldest batches are dropped and reported as gap rows).
-        drain_interval_s: how often the emitter turns hot-path rows into columns (and samples memory).
-        flush_interval_s: how often the shipper seals a batch per kind (each gRPC message costs the
-            trainer process ~0.6 ms of CPU, measured: fewer, larger batches).
+        drain_interval_s: how often the emitter turns hot-path rows into columns and samples memory
+            (default 5 s, and at every heartbeat; each drain is a short burst holding the GIL).
+        flush_interval_s: TRACETOP_FLUSH_S, default 5: how often the shipper sends one batch per kind
+            (each shipment costs the trainer process ~4 ms of CPU in gRPC, measured: fewer, larger).
         close_timeout_s: how long close() waits for the endpoint's acks.
         device_clock: the device timer (default: CUDA events when device="cuda"); any object with
             mark() / ready(ev) / elapsed_ns(a, b) / release(a, b) / memory(), see _CudaClock.
@@ -201,8 +202,8 @@ class Tracer:
         samples_per_step: int | None = None,
         max_unacked_bytes: int | None = None,
         close_timeout_s: float = 5.0,
-        drain_interval_s: float = 0.5,
-        flush_interval_s: float = 2.0,
+        drain_interval_s: float = 5.0,
+        flush_interval_s: float | None = None,
         clock_ns: Callable[[], int] = time.time_ns,
         device_clock: Any = None,
     ) -> None:
@@ -270,19 +271,15 @@ class Tracer:
         self.identity = ident = resolve(rank=rank, world_size=world_size, local_rank=local_rank, run_id=run_id)
         self.rank, self.world_size, self.local_rank = ident.rank, ident.world_size, ident.local_rank
         self.run_id = _agree_run_id(ident, explicit=run_id)
-        raw_hb = heartbeat_s if heartbeat_s is not None else tenv.get(tenv.TRACETOP_HEARTBEAT_S, str(tenv.DEFAULT_HEARTBEAT_S))
-        try:
-            self.heartbeat_s = float(raw_hb)  # type: ignore[arg-type]
-        except ValueError as e:
-            raise SetupError(f"trainer_hooks: heartbeat {raw_hb!r} is not a number; set {tenv.TRACETOP_HEARTBEAT_S} to seconds, e.g. 5") from e
-        if not self.heartbeat_s > 0:
-            raise SetupError(f"trainer_hooks: heartbeat every {self.heartbeat_s} s; set {tenv.TRACETOP_HEARTBEAT_S} to a positive number of seconds")
+        self.heartbeat_s = _seconds(heartbeat_s, tenv.TRACETOP_HEARTBEAT_S, tenv.DEFAULT_HEARTBEAT_S, "heartbeat")
+        flush_interval_s = _seconds(flush_interval_s, tenv.TRACETOP_FLUSH_S, tenv.DEFAULT_FLUSH_S, "shipment")
         if shipper is not None:
             self.shipper = shipper
         else:
             from tracetop.wire.shipper import Shipper
 
-            kw: dict[str, Any] = {"flush_interval_s": flush_interval_s}
+            # flush_rows: a shipment holds whatever the interval gathered (the 3 MiB cap still cuts it)
+            kw: dict[str, Any] = {"flush_interval_s": flush_interval_s, "flush_rows": 1 << 16}
             if max_unacked_bytes is None and tenv.get(tenv.TRACETOP_BUFFER_BYTES):
                 raw = tenv.get(tenv.TRACETOP_BUFFER_BYTES, "")
                 try:
@@ -295,6 +292,7 @@ class Tracer:
             self.shipper = Shipper(target, run_id=self.run_id, rank=self.rank, transport=transport, **kw)
         self.endpoint = getattr(self.shipper, "endpoint", None)
         self._record = self.shipper.record
+        self._ship_soon = getattr(self.shipper, "ship_soon", lambda: None)
         if device_clock is not None:
             self._cuda = device_clock
         else:
@@ -626,16 +624,27 @@ class Tracer:
 
     # ------------------------------------------------------------------ emitter thread
     def _run_emitter(self) -> None:
-        tick = 0.05 if self._cuda is not None else min(self.drain_interval_s, self.heartbeat_s)
+        # GPU: resolve CUDA events every 50 ms (they are few and must be released); CPU: wake only
+        # to drain or beat. Each wake-up takes the GIL from training: few, large pieces of work.
         next_hb = time.monotonic() + self.heartbeat_s
-        while not self._stop.wait(tick):
+        next_drain = time.monotonic() + self.drain_interval_s
+
+        def wait() -> float:
+            due = max(0.0, min(next_hb, next_drain) - time.monotonic())
+            return min(0.05, due) if self._cuda is not None else due
+
+        while not self._stop.wait(wait()):
             try:
                 if self._cuda is not None:
                     self._resolve_deferred()
-                self._drain()
-                if time.monotonic() >= next_hb:
-                    next_hb += self.heartbeat_s
+                now = time.monotonic()
+                if now >= next_drain or now >= next_hb:
+                    next_drain = now + self.drain_interval_s
+                    self._drain()
+                if now >= next_hb:
+                    next_hb = now + self.heartbeat_s
                     self._heartbeat()
+                    self._ship_soon()  # the heartbeat goes out now, with everything drained before it
             except Exception as e:  # the emitter never dies
                 self._hook_error("emitter", e)
         if self._cuda is not None:
@@ -744,6 +753,18 @@ INSTRUCTIONS: dict[str, tuple[int, str, bool]] = {
     "ReduceTiedGrads": (4, "comm", False),
 }
 _INSTR_PHASE = {k: v[1] for k, v in INSTRUCTIONS.items()}
+
+
+def _seconds(value: float | None, var: str, default: float, what: str) -> float:
+    """A positive number of seconds: the argument, then the variable, then the default."""
+    raw = value if value is not None else tenv.get(var, str(default))
+    try:
+        seconds = float(raw)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise SetupError(f"trainer_hooks: {what} interval {raw!r} is not a number; set {var} to seconds, e.g. {default:g}") from e
+    if not seconds > 0:
+        raise SetupError(f"trainer_hooks: {what} every {seconds} s; set {var} to a positive number of seconds")
+    return seconds
 
 
 def _default_device() -> str:

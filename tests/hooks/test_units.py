@@ -114,6 +114,24 @@ def test_heartbeat_carries_step_and_phase() -> None:
     assert inside and all(hb["step"][i] == 7 for i in inside)
 
 
+def test_each_heartbeat_ships_what_was_recorded_before_it() -> None:
+    """Shipments every 60 s, heartbeats every 0.2 s: a finished step arrives with the next
+    heartbeat, not a minute later (liveness and the rows before it travel together)."""
+    mem = MemoryTransport()
+    tracer = Tracer(rank=0, world_size=1, run_id="u", transport=mem, wrap_collectives=False, heartbeat_s=0.2,
+                    flush_interval_s=60.0, drain_interval_s=60.0)
+    try:
+        with tracer.step(3):
+            pass
+        deadline = time.monotonic() + 30
+        while not len(mem.rows(Kind.STEP)["step"]):
+            assert time.monotonic() < deadline, "the step row waited for the 60 s shipment"
+            time.sleep(0.02)
+        assert list(mem.rows(Kind.STEP)["step"]) == [3] and len(mem.rows(Kind.HEARTBEAT)["step"]) >= 1
+    finally:
+        tracer.close()
+
+
 class _BrokenShipper:
     endpoint = "broken"
 
@@ -189,6 +207,11 @@ def test_setup_errors_fail_fast_with_a_hint(monkeypatch) -> None:
     with pytest.raises(SetupError, match="TRACETOP_HEARTBEAT_S"):
         Tracer(rank=0, world_size=1, run_id="u", transport=MemoryTransport(), wrap_collectives=False)
     monkeypatch.delenv("TRACETOP_HEARTBEAT_S")
+    for bad in ("soon", "0"):
+        monkeypatch.setenv("TRACETOP_FLUSH_S", bad)
+        with pytest.raises(SetupError, match="TRACETOP_FLUSH_S"):
+            Tracer(rank=0, world_size=1, run_id="u", transport=MemoryTransport(), wrap_collectives=False)
+    monkeypatch.delenv("TRACETOP_FLUSH_S")
     monkeypatch.setenv("TRACETOP_BUFFER_BYTES", "lots")
     with pytest.raises(SetupError, match="TRACETOP_BUFFER_BYTES"):
         Tracer(rank=0, world_size=1, run_id="u", endpoint="127.0.0.1:9", wrap_collectives=False)
