@@ -1,110 +1,175 @@
-"""One reference-trainer run for ``tracetop bench hooks``, hooks switched on and off in blocks.
+"""One reference-trainer run for ``tracetop bench hooks``, hooks switched on and off every few steps.
 
-``python -m trainer_hooks._bench_child OUT.json BLOCK <trainer flags>`` runs ``reference_trainer``
-in this process with the hooks started as usual (``reference_trainer.tracing.start``), then
-switched off and on every BLOCK steps in ABBA order (on/off, off/on, ...): "off" removes every
-hook (collectives restored, the pipeline's instruction map and the optimizer's offload methods
-unwrapped, no ``step`` context), "on" puts them back.
+``python -m trainer_hooks._bench_child OUT.json BLOCK WARMUP SEED [--aa] <trainer flags>`` runs
+``reference_trainer`` in this process with the hooks started as usual
+(``reference_trainer.tracing.start``), then switched off and on every BLOCK steps, in quads of
+four blocks ordered ABBA or BAAB at random (seeded by SEED): "off" removes every hook from the training thread (collectives restored,
+the pipeline's instruction map and the optimizer's offload methods unwrapped, no ``step``
+context), "on" puts them back (``--aa``: an A/A control, every hook off throughout and only the
+blocks' labels alternating, to check that the estimate reads zero when nothing differs). The hooks' threads (emitter, shipper, gRPC) keep running
+throughout, as they would in production, on their own timers.
 
 The trainer times each step with two ``time.perf_counter()`` calls; this wrapper lets them through
-unchanged and notes the wall clock and the process CPU time (every thread: training, the hooks'
-emitter and shipper, gloo) at the same two points. When an "on" block ends, everything it
-recorded is drained and shipped at once (``flush``) and the CPU time of that is charged to the
-block, so no work caused by an "on" block is done during an "off" one; the shipper's own timer
-does not seal batches meanwhile, so each "on" block ships one batch per kind, as a steady run
-does every flush interval (2 s; a block of the tiny model's 60 steps lasts about that long). The step that switches is
-left out of the per-step figures, and so is the step after it. An "off" block begins after the
-wait for the collector's acks; an "on" block begins after a sleep of the same length, so both
-kinds of block start from the same idle pause. OUT gets, per step, (wall s, CPU s, on) and per block the
-shipping CPU seconds.
+unchanged and notes, at the same two points, the wall clock, the process CPU time and the
+training thread's CPU time. A switch happens just before a step's first reading, outside every
+measured interval. OUT gets, per step, (wall s, process CPU s, training-thread CPU s, on), and
+for the measured window (the steps after WARMUP) the CPU time of the threads the hooks started:
+process CPU minus the training thread's minus that of every thread that already existed before the
+hooks started (torch's, gloo's). That figure is exact, whichever step it fell in, and includes
+threads that exited meanwhile (the process clock keeps their time).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import random
 import sys
+import threading
 import time
 import types
 from pathlib import Path
 from typing import Any
 
 
+def _thread_cpu_ns(tids: set[int]) -> dict[int, int]:
+    """CPU time of each of this process's threads still alive among tids (Linux schedstat, ns)."""
+    out = {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _thread_names(tids: set[int]) -> list[str]:
+    py = {t.native_id: t.name for t in threading.enumerate()}
+    names = []
+    for tid in sorted(tids):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(py.get(tid) or f.read().strip())
+        except OSError:
+            pass
+    return names
+
+
+def _tids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
 class _Switching:
-    def __init__(self, traced: Any, engine: Any, block: int, log: dict[str, Any]) -> None:
-        from trainer_hooks import collectives, offload, pipeline
+    """Takes the hooks off the training thread and puts them back by swapping prebuilt objects:
+    the collective wrappers and the originals, the timed and the plain instruction maps (the
+    engine keeps an ``_INSTRUCTION_MAP`` attribute either way, so its ``__dict__`` never changes
+    shape). Nothing is allocated and nothing is rebuilt, so a switch leaves the caches as they
+    were; rebuilding the wrappers at every switch (install/uninstall) made the first "on" step
+    after it ~100 us slower here, which an always-on run never pays."""
+
+    def __init__(self, traced: Any, engine: Any, block: int, seed: int = 0) -> None:
+        from trainer_hooks import collectives, offload
 
         self.traced = traced
         self.tracer = traced.tracer
-        # Batches are sealed only at the end of each "on" block (one per kind, as the shipper's
-        # 2 s interval does in a steady run when a block lasts ~2 s), not also by the timer.
-        self.tracer.shipper.flush_interval_s = 1e9
         self.engine = engine
         self.block = block
-        self.log = log
         self.on = True
-        self.block_index = -1
-        self.last_pause_s = 0.0
-        self._mods = (collectives, offload, pipeline)
+        self.aa = False
+        self._rng = random.Random(seed)
+        self._flips: list[bool] = []
+        self._installed = collectives._installed
+        # (object, attribute, value with hooks on, value with hooks off)
+        swaps: list[tuple[Any, str, Any, Any]] = []
+        for (mod, name), original in self._installed.originals.items():
+            swaps.append((mod, name, getattr(mod, name), original))
+        comm = sys.modules.get("deepspeed.comm.comm")
+        cdb = getattr(comm, "cdb", None) if comm is not None else None
+        for attr, original in self._installed.cdb_originals.items():
+            if cdb is not None:
+                swaps.append((cdb, attr, getattr(cdb, attr), original))
+        timed_map = engine.__dict__.get("_INSTRUCTION_MAP")
+        if timed_map is not None:
+            swaps.append((engine, "_INSTRUCTION_MAP", timed_map, type(engine)._INSTRUCTION_MAP))
+        optimizer = getattr(engine, "optimizer", None)
+        for name in getattr(optimizer, offload._WRAPPED, None) or []:
+            swaps.append((optimizer, name, optimizer.__dict__[name], getattr(type(optimizer), name).__get__(optimizer)))
+        self._swaps = swaps
 
-    def _state_for(self, n: int) -> bool:
-        b = n // self.block
-        first_on = (b // 2) % 2 == 0  # ABBA: blocks (on, off), (off, on), (on, off), ...
-        return first_on if b % 2 == 0 else not first_on
+    def state_for(self, n: int) -> bool:
+        """Quads of 4 blocks, each ABBA or BAAB at random (seeded): step times here have periodic
+        parts (the garbage collector, for one, runs every so many allocations) that a fixed
+        pattern of short blocks aliases into the estimate; a random orientation makes them noise."""
+        q, b = divmod(n // self.block, 4)
+        while len(self._flips) <= q:
+            self._flips.append(self._rng.random() < 0.5)
+        return (b in (0, 3)) != self._flips[q]
 
-    def _switch(self, on: bool) -> None:
-        collectives, offload, pipeline = self._mods
-        t = self.tracer
-        if on:
-            time.sleep(self.last_pause_s)  # the same pause as before an "off" block: both start alike
-            collectives.install(t)
-            pipeline.wrap(self.engine, t)
-            offload.wrap(getattr(self.engine, "optimizer", None), t)
-        else:
-            c0, w0 = time.process_time_ns(), time.perf_counter()
-            t._drain()
-            t.shipper.flush(30.0)
-            self.last_pause_s = time.perf_counter() - w0
-            self.log["ship_cpu_s"].append((self.block_index - 1, (time.process_time_ns() - c0) / 1e9))
-            collectives.uninstall(t)
-            pipeline.unwrap(self.engine)
-            offload.unwrap(getattr(self.engine, "optimizer", None))
+    def before_step(self, n: int) -> None:
+        want = self.state_for(n)
+        if want == self.on:
+            return
+        if self.aa:  # A/A control: the hooks stay off, only the label changes
+            self.on = want
+            return
+        self._apply(want)
+
+    def _apply(self, on: bool) -> None:
+        for obj, attr, on_value, off_value in self._swaps:
+            setattr(obj, attr, on_value if on else off_value)
+        self._installed.sink = self.tracer if on else None
         self.on = on
 
     def step(self, n: int) -> Any:
-        b = n // self.block
-        if b != self.block_index:
-            self.block_index = b
-            want = self._state_for(n)
-            if want != self.on:
-                self._switch(want)
-            self.log["switch_steps"].append(n)
-        self.log["on"].append(self.on)
-        return self.traced.step(n) if self.on else contextlib.nullcontext()
+        return self.traced.step(n) if self.on and not self.aa else contextlib.nullcontext()
+
+    def control(self) -> None:
+        """A/A: take every hook off for good; blocks keep their on/off labels (checks the estimator)."""
+        self._apply(False)
+        self.aa = True
 
     def close(self) -> None:
-        if self.on:
-            c0 = time.process_time_ns()
-            self.tracer._drain()
-            self.tracer.shipper.flush(30.0)
-            self.log["ship_cpu_s"].append((self.block_index, (time.process_time_ns() - c0) / 1e9))
-        else:
-            self._switch(True)  # put everything back so close() restores it
+        if self.aa or not self.on:
+            self.aa = False
+            self._apply(True)  # put everything back so close() restores it
         self.traced.close()
 
 
 def main(argv: list[str]) -> int:
-    out, block, trainer_argv = Path(argv[0]), int(argv[1]), argv[2:]
+    aa = "--aa" in argv
+    argv = [a for a in argv if a != "--aa"]
+    out, block, warmup, seed, trainer_argv = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4:]
     from reference_trainer import tracing as tracing_mod
     from reference_trainer import train
 
-    log: dict[str, Any] = {"wall_s": [], "cpu_s": [], "on": [], "switch_steps": [], "ship_cpu_s": [], "block": block}
-    marks: list[tuple[float, int]] = []
+    state: dict[str, Any] = {"switching": None, "n": 0, "base_tids": set(), "window": []}
+    marks: list[tuple[float, int, int]] = []
+    on: list[bool] = []
     clock = types.SimpleNamespace(**{n: getattr(time, n) for n in dir(time) if not n.startswith("_")})
 
+    def snapshot() -> dict[str, Any]:
+        base = _thread_cpu_ns(state["base_tids"])
+        hooks = _thread_cpu_ns(_tids() - state["base_tids"] - {threading.get_native_id()})
+        return {"process_ns": time.process_time_ns(), "main_ns": time.thread_time_ns(), "base": base, "hooks": hooks,
+                "wall_s": time.perf_counter()}
+
     def perf_counter() -> float:
+        starting = len(marks) % 2 == 0
+        if starting:
+            n = state["n"]
+            sw = state["switching"]
+            if n == warmup:
+                state["window"].append(snapshot())
+            if sw is not None:
+                sw.before_step(n)
+                on.append(sw.on)
+            else:
+                on.append(False)
+            state["n"] = n + 1
         now = time.perf_counter()
-        marks.append((now, time.process_time_ns()))
+        marks.append((now, time.process_time_ns(), time.thread_time_ns()))
         return now
 
     clock.perf_counter = perf_counter
@@ -112,16 +177,48 @@ def main(argv: list[str]) -> int:
     real_start = tracing_mod.start
 
     def start(engine: Any, args: Any, *, meta: dict[str, Any]) -> Any:
+        state["base_tids"] = _tids() - {threading.get_native_id()}
         traced = real_start(engine, args, meta=meta)
-        return _Switching(traced, engine, block, log) if hasattr(traced, "tracer") else traced
+        if not hasattr(traced, "tracer"):
+            return traced
+        state["switching"] = sw = _Switching(traced, engine, block, seed)
+        if aa:
+            sw.control()
+        return sw
 
     tracing_mod.start = start
+    real_close = _Switching.close
+
+    def close(self: _Switching) -> None:
+        if len(state["window"]) == 1:  # the end of the last measured step: before close() flushes
+            state["window"].append(snapshot())
+            a, b = state["window"]
+            names = dict(zip(sorted(b["hooks"]), _thread_names(set(b["hooks"]))))
+            state["hook_threads"] = {f"{names.get(t, t)} [{t}]": (ns - a["hooks"].get(t, 0)) / 1e9 for t, ns in b["hooks"].items()}
+            # a thread that ended inside the window (gRPC starts two per stream) is in the total only
+        real_close(self)
+
+    _Switching.close = close  # type: ignore[method-assign]
     rc = train.main(trainer_argv)
-    for (w0, c0), (w1, c1) in zip(marks[0::2], marks[1::2]):
+    if rc:
+        return rc
+    log: dict[str, Any] = {"block": block, "warmup": warmup, "seed": seed, "wall_s": [], "cpu_s": [], "thread_cpu_s": [], "on": on}
+    for (w0, c0, t0), (w1, c1, t1) in zip(marks[0::2], marks[1::2]):
         log["wall_s"].append(w1 - w0)
         log["cpu_s"].append((c1 - c0) / 1e9)
+        log["thread_cpu_s"].append((t1 - t0) / 1e9)
+    if len(state["window"]) == 2:
+        a, b = state["window"]
+        base = sum(b["base"][t] - a["base"][t] for t in b["base"] if t in a["base"])
+        process, main_ = b["process_ns"] - a["process_ns"], b["main_ns"] - a["main_ns"]
+        log["window"] = {
+            "steps": len(on) - warmup, "on_steps": sum(on[warmup:]),
+            "process_cpu_s": process / 1e9, "main_cpu_s": main_ / 1e9, "base_threads_cpu_s": base / 1e9,
+            "hook_threads_cpu_s": (process - main_ - base) / 1e9, "wall_s": b["wall_s"] - a["wall_s"],
+            "hook_threads": state.get("hook_threads", []),
+        }
     out.write_text(json.dumps(log))
-    return rc
+    return 0
 
 
 if __name__ == "__main__":
