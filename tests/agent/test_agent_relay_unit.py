@@ -58,6 +58,14 @@ class _Stream:
         self.channel.close()
 
 
+def _round_trip(target: str) -> None:
+    """One batch to the relay at target and its ack back (fails the test if no ack comes)."""
+    s = _Stream(target)
+    s.send(_batch(1))
+    s.wait_acks(1)
+    s.close()
+
+
 @pytest.fixture
 def relay_env(tmp_path):
     made = []
@@ -182,10 +190,7 @@ def test_stale_socket_file_is_replaced(tmp_path):
     shipper = Shipper(None, run_id="r", transport=MemoryTransport())
     relay = Relay(shipper, [f"unix://{path}"]).start()
     try:
-        s = _Stream(f"unix://{path}")
-        s.send(_batch(1))
-        s.wait_acks(1)
-        s.close()
+        _round_trip(f"unix://{path}")
     finally:
         relay.stop(0.1)
         shipper.close(1)
@@ -228,10 +233,7 @@ def test_loopback_tcp_listen_and_non_loopback_refused():
     try:
         (addr,) = relay.addresses()
         assert addr.startswith("127.0.0.1:") and not addr.endswith(":0")
-        s = _Stream(addr)
-        s.send(_batch(1))
-        s.wait_acks(1)
-        s.close()
+        _round_trip(addr)
     finally:
         relay.stop(0.1)
         shipper.close(1)

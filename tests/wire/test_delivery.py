@@ -12,8 +12,8 @@ import pytest
 
 from collector.bench_chaos import chaos
 from collector.loadgen import CollectorProcess
-from tracetop.events import Kind
 from tests.helpers import scrape_metrics, start_collector
+from tracetop.events import Kind
 from tracetop.wire.shipper import MemoryTransport, Shipper
 
 

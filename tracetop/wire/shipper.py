@@ -155,7 +155,7 @@ class Shipper:
         channel_factory: builds the gRPC channel (tests may inject options).
         clock_ns: wall clock in ns (injectable).
         burst_linger_s: a stream stays open this long after its last batch for more, then
-            half-closes; the next batch opens a new one.
+            half-closes; the next batch opens a new one. None: one stream held open throughout.
     """
 
     def __init__(
@@ -392,7 +392,7 @@ class Shipper:
     def _seal_bulk(self, kind: Kind, parts: list[Mapping[str, Any]], first_ns: int) -> None:
         """Every ``record_many`` of a kind since the last seal goes out as one batch (cut at the
         row and byte caps), not one each: the emitter hands over a few times per flush interval,
-        and each gRPC message costs the process ~0.1 ms of CPU (measured, see the bench notes)."""
+        and each gRPC message costs the process 0.3-0.9 ms of CPU (trainer_hooks/README.md "Cost")."""
         if len(parts) > 1:
             try:
                 parts = [concat_columns(kind, parts)]
@@ -674,8 +674,8 @@ class Shipper:
                 epoch = self._new_epoch_locked()
             # One stream per burst: it carries what is due plus whatever comes within
             # burst_linger_s, half-closes, and ends once the receiver has acked everything. An
-            # open but idle gRPC stream costs the process ~2 ms of CPU a second in grpcio's
-            # polling threads (measured, trainer_hooks/README.md "Cost"); between bursts there is none.
+            # open but idle gRPC stream costs the process ~1.5 ms of CPU a second in grpcio's
+            # polling threads (trainer_hooks/README.md "Cost"); between bursts there is none.
             call = stub.Stream(self._requests(epoch))
             clean = False
             try:
