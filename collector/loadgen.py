@@ -44,7 +44,11 @@ def run_source(
     from tracetop.events import SCHEMAS, Kind
     from tracetop.wire.shipper import Shipper
 
-    shipper = Shipper(endpoint, run_id=run_id, source_id=f"loadgen-{source}-{os.getpid()}", rank=source)
+    # A load source sends without pause, like a busy agent relay: its stream stays open between
+    # its paced batches (a 1 s linger) and ends only when it is done, so a killed collector
+    # breaks a live stream rather than falling between two bursts.
+    shipper = Shipper(endpoint, run_id=run_id, source_id=f"loadgen-{source}-{os.getpid()}", rank=source,
+                      burst_linger_s=1.0)
     names = [c.name for c in SCHEMAS[Kind.STEP]]
     if start_file:
         Path(f"{start_file}.ready.{source}").touch()
