@@ -131,8 +131,18 @@ def _v3() -> list[str]:
     ]
 
 
+def _v4() -> list[str]:
+    """Wire schema 2: STEP rows carry the loss and the micro-batch shape in force. A fresh file's
+    `step` table already has them (_v1 derives it from tracetop/events.py), hence IF NOT EXISTS."""
+    return [
+        "ALTER TABLE step ADD COLUMN IF NOT EXISTS loss DOUBLE",
+        "ALTER TABLE step ADD COLUMN IF NOT EXISTS micro_batch INTEGER",
+        "ALTER TABLE step ADD COLUMN IF NOT EXISTS micro_batches INTEGER",
+    ]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4]
 STORE_VERSION = len(MIGRATIONS)
 
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 #: Bumped whenever a column is added, removed or retyped. The collector refuses other versions
 #: with a message saying which side to upgrade.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class Kind(IntEnum):
@@ -85,6 +85,10 @@ SCHEMAS: dict[Kind, tuple[Col, ...]] = {
         Col("compute_ns", "i8"),        # forward + backward + optimizer, excluding collective waits
         Col("tokens", "i8"),
         Col("samples", "i8"),
+        # schema 2: appended (a file migrates with ALTER TABLE ... ADD COLUMN, so new columns go last)
+        Col("loss", "f8"),              # the step's training loss; NaN where the trainer did not give it
+        Col("micro_batch", "i4"),       # micro-batch size in force during this step (-1 unknown)
+        Col("micro_batches", "i4"),     # micro-batches (gradient accumulation steps) in force (-1 unknown)
     ),
     Kind.COLLECTIVE: _COMMON
     + (

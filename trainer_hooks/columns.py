@@ -54,8 +54,8 @@ def instr_columns(rank: int, stage: int, rows: Sequence[tuple], names: Sequence[
 #: one tuple per step, in this order, split into the STEP, THROUGHPUT and MEMORY kinds
 STEP_FIELDS = ("step", "start_ns", "duration_ns", "data_wait_ns", "forward_ns", "backward_ns", "optimizer_ns",
                "comm_exposed_ns", "compute_ns", "tokens", "samples", "tokens_per_s", "samples_per_s", "tflops",
-               "mfu", "allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "budget_bytes")
-_FLOATS = {"tokens_per_s", "samples_per_s", "tflops", "mfu"}
+               "mfu", "loss", "micro_batch", "micro_batches", "allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "budget_bytes")
+_FLOATS = {"tokens_per_s", "samples_per_s", "tflops", "mfu", "loss"}
 
 
 def step_columns(rank: int, rows: Sequence[tuple]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -64,7 +64,8 @@ def step_columns(rank: int, rows: Sequence[tuple]) -> tuple[dict[str, Any], dict
     r = np.full(n, rank, "<i4")
     common = {"rank": r, "step": c["step"], "start_ns": c["start_ns"], "duration_ns": c["duration_ns"]}
     step = {**common, **{k: c[k] for k in ("data_wait_ns", "forward_ns", "backward_ns", "optimizer_ns",
-                                           "comm_exposed_ns", "compute_ns", "tokens", "samples")}}
+                                           "comm_exposed_ns", "compute_ns", "tokens", "samples", "loss")},
+            "micro_batch": c["micro_batch"].astype("<i4"), "micro_batches": c["micro_batches"].astype("<i4")}
     throughput = {**common, **{k: c[k] for k in ("tokens_per_s", "samples_per_s", "tflops", "mfu")}}
     memory = {"rank": r, "step": c["step"], "start_ns": c["start_ns"] + c["duration_ns"], "duration_ns": np.zeros(n, "<i8"),
               **{k: c[k] for k in ("allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "budget_bytes")}}

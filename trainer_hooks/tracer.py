@@ -247,6 +247,10 @@ class Tracer:
         self.tokens_per_step = tokens_per_step if tokens_per_step is not None else -1
         self.samples_per_step = samples_per_step if samples_per_step is not None else -1
         self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else -1
+        # the batch shape in force, stamped on every STEP row (describe() sets it; -1 = unknown)
+        self.micro_batch = -1
+        self.micro_batches = -1
+        self._loss = _NAN  # the current step's loss, NaN until the trainer gives it
         self.close_timeout_s = close_timeout_s
         self.drain_interval_s = drain_interval_s
         self._roles: dict[Any, tuple[str, int]] = {}
@@ -381,6 +385,7 @@ class Tracer:
         try:
             self._described = True
             self.stage = stage
+            self.micro_batch, self.micro_batches = int(micro_batch), int(micro_batches)
             if flops_per_token:
                 self.flops_per_token = float(flops_per_token)
             if peak_flops:
@@ -480,14 +485,17 @@ class Tracer:
     def _step_end(self, tokens: int, samples: int) -> None:
         self.in_step = False
         self.current_phase = "idle"
+        shape = (self._loss, self.micro_batch, self.micro_batches)  # as in force at this step's end
+        self._loss = _NAN
         if self._cuda is None:
             dur = perf_counter_ns() - self._step_t0
-            self._finish_step(self.step_n, self._step_wall0, dur, tokens, samples, self._acc)
+            self._finish_step(self.step_n, self._step_wall0, dur, tokens, samples, self._acc, shape)
         else:
-            info = (self.step_n, self._step_wall0, tokens, samples)
+            info = (self.step_n, self._step_wall0, tokens, samples, shape)
             self._deferred.append((4, info, self._step_t0, self._cuda.mark()))
 
-    def _finish_step(self, n: int, wall0: int, dur: int, tokens: int, samples: int, acc: _Acc) -> None:
+    def _finish_step(self, n: int, wall0: int, dur: int, tokens: int, samples: int, acc: _Acc,
+                     shape: tuple[float, int, int]) -> None:
         s = acc.sums
         secs = dur / 1e9 if dur > 0 else _NAN
         tps = tokens / secs if tokens >= 0 else _NAN
@@ -495,7 +503,7 @@ class Tracer:
         tflops = tps * self.flops_per_token * self.model_share / 1e12
         # memory is sampled by the emitter when it ships these rows (at most drain_interval_s later)
         self._rs.append((n, wall0, dur, s[0], s[1], s[2], s[3], acc.comm_ns, s[1] + s[2] + s[3], tokens, samples,
-                         tps, sps, tflops, tflops * 1e12 / self.peak_flops))
+                         tps, sps, tflops, tflops * 1e12 / self.peak_flops, *shape))
         self.events += 3
 
     def _memory(self) -> tuple[int, int, int, int]:
@@ -727,8 +735,8 @@ class Tracer:
                 acc.comm_ns += dur
                 self._rc.append((step, wall, dur, nbytes, sig))
             elif op == 4:
-                n, wall0, tokens, samples = payload
-                self._finish_step(n, wall0, dur, tokens, samples, acc)
+                n, wall0, tokens, samples, shape = payload
+                self._finish_step(n, wall0, dur, tokens, samples, acc, shape)
             cuda.release(a, b)
 
     def _hook_error(self, where: str, e: BaseException) -> None:

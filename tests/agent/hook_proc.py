@@ -29,7 +29,7 @@ def main() -> int:
     i = 0
     while i < n:
         for _ in range(min(chunk, n - i)):
-            s.record(Kind.STEP, rank, i, time.time_ns(), 1000, 1, 2, 3, 4, 5, 6, 7, 8)
+            s.record(Kind.STEP, rank, i, time.time_ns(), 1000, 1, 2, 3, 4, 5, 6, 7, 8, 0.5, 1, 1)
             i += 1
         due = t0 + duration_s * i / n
         delay = due - time.monotonic()

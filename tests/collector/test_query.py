@@ -53,7 +53,8 @@ def _collectives():
 def _steps():
     n = 3
     cols = {c: np.zeros(n) for c in ("step", "start_ns", "data_wait_ns", "forward_ns", "backward_ns",
-                                      "optimizer_ns", "comm_exposed_ns", "tokens", "samples")}
+                                      "optimizer_ns", "comm_exposed_ns", "tokens", "samples", "loss",
+                                      "micro_batch", "micro_batches")}
     cols.update(rank=np.zeros(n), duration_ns=[10e6, 20e6, 30e6], compute_ns=[5e6, 7e6, 100e6])
     return encode_batch(Kind.STEP, cols, source_id="views", seq=1, run_id="run-v")
 

@@ -116,7 +116,7 @@ def test_gap_rows_count_exactly_what_was_lost_across_a_reconnect(tmp_path: Path)
     live connection is never dropped, so stored + reported dropped equals recorded, exactly."""
     addr = f"127.0.0.1:{_free_port()}"
     s = Shipper(addr, run_id="gx", max_unacked_bytes=4096, flush_interval_s=0.05)
-    step_row = lambda i: (0, i, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0)  # noqa: E731
+    step_row = lambda i: (0, i, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 1, 1)  # noqa: E731
     for i in range(150):
         s.record(Kind.STEP, *step_row(i))
         time.sleep(0.002)
