@@ -1,0 +1,75 @@
+"""The records the live path hands to the world outside it: alerts and per-run gauges.
+
+These are the contract between the live engine (collector/live: state, signals, rules) and the
+places people look (collector/export: Prometheus /metrics, Alertmanager, webhook, OTLP; the TUI
+through Watch). Plain frozen records, no protobuf, no DuckDB (STYLE habit 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+#: Alert states, in the order an alert goes through them.
+PENDING, FIRING, RESOLVED = "pending", "firing", "resolved"
+SEVERITIES = ("info", "warning", "critical")
+SCOPES = ("run", "stage", "rank", "role", "node", "gpu")
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alert instance: a rule breached at one scope of one run.
+
+    An alert's identity is (rule, run_id, labels); the engine publishes a new record each time its
+    state, value or last step changes. Times are the collector's wall clock (ns)."""
+
+    rule: str                       # the rule's name in the rules file, e.g. "straggler"
+    signal: str                     # the signal it judges, e.g. "straggler", "grad_sync_ms"
+    severity: str                   # one of SEVERITIES
+    state: str                      # PENDING | FIRING | RESOLVED
+    run_id: str
+    scope: str                      # one of SCOPES
+    labels: Mapping[str, str]       # scope labels ({"rank": "3"}, {"stage": "1"}, ...) plus the rule's own
+    first_step: int                 # the step at which the breach began (-1 for time-based rules)
+    last_step: int                  # the latest step at which it held
+    first_ns: int
+    last_ns: int
+    value: float                    # the signal's value at last_step, in the rule's unit
+    threshold: float
+    message: str                    # what, where and why, with numbers, for a person
+
+    @property
+    def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:
+        return (self.rule, self.run_id, tuple(sorted(self.labels.items())))
+
+
+@dataclass(frozen=True)
+class RunGauges:
+    """Per-run figures at the latest completed step, for /metrics, OTLP and the TUI's header.
+    NaN = not known (yet); exporters leave NaN gauges out rather than export them."""
+
+    run_id: str
+    step: int
+    ranks: int
+    step_ms_p50: float = float("nan")
+    grad_sync_ms_p99: float = float("nan")
+    comm_share: float = float("nan")            # exposed communication / step time
+    scaling_efficiency: float = float("nan")    # against the baseline where one is set, else within the run
+    tokens_per_s: float = float("nan")          # the whole run's
+    samples_per_s_per_gpu: float = float("nan")
+    mfu: float = float("nan")
+    bubble_by_stage: Mapping[int, float] = field(default_factory=dict)
+    memory_used_of_budget_max: float = float("nan")  # max over ranks of used / budget
+    firing_alerts: int = 0
+    steps_skipped: int = 0                      # steps the live state skipped to keep up (never queued)
+
+
+class AlertSink(Protocol):
+    """Where alerts go (Alertmanager, a webhook, ...). `publish` is called by the engine's thread
+    with the alerts whose state changed since the last call and all alerts firing now; it must
+    return at once (a sink queues and sends on its own thread) and never raise."""
+
+    def publish(self, changed: Sequence[Alert], firing: Sequence[Alert]) -> None: ...
+
+    def close(self) -> None: ...
