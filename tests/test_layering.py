@@ -14,6 +14,10 @@ FORBIDDEN = {
     "trainer_hooks": ("duckdb", "textual", "collector", "agent", "tui"),
     "agent": ("duckdb", "textual", "collector", "tui", "trainer_hooks", "torch"),
     "collector": ("textual", "agent", "tui", "trainer_hooks", "torch"),
+    # tracetop bench gpu: the driver starts the agent's and the collector's parts as processes
+    "reference_trainer.bench_gpu": ("duckdb", "textual", "torch", "collector", "agent", "tui"),
+    "reference_trainer.bench_gpu_child": ("duckdb", "textual", "collector", "agent", "tui"),
+    "agent.bench_gpu": ("duckdb", "textual", "torch", "collector", "tui", "trainer_hooks", "reference_trainer"),
 }
 
 

@@ -26,6 +26,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "chaos": ("collector.bench_chaos", "kill -9 the collector repeatedly while shipping: lost/duplicates"),
     "hooks": ("trainer_hooks.bench", "interleaved reference runs with hooks on/off: overhead"),
     "agent": ("agent.bench", "agent CPU cost: sampling 8 fake GPUs, relaying 10k events/s"),
+    "gpu": ("reference_trainer.bench_gpu", "the GPU path in one call: syncs, overhead, CUDA timing, NVML, offload"),
 }
 
 

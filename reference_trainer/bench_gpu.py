@@ -1,0 +1,477 @@
+"""``tracetop bench gpu --out DIR [--cpu] [--json]``: the GPU path, proved in one device call.
+
+Five parts, each in processes of its own, each with a time limit inside one budget
+(``--budget-s``, default 480 s). A part that fails or runs out of time is recorded in the JSON
+with its error, its figures' keys set to null, and the next part runs. Writes two files into DIR:
+``gpu.json`` (every figure; rewritten after each part, so a run cut short keeps what it had) and
+``gpu.log`` (the tail of every process's output).
+
+1. ``sync`` (``reference_trainer/bench_gpu_child.py sync``): the reference trainer's model in a
+   sync-free bf16 loop, gradients all-reduced over an NCCL group of one process (NCCL refuses two
+   ranks on one GPU, so collectives run as a group of one), under
+   ``torch.cuda.set_sync_debug_mode("error")``: a control without hooks, then the hooks (CUDA
+   events, collectives wrapped, the emitter resolving and shipping meanwhile). Zero syncs added
+   by the hooks = the hooks ran without an error and every step came back. The DeepSpeed run of
+   part 2 adds ``deepspeed_warn_mode``: the same trainer under "warn", each synchronization
+   attributed to its innermost frame outside torch (DeepSpeed and the trainer's ``float(loss)``
+   synchronize by design, so "error" cannot run them).
+2. ``overhead`` (``bench_gpu_child hooks``, which runs ``trainer_hooks/_bench_child.py``): the
+   larger preset (``1b``) on DeepSpeed, bf16, hooks switched on and off every 2 steps in random
+   ABBA/BAAB quads, as ``tracetop bench hooks`` does; the figure is the wall step time (the
+   median over quads of on - off, goal <= 0.2%; ``meets_goal`` is true when its whole 95% interval
+   is at or below the goal, false when all of it is above, null when it straddles), beside the CPU-time figures of ``bench hooks``
+   and the host cost per recorded event (CPU path and CUDA-event path).
+3. ``timing``, from the same run (one 1b run serves both, to fit the budget): per "on" step,
+   (data wait + forward + backward + optimizer + exposed comm) / step duration from the CUDA
+   events, and that duration / the trainer's own host wall time of the step (train_batch ends in
+   a device sync), within ``tolerance_pct`` (5% on GPU, 20% on CPU) of 1; and which threads asked
+   the device clock about events (only ``tracetop-emitter`` may).
+4. ``nvml`` (``agent/bench_gpu.py agent``): the agent against the real NVML for 30 s.
+5. ``offload`` (``bench_gpu_child offload`` + ``agent/bench_gpu.py pcie``): the ZeRO shape
+   (``--zero 2 --offload cpu``, 350m, bf16) while another process samples NVML's PCIe counters;
+   the hooks' d2h/h2d bytes and GB/s over the measured steps against NVML's TX/RX over the same
+   wall-clock window (goal: within 10%).
+
+``--cpu``: the same parts end to end on CPU with small sizes (gloo, the fake NVML, perf_counter),
+for the test suite; figures that only a GPU can give say "not applicable" instead of passing.
+
+Layering: this module imports no agent or collector (and torch only to see that a GPU is there); it
+starts the parts as processes
+(``python -m reference_trainer.bench_gpu_child``, ``python -m agent.bench_gpu``,
+``python -m collector``), so each part imports only what its own package may.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+JSON_NAME, LOG_NAME = "gpu.json", "gpu.log"
+GOAL_OVERHEAD_PCT = 0.2
+GOAL_OFFLOAD_PCT = 10.0
+
+#: part -> the figures it always carries (null when the part failed or does not apply).
+FIGURES: dict[str, tuple[str, ...]] = {
+    "sync": ("applicable", "backend", "model", "dtype", "steps", "collectives_per_step", "control_passed",
+             "control_error", "hooks_passed", "hooks_error", "hook_errors", "syncs_added_by_hooks", "step_rows",
+             "collective_rows", "resolved_by_threads", "verdict", "deepspeed_warn_mode"),
+    "overhead": ("model", "steps", "block_steps", "quads", "off_step_ms", "overhead_wall_pct",
+                 "overhead_wall_ci95_low_pct", "overhead_wall_ci95_high_pct", "goal_pct", "meets_goal",
+                 "overhead_cpu_pct", "training_thread_pct", "hook_threads_upper_pct", "hook_us_per_step",
+                 "hook_threads_ms_per_s", "ns_per_event_cpu_path", "ns_per_event_cpu_path_p90",
+                 "ns_per_event_cuda_path"),
+    "timing": ("timer", "steps_compared", "tolerance_pct", "phase_sum_over_step_median", "phase_sum_over_step_min",
+               "phase_sum_over_step_max", "step_over_wall_median", "step_over_wall_min", "step_over_wall_max",
+               "collectives_per_step", "within_tolerance", "resolved_by_threads", "resolved_on_training_thread",
+               "emitter_resolves"),
+    "nvml": ("backend", "duration_s", "passes", "driver_version", "gpus", "fields_read", "fields_null",
+             "unsupported_calls", "sample_ms_per_pass", "sample_cpu_ms_per_pass", "xid_watcher_up",
+             "xid_registered_gpus", "agent_cpu_pct", "collector_connected"),
+    "offload": ("shape", "model", "dtype", "steps", "window_s", "hooks_d2h_bytes", "hooks_h2d_bytes",
+                "hooks_d2h_gbps", "hooks_h2d_gbps", "hooks_whats", "nvml_backend", "nvml_source", "nvml_tx_bytes",
+                "nvml_rx_bytes", "nvml_tx_gbps", "nvml_rx_gbps", "d2h_vs_tx_pct", "h2d_vs_rx_pct", "goal_pct",
+                "within_goal"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="folder for gpu.json and gpu.log (created)")
+    p.add_argument("--cpu", action="store_true",
+                   help="run every part on CPU with small sizes (gloo, fake NVML): the test suite's mode")
+    p.add_argument("--json", action="store_true", help="print the JSON at the end")
+    p.add_argument("--budget-s", type=float, default=None, help="time budget of the whole (default 480; --cpu 240)")
+    p.add_argument("--model", default=None, help="preset of parts 1-3 (default 1b; --cpu tiny)")
+    p.add_argument("--offload-model", default=None, help="preset of part 5 (default 350m; --cpu tiny)")
+    p.add_argument("--steps", type=int, default=None, help="steps of the overhead run (default 400; --cpu 96)")
+    p.add_argument("--nvml-s", type=float, default=None, help="seconds of the agent part (default 30; --cpu 3)")
+    p.add_argument("--parts", default="sync,overhead,nvml,offload",
+                   help="comma-separated parts to run (timing comes with overhead); default all")
+    p.add_argument("--keep", default=None, help="keep the temporary files (collector db, raw logs) in this folder")
+
+
+# ----------------------------------------------------------------------------- pure figures
+
+
+def wall_overhead(quads_on: list[float], quads_off: list[float], resamples: int = 2000, seed: int = 0) -> dict[str, float]:
+    """Median over quads of (on - off) wall seconds per step, in % of an off step, with a
+    bootstrap 95% interval (pure but for the seeded resampling)."""
+    import numpy as np
+
+    d = np.array(quads_on) - np.array(quads_off)
+    base = float(np.mean(quads_off))
+    rng = np.random.default_rng(seed)
+    boot = np.median(d[rng.integers(0, len(d), (resamples, len(d)))], axis=1) / base * 100
+    return {"overhead_wall_pct": float(np.median(d)) / base * 100,
+            "overhead_wall_ci95_low_pct": float(np.percentile(boot, 2.5)),
+            "overhead_wall_ci95_high_pct": float(np.percentile(boot, 97.5)),
+            "off_step_ms": base * 1e3}
+
+
+def goal_verdict(low_pct: float, high_pct: float, goal_pct: float) -> bool | None:
+    """True when the whole 95% interval lies at or below the goal, False when all of it lies
+    above, None when it straddles the goal (undecided: more quads needed) (pure)."""
+    if high_pct <= goal_pct:
+        return True
+    if low_pct > goal_pct:
+        return False
+    return None
+
+
+def counter_at(samples: list[tuple[int, float]], t_ns: int) -> float | None:
+    """A cumulative counter at t_ns, linearly interpolated between the samples around it (pure);
+    None outside the samples."""
+    if not samples or t_ns < samples[0][0] or t_ns > samples[-1][0]:
+        return None
+    for (ta, va), (tb, vb) in zip(samples, samples[1:]):
+        if ta <= t_ns <= tb:
+            return va if tb == ta else va + (vb - va) * (t_ns - ta) / (tb - ta)
+    return samples[-1][1]
+
+
+def throughput_bytes(samples: list[tuple[int, float]], t0_ns: int, t1_ns: int, unit_bytes: int = 1024) -> float | None:
+    """Bytes over [t0, t1] from rate readings (units of unit_bytes per second), each held from its
+    time to the next reading's (pure); None when the readings do not cover the window."""
+    if len(samples) < 2 or samples[0][0] > t0_ns or samples[-1][0] < t1_ns:
+        return None
+    total = 0.0
+    for (ta, rate), (tb, _) in zip(samples, samples[1:]):
+        lo, hi = max(ta, t0_ns), min(tb, t1_ns)
+        if hi > lo:
+            total += rate * unit_bytes * (hi - lo) / 1e9
+    return total
+
+
+def offload_figures(trainer: dict[str, Any], pcie: dict[str, Any]) -> dict[str, Any]:
+    """Part 5 (pure): the hooks' offload bytes per direction over the trainer's window against
+    NVML's PCIe TX (device -> host: d2h) and RX (host -> device: h2d) over the same window:
+    cumulative counters where the GPU has them, else the throughput readings integrated."""
+    t0, t1 = trainer.get("window_start_ns"), trainer.get("window_end_ns")
+    if not t0 or not t1 or t1 <= t0:
+        raise ValueError(f"offload: the trainer gave no measured window ({t0}..{t1}); raise --steps above the warmup")
+    window_s = (t1 - t0) / 1e9
+    by = trainer.get("by_direction", {})
+    d2h = by.get("d2h", {}).get("bytes", 0)
+    h2d = by.get("h2d", {}).get("bytes", 0)
+    rows = pcie.get("samples", [])
+    tx_c = [(r[0], float(r[1])) for r in rows if r[1] is not None]
+    rx_c = [(r[0], float(r[2])) for r in rows if r[2] is not None]
+    source, tx, rx = None, None, None
+    a, b = counter_at(tx_c, t0), counter_at(tx_c, t1)
+    c, d = counter_at(rx_c, t0), counter_at(rx_c, t1)
+    if None not in (a, b, c, d):
+        source, tx, rx = "counters (NVML_FI_DEV_PCIE_COUNT_TX/RX_BYTES)", b - a, d - c  # type: ignore[operator]
+    else:
+        tx_t = throughput_bytes([(r[0], float(r[3])) for r in rows if r[3] is not None], t0, t1)
+        rx_t = throughput_bytes([(r[0], float(r[4])) for r in rows if r[4] is not None], t0, t1)
+        if tx_t is not None and rx_t is not None:
+            source, tx, rx = "throughput (nvmlDeviceGetPcieThroughput, KB/s integrated)", tx_t, rx_t
+
+    def pct(hooks: float, nvml: float | None) -> float | None:
+        return None if not nvml else (hooks - nvml) / nvml * 100
+
+    d2h_pct, h2d_pct = pct(d2h, tx), pct(h2d, rx)
+    within = None if d2h_pct is None or h2d_pct is None else (abs(d2h_pct) <= GOAL_OFFLOAD_PCT and
+                                                               abs(h2d_pct) <= GOAL_OFFLOAD_PCT)
+    return {
+        "steps": trainer.get("steps"), "window_s": window_s,
+        "hooks_d2h_bytes": d2h, "hooks_h2d_bytes": h2d,
+        "hooks_d2h_gbps": d2h / window_s / 1e9, "hooks_h2d_gbps": h2d / window_s / 1e9,
+        "hooks_whats": trainer.get("whats"), "hooks_by_direction": by,
+        "nvml_backend": pcie.get("backend"), "nvml_source": source, "nvml_samples": len(rows),
+        "nvml_tx_bytes": tx, "nvml_rx_bytes": rx,
+        "nvml_tx_gbps": None if tx is None else tx / window_s / 1e9,
+        "nvml_rx_gbps": None if rx is None else rx / window_s / 1e9,
+        "d2h_vs_tx_pct": d2h_pct, "h2d_vs_rx_pct": h2d_pct, "goal_pct": GOAL_OFFLOAD_PCT, "within_goal": within,
+        "nvml_unsupported_calls": pcie.get("unsupported_calls", []),
+        "note": ("the fake NVML's counters do not move: the comparison needs a GPU" if pcie.get("backend") == "fake"
+                 else None),
+    }
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+class PartFailed(RuntimeError):
+    pass
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.cpu = bool(args.cpu)
+        self.out = Path(args.out)
+        self.budget_s = float(args.budget_s or (240 if self.cpu else 480))
+        self.model = args.model or ("tiny" if self.cpu else "1b")
+        self.offload_model = args.offload_model or ("tiny" if self.cpu else "350m")
+        self.steps = int(args.steps or (96 if self.cpu else 400))
+        self.nvml_s = float(args.nvml_s if args.nvml_s is not None else (3 if self.cpu else 30))
+        self.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+        self.keep = args.keep
+        self.tmp = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tracetop-bench-gpu-"))
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+        self.log_lines: list[str] = []
+        self.result: dict[str, Any] = {
+            "schema": SCHEMA, "mode": "cpu" if self.cpu else "gpu", "ok": None, "budget_s": self.budget_s,
+            "started_unix_s": round(time.time(), 3), "load_before": _loadavg(), "nproc": os.cpu_count(),
+            "collector": {"address": None, "error": None},
+            "parts": {name: {"ok": None, "error": "not run", "wall_s": 0.0, **dict.fromkeys(keys)}
+                      for name, keys in FIGURES.items()},
+        }
+        self.endpoint = "127.0.0.1:1"  # nothing listens: used when the collector cannot start
+
+    # ---- bookkeeping ----
+    def remaining_s(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def log(self, line: str) -> None:
+        stamp = f"[{time.monotonic() - self.t0:7.1f}s] "
+        self.log_lines.append(stamp + line)
+        print(stamp + line, file=sys.stderr, flush=True)
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.result["wall_s"] = round(time.monotonic() - self.t0, 1)
+        tmp = self.out / (JSON_NAME + ".tmp")
+        tmp.write_text(json.dumps(self.result, indent=1, default=str))
+        tmp.replace(self.out / JSON_NAME)
+        (self.out / LOG_NAME).write_text("\n".join(self.log_lines[-4000:]) + "\n")
+
+    def env(self, run_id: str) -> dict[str, str]:
+        e = dict(os.environ, PYTHONUNBUFFERED="1", TRACETOP_ENDPOINT=self.endpoint, TRACETOP_RUN_ID=run_id)
+        e.pop("TRACETOP_DISABLE", None)
+        if self.cpu:
+            e.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+        elif e.get("DS_ACCELERATOR") == "cpu":
+            e.pop("DS_ACCELERATOR")  # make's exports would put DeepSpeed on the CPU
+        e.setdefault("DS_BUILD_OPS", "0")
+        return e
+
+    def spawn(self, name: str, argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> None:
+        """Run one process of a part, its output to the log; raise PartFailed on failure or timeout."""
+        timeout_s = max(1.0, min(timeout_s, self.remaining_s()))
+        raw = self.tmp / f"{name}.out"
+        self.log(f"{name}: {' '.join(argv[1:])} (limit {timeout_s:.0f} s)")
+        with open(raw, "w") as f:
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env or self.env(f"bench-gpu-{name}"),
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                _kill(proc)
+                rc = None
+        lines = raw.read_text(errors="replace").splitlines()
+        keep = 150
+        if len(lines) > keep:
+            self.log_lines.append(f"  ... {len(lines) - keep} earlier lines of {name} left out")
+        self.log_lines += ["  | " + ln[:400] for ln in lines[-keep:]]
+        if rc is None:
+            raise PartFailed(f"{name}: still running after {timeout_s:.0f} s (the part's limit or the budget); stopped")
+        if rc != 0:
+            tail = " / ".join(ln.strip() for ln in lines[-3:])
+            raise PartFailed(f"{name}: exited {rc}: {tail[-600:]}")
+
+    def run_part(self, name: str, fn: Any, min_s: float) -> None:
+        part = self.result["parts"][name]
+        if name not in self.parts and not (name == "timing" and "overhead" in self.parts):
+            part["error"] = "not asked for (--parts)"
+            return
+        if self.remaining_s() < min_s:
+            part.update(ok=False, error=f"skipped: {self.remaining_s():.0f} s of the budget left, the part needs {min_s:.0f}")
+            self.log(f"{name}: {part['error']}")
+            self.save()
+            return
+        t = time.monotonic()
+        try:
+            figures = fn()
+            part.update(figures)
+            part.update(ok=True, error=None)
+        except Exception as e:
+            part.update(ok=False, error=f"{type(e).__name__}: {e}" if not isinstance(e, PartFailed) else str(e))
+            self.log(f"{name}: FAILED: {part['error']}")
+        part["wall_s"] = round(time.monotonic() - t, 1)
+        self.log(f"{name}: done in {part['wall_s']} s, ok={part['ok']}")
+        self.save()
+
+    # ---- the parts ----
+    def part_sync(self) -> dict[str, Any]:
+        out = self.tmp / "sync.json"
+        argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "sync", str(out), "--model", self.model,
+                "--steps", "4" if self.cpu else "8", "--micro-batch", "2", *(["--cpu"] if self.cpu else [])]
+        self.spawn("sync", argv, 120 if self.cpu else 150)
+        return json.loads(out.read_text())
+
+    def part_overhead(self) -> dict[str, Any]:
+        """Parts 2 and 3 from one run; fills 'timing' and the sync part's warn-mode figures too."""
+        from trainer_hooks import bench as hooks_bench
+
+        out = self.tmp / "hooks.json"
+        block, warmup = 2, 16
+        trainer = ["--steps", str(self.steps), "--model", self.model, "--micro-batch", "2", "--micro-batches", "4",
+                   "--quiet", "--micro-blocks", "8" if self.cpu else "40", *(["--cpu"] if self.cpu else [])]
+        argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "hooks", str(out), str(block), str(warmup),
+                "1", *trainer]
+        self.spawn("overhead", argv, 180 if self.cpu else 300)
+        log = json.loads(out.read_text())
+        extra = json.loads(out.with_suffix(".extra.json").read_text())
+        quads = hooks_bench.block_quads(log)
+        if not quads.thread_on:
+            raise PartFailed("overhead: no complete quad of on/off blocks; raise --steps")
+        cpu = hooks_bench.estimate([quads])
+        figures: dict[str, Any] = {
+            "model": self.model, "steps": self.steps, "block_steps": block, "quads": cpu["quads"],
+            **wall_overhead(quads.wall_on, quads.wall_off),
+            "goal_pct": GOAL_OVERHEAD_PCT,
+            "overhead_cpu_pct": cpu["overhead_pct"], "training_thread_pct": cpu["training_thread_pct"],
+            "hook_threads_upper_pct": cpu["hook_threads_upper_pct"],
+            "hook_us_per_step": statistics.median(a - b for a, b in zip(quads.thread_on, quads.thread_off)) * 1e6,
+            "hook_threads_ms_per_s": hooks_bench.hook_thread_rates([log.get("window") or {}]),
+            **extra["events"],
+        }
+        figures["meets_goal"] = goal_verdict(figures["overhead_wall_ci95_low_pct"], figures["overhead_wall_ci95_high_pct"],
+                                             GOAL_OVERHEAD_PCT)
+        timing = self.result["parts"]["timing"]
+        timing.update(extra["timing"], ok=True, error=None)
+        timing["ok"] = True
+        self.result["parts"]["sync"]["deepspeed_warn_mode"] = extra["syncs"]
+        return figures
+
+    def part_nvml(self) -> dict[str, Any]:
+        out = self.tmp / "nvml.json"
+        argv = [sys.executable, "-m", "agent.bench_gpu", "agent", str(out), "--duration-s", str(self.nvml_s),
+                "--collector", self.endpoint, *(["--fake"] if self.cpu else [])]
+        self.spawn("nvml", argv, self.nvml_s + 60)
+        return json.loads(out.read_text())
+
+    def part_offload(self) -> dict[str, Any]:
+        pcie_out, trainer_out = self.tmp / "pcie.json", self.tmp / "offload.json"
+        warmup = 2
+        steps = 6 if self.cpu else 10
+        sampler_log = self.tmp / "pcie.out"
+        with open(sampler_log, "w") as err:
+            sampler = subprocess.Popen(
+                [sys.executable, "-m", "agent.bench_gpu", "pcie", str(pcie_out), *(["--fake"] if self.cpu else [])],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                env=self.env("bench-gpu-pcie"), start_new_session=True)
+        try:
+            assert sampler.stdout is not None and sampler.stdin is not None
+            first = sampler.stdout.readline().strip()  # "ready" after the first sample, or EOF if it died
+            if first != "ready":
+                sampler.wait(10)
+                raise PartFailed(f"offload: the NVML sampler did not start: {first} "
+                                 f"{sampler_log.read_text(errors='replace')[-600:]}")
+            dtype = "fp32" if self.cpu else "bf16"
+            argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "offload", str(trainer_out), str(warmup),
+                    "--pp", "1", "--zero", "2", "--offload", "cpu", "--model", self.offload_model, "--steps", str(steps),
+                    "--micro-batch", "2", "--micro-batches", "2", "--dtype", dtype, "--quiet"]
+            self.spawn("offload", argv, 150 if self.cpu else 240)
+        finally:
+            if sampler.stdin is not None:
+                sampler.stdin.close()
+            try:
+                sampler.wait(30)
+            except subprocess.TimeoutExpired:
+                _kill(sampler)
+            self.log_lines += ["  | pcie: " + ln[:400] for ln in sampler_log.read_text(errors="replace").splitlines()[-30:]]
+        figures = offload_figures(json.loads(trainer_out.read_text()), json.loads(pcie_out.read_text()))
+        figures.update(shape="ZeRO-2, optimizer offload to cpu, pp 1", model=self.offload_model, dtype=dtype)
+        return figures
+
+    # ---- the whole ----
+    def start_collector(self) -> Any:
+        from trainer_hooks.bench import _Collector
+
+        try:
+            c = _Collector(self.tmp)
+            self.endpoint = c.addr
+            self.result["collector"]["address"] = c.addr
+            self.log(f"collector: listening on {c.addr}")
+            return c
+        except Exception as e:  # the parts still run: their rows go nowhere (kept in memory, dropped at exit)
+            self.result["collector"]["error"] = f"{type(e).__name__}: {e}"[:800]
+            self.log(f"collector: could not start ({e}); parts ship to {self.endpoint}, where nothing listens")
+            return None
+
+    def run(self) -> dict[str, Any]:
+        self.log(f"tracetop bench gpu: mode {self.result['mode']}, budget {self.budget_s:.0f} s, model {self.model}, "
+                 f"offload model {self.offload_model}, load {self.result['load_before']}")
+        self.save()
+        collector = self.start_collector()
+        try:
+            self.run_part("sync", self.part_sync, 20)
+            self.run_part("overhead", self.part_overhead, 40)
+            self.run_part("nvml", self.part_nvml, self.nvml_s + 10)
+            self.run_part("offload", self.part_offload, 30)
+        finally:
+            if collector is not None:
+                collector.stop()
+            timing = self.result["parts"]["timing"]
+            over = self.result["parts"]["overhead"]
+            if timing["ok"] is None:
+                timing.update(ok=over["ok"], error=over["error"] if not over["ok"] else None, wall_s=0.0)
+                if over["ok"] is None:
+                    timing["error"] = over["error"]
+            asked = [p for p in FIGURES if p in self.parts or (p == "timing" and "overhead" in self.parts)]
+            self.result["ok"] = all(self.result["parts"][p]["ok"] for p in asked)
+            self.result["load_after"] = _loadavg()
+            self.save()
+            if not self.keep:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+        return self.result
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait(10)
+
+
+def _loadavg() -> str:
+    try:
+        return Path("/proc/loadavg").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def run(args: argparse.Namespace) -> int:
+    unknown = [p for p in args.parts.split(",") if p.strip() and p.strip() not in ("sync", "overhead", "nvml", "offload")]
+    if unknown:
+        print(f"tracetop bench gpu: unknown part(s) {', '.join(unknown)}; use sync, overhead, nvml, offload "
+              "(timing comes with overhead)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"tracetop bench gpu: --out {out} is a file; give a folder (it is created)", file=sys.stderr)
+        return 2
+    if not args.cpu:
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                print("tracetop bench gpu: no CUDA device here; run with --cpu for the CPU rehearsal", file=sys.stderr)
+                return 2
+        except ImportError:
+            print("tracetop bench gpu: torch is not installed (pip install torch first)", file=sys.stderr)
+            return 2
+    result = Bench(args).run()
+    if args.json:
+        print(json.dumps(result, default=str))
+    else:
+        for name, part in result["parts"].items():
+            state = "ok" if part["ok"] else "not run" if part["ok"] is None else f"FAILED ({part['error']})"
+            print(f"{name}: {state}")
+        print(f"figures in {out / JSON_NAME}, log in {out / LOG_NAME}")
+    return 0 if result["ok"] else 1

@@ -1,0 +1,559 @@
+"""The trainer-side parts of ``tracetop bench gpu`` (``reference_trainer/bench_gpu.py``), one process each.
+
+``python -m reference_trainer.bench_gpu_child MODE OUT.json ...``, MODE one of:
+
+* ``sync OUT --model M --steps N --micro-batch B [--cpu]``: part 1, strict. The reference
+  trainer's model (``reference_trainer.model.GPT``) in a plain PyTorch loop (bf16 weights, torch
+  AdamW, the gradients all-reduced over a process group of one: NCCL on GPU, gloo on CPU) with
+  every batch on the device beforehand, so the loop itself never synchronizes. Under
+  ``torch.cuda.set_sync_debug_mode("error")``: first N steps without hooks (the control: it
+  shows the loop is sync-free, else the check is inconclusive and says so), then the hooks
+  (``trainer_hooks.Tracer``, CUDA events, collectives wrapped) are created and run N steps with
+  phases, and the emitter resolves, drains and beats for a while, all still under "error". A
+  synchronization inside a hook raises there, the Tracer counts it (``errors``); one in the
+  emitter likewise. On CPU there is nothing to check: the figures say so.
+* ``hooks OUT BLOCK WARMUP SEED <trainer flags>``: parts 2 and 3, and part 1 on the real trainer.
+  ``trainer_hooks._bench_child`` runs the reference trainer (DeepSpeed) with the hooks switched
+  on and off every BLOCK steps, as ``tracetop bench hooks`` does (OUT gets its per-step log);
+  around it this module tees the hooks' STEP and COLLECTIVE rows, watches which threads ask the
+  device clock about events (``ready``/``elapsed_ns``), and on GPU runs the trainer under
+  ``set_sync_debug_mode("warn")`` with every "synchronizing CUDA operation" warning attributed to
+  the innermost frame outside torch (a file of ``trainer_hooks/`` or a hook thread: the hooks';
+  DeepSpeed's and the trainer's own ``float(loss)`` are theirs), counted per on and off step. DeepSpeed
+  and the trainer synchronize by design, so "error" cannot run them; the warn mode counts instead.
+  Then a microbenchmark of the host cost per recorded event (CPU path: ``trainer_hooks.bench``'s;
+  and on GPU the CUDA-event path). OUT.extra.json gets these figures.
+* ``offload OUT WARMUP <trainer flags>``: part 5's trainer side, the ZeRO shape with optimizer
+  offload: the hooks' OFFLOAD rows of the steps from WARMUP on and the wall-clock window
+  (``time.time_ns``) they span, for comparison with NVML's PCIe counters sampled meanwhile by
+  ``agent/bench_gpu.py`` in another process.
+
+Layering: this module imports the reference trainer and trainer_hooks only (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tracetop.events import Kind
+
+SYNC_MESSAGE = "synchronizing CUDA operation"
+
+
+class WatchedClock:
+    """A device clock that notes which thread asks about events (``ready``/``elapsed_ns``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.asked: collections.Counter[str] = collections.Counter()
+
+    def mark(self) -> Any:
+        return self.inner.mark()
+
+    def ready(self, ev: Any) -> bool:
+        self.asked[threading.current_thread().name] += 1
+        return self.inner.ready(ev)
+
+    def elapsed_ns(self, a: Any, b: Any) -> int:
+        self.asked[threading.current_thread().name] += 1
+        return self.inner.elapsed_ns(a, b)
+
+    def release(self, a: Any, b: Any) -> None:
+        self.inner.release(a, b)
+
+    def memory(self) -> tuple[int, int, int]:
+        return self.inner.memory()
+
+
+class Tee:
+    """Copies of the rows a Tracer hands its shipper: STEP and COLLECTIVE (from the emitter's
+    ``record_many``) and OFFLOAD (from ``record``), kept as plain lists."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, int]] = []
+        self.collectives: list[tuple[int, int, int]] = []  # (step, duration_ns, bytes)
+        self.offloads: list[tuple[int, str, str, int, int]] = []  # (step, direction, what, bytes, duration_ns)
+        self.clocks: list[WatchedClock] = []
+
+    def attach(self, tracer: Any) -> None:
+        shipper = tracer.shipper
+        record_many, record = shipper.record_many, tracer._record
+
+        def tee_many(kind: Any, cols: dict[str, Any]) -> Any:
+            try:
+                if kind == Kind.STEP:
+                    keys = ("step", "start_ns", "duration_ns", "data_wait_ns", "forward_ns", "backward_ns",
+                            "optimizer_ns", "comm_exposed_ns")
+                    for row in zip(*(cols[k].tolist() for k in keys)):
+                        self.steps.append(dict(zip(keys, row)))
+                elif kind == Kind.COLLECTIVE:
+                    self.collectives += list(zip(cols["step"].tolist(), cols["duration_ns"].tolist(),
+                                                 cols["bytes"].tolist()))
+            except Exception as e:  # the tee must not change what the hooks do
+                print(f"bench_gpu_child: tee failed: {e!r}", file=sys.stderr)
+            return record_many(kind, cols)
+
+        def tee_one(kind: Any, *row: Any) -> Any:
+            if kind == Kind.OFFLOAD:
+                _, step, _, duration_ns, direction, what, nbytes = row
+                self.offloads.append((int(step), str(direction), str(what), int(nbytes), int(duration_ns)))
+            return record(kind, *row)
+
+        shipper.record_many = tee_many
+        tracer._record = tee_one
+        if tracer._cuda is not None:
+            clock = WatchedClock(tracer._cuda)
+            tracer._cuda = clock
+            self.clocks.append(clock)
+
+    def resolved_by(self) -> dict[str, int]:
+        total: collections.Counter[str] = collections.Counter()
+        for c in self.clocks:
+            total.update(c.asked)
+        return dict(total)
+
+
+def _patch_trainer(tee: Tee, step_times: dict[int, int], window: dict[str, int]) -> None:
+    """Tee every tracer the trainer starts; note the wall clock when each step's batch is made
+    (after the previous step, which ended in the trainer's float(loss), i.e. a device sync) and
+    when tracing closes (right after the last step)."""
+    from reference_trainer import data as data_mod
+    from reference_trainer import tracing as tracing_mod
+
+    real_start, real_batches = tracing_mod.start, data_mod.micro_batches_for
+
+    def start(engine: Any, args: Any, *, meta: dict[str, Any]) -> Any:
+        traced = real_start(engine, args, meta=meta)
+        tracer = getattr(traced, "tracer", None)
+        if tracer is not None:
+            tee.attach(tracer)
+            real_close = traced.close
+
+            def close() -> None:
+                window.setdefault("closed_ns", time.time_ns())
+                real_close()
+
+            traced.close = close
+        return traced
+
+    def batches(step: int, *a: Any, **kw: Any) -> Any:
+        step_times[int(step)] = time.time_ns()
+        window["current_step"] = int(step)
+        return real_batches(step, *a, **kw)
+
+    tracing_mod.start = start
+    data_mod.micro_batches_for = batches
+
+
+# ----------------------------------------------------------------------------- sync attribution
+
+
+def sync_site(stack: list[traceback.FrameSummary], thread: str) -> tuple[str, str]:
+    """(owner, "file:line function") of a synchronization: the innermost frame outside torch and
+    this module. Owner "hooks" for a file of trainer_hooks/ or a hook thread (tracetop-*), else
+    "deepspeed", "trainer" (reference_trainer/) or "other"."""
+    for fr in reversed(stack):
+        f = fr.filename.replace("\\", "/")
+        if "/torch/" in f or f.endswith(("warnings.py", "bench_gpu_child.py")) or "/importlib/" in f:
+            continue
+        short = "/".join(f.split("/")[-2:])
+        site = f"{short}:{fr.lineno} {fr.name}"
+        if "/trainer_hooks/" in f or thread.startswith("tracetop"):
+            return "hooks", site
+        if "/deepspeed/" in f:
+            return "deepspeed", site
+        if "/reference_trainer/" in f:
+            return "trainer", site
+        return "other", site
+    return ("hooks" if thread.startswith("tracetop") else "other"), "?"
+
+
+class SyncWatch:
+    """torch.cuda.set_sync_debug_mode("warn"), each warning attributed (see sync_site) and
+    counted by the step in progress."""
+
+    def __init__(self, window: dict[str, int]) -> None:
+        self.window = window
+        self.records: list[tuple[int, str, str]] = []  # (step, owner, site)
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        import warnings
+
+        import torch
+
+        previous = warnings.showwarning
+
+        def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+            if SYNC_MESSAGE in str(message):
+                thread = threading.current_thread().name
+                owner, site = sync_site(traceback.extract_stack()[:-1], thread)
+                with self._lock:
+                    self.records.append((self.window.get("current_step", -1), owner, site))
+                return
+            previous(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = show
+        warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}.*")
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> None:
+        import torch
+
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def sync_figures(records: list[tuple[int, str, str]], on: list[bool], warmup: int) -> dict[str, Any]:
+    """Per-step sync counts in on and off steps (after warmup) and those attributed to the hooks (pure)."""
+    per_step = collections.Counter(s for s, _, _ in records)
+    steps = range(warmup, len(on))
+    on_counts = [per_step.get(n, 0) for n in steps if on[n]]
+    off_counts = [per_step.get(n, 0) for n in steps if not on[n]]
+    owners = collections.Counter(o for _, o, _ in records)
+    sites = collections.Counter(f"{o}: {s}" for _, o, s in records)
+    return {
+        "mode": "warn",
+        "syncs_total": len(records),
+        "syncs_in_hooks": owners.get("hooks", 0),
+        "syncs_by_owner": dict(owners),
+        "syncs_per_on_step": statistics.fmean(on_counts) if on_counts else None,
+        "syncs_per_off_step": statistics.fmean(off_counts) if off_counts else None,
+        "top_sites": [f"{n}x {s}" for s, n in sites.most_common(8)],
+    }
+
+
+# ----------------------------------------------------------------------------- part 1: strict
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sync(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="bench_gpu_child sync")
+    p.add_argument("out")
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--cpu", action="store_true")
+    a = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from reference_trainer.config import PRESETS
+    from reference_trainer.data import micro_batches_for
+    from reference_trainer.model import GPT, loss_fn
+    from reference_trainer.tp_layers import TPGroup
+    from trainer_hooks import Tracer
+
+    on_gpu = not a.cpu and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if on_gpu else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1, **({"device_id": device} if on_gpu else {}))
+    preset = PRESETS[a.model]
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    model = GPT(preset, TPGroup(0, 1), 1234).to(device=device, dtype=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    grads_of = [p for p in model.parameters() if p.requires_grad]
+    data = [tuple(t.to(device) for t in mb) for s in range(2)
+            for mb in micro_batches_for(s, 1234, dp_rank=0, dp=1, micro_batch=a.micro_batch, micro_batches=1,
+                                        vocab=preset.vocab, seq_len=preset.seq_len)]
+    tracer_box: dict[str, Any] = {}
+    tee = Tee()
+
+    def step(n: int, tracer: Any) -> None:
+        ph = tracer.phase if tracer is not None else (lambda name: _Null())
+        ctx = tracer.step(n) if tracer is not None else _Null()
+        with ctx:
+            with ph("data"):
+                x, y = data[n % len(data)]
+            with ph("forward"):
+                loss = loss_fn(model(x), y)
+            with ph("backward"):
+                loss.backward()
+                for g in grads_of:
+                    dist.all_reduce(g.grad)
+            with ph("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    result: dict[str, Any] = {"applicable": on_gpu, "backend": f"{backend}, a group of one process",
+                              "model": a.model, "dtype": str(dtype).replace("torch.", ""),
+                              "steps": a.steps, "collectives_per_step": len(grads_of)}
+    for n in range(2):  # warm-up outside the check: NCCL's communicator, cuBLAS, the allocator
+        step(n, None)
+    if on_gpu:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        try:
+            for n in range(a.steps):
+                step(n, None)
+            result["control_passed"] = True
+            result["control_error"] = None
+        except RuntimeError as e:
+            result["control_passed"] = False
+            result["control_error"] = str(e).splitlines()[0][:300]
+        try:
+            tracer = tracer_box["t"] = Tracer(run_id="bench-gpu-sync", rank=0, world_size=1,
+                                              device="cuda" if on_gpu else "cpu",
+                                              drain_interval_s=0.2, heartbeat_s=0.5)
+            tee.attach(tracer)
+            for n in range(a.steps):
+                step(n, tracer)
+            time.sleep(1.5)  # the emitter resolves, drains and beats under the same mode
+            result["hooks_error"] = None
+        except RuntimeError as e:
+            result["hooks_error"] = str(e).splitlines()[0][:300]
+    finally:
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.synchronize()
+    tracer = tracer_box.get("t")
+    if tracer is not None:
+        tracer.close()
+    errors = tracer.errors if tracer is not None else None
+    result.update({
+        "hook_errors": errors,
+        "step_rows": len(tee.steps),
+        "collective_rows": len(tee.collectives),
+        "resolved_by_threads": tee.resolved_by(),
+    })
+    if on_gpu:
+        clean = result["hooks_error"] is None and errors == 0 and len(tee.steps) == a.steps
+        result["hooks_passed"] = clean
+        result["syncs_added_by_hooks"] = 0 if clean else None
+        result["verdict"] = ("pass: no synchronization in the hooks (training thread and emitter) under 'error'"
+                             if clean and result["control_passed"] else
+                             "inconclusive: the loop without hooks synchronizes" if not result["control_passed"] else
+                             "FAIL: see hooks_error / hook_errors")
+    else:
+        result["hooks_passed"] = None
+        result["syncs_added_by_hooks"] = None
+        result["verdict"] = ("not applicable on CPU: torch.cuda.set_sync_debug_mode checks CUDA synchronizations; "
+                             "the loop ran with the hooks on and off on gloo, nothing was checked")
+    dist.destroy_process_group()
+    Path(a.out).write_text(json.dumps(result))
+    return 0
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> bool:
+        return False
+
+
+# ----------------------------------------------------------------------------- parts 2 and 3
+
+
+def timing_figures(steps: list[dict[str, int]], wall_s: list[float], on: list[bool], warmup: int,
+                   collectives: list[tuple[int, int, int]], tolerance_pct: float) -> dict[str, Any]:
+    """Part 3 (pure): per measured step, (data wait + forward + backward + optimizer + exposed
+    communication) / the step's duration, both from the hooks' timer; and that duration / the
+    trainer's own host wall time of the step (perf_counter around train_batch, which ends in a
+    device sync). Medians, ranges and whether both sit within tolerance_pct of 1."""
+    by_step = {s["step"]: s for s in steps}
+    sums, ratios = [], []
+    for n in range(warmup, min(len(on), len(wall_s))):
+        s = by_step.get(n)
+        if not on[n] or s is None or s["duration_ns"] <= 0:
+            continue
+        parts = s["data_wait_ns"] + s["forward_ns"] + s["backward_ns"] + s["optimizer_ns"] + s["comm_exposed_ns"]
+        sums.append(parts / s["duration_ns"])
+        ratios.append(s["duration_ns"] / 1e9 / wall_s[n])
+    coll_per_step = collections.Counter(c[0] for c in collectives if c[0] >= warmup)
+    tol = tolerance_pct / 100 + 1e-9  # a ratio exactly at the tolerance is within it
+    out: dict[str, Any] = {
+        "steps_compared": len(sums),
+        "tolerance_pct": tolerance_pct,
+        "phase_sum_over_step_median": statistics.median(sums) if sums else None,
+        "phase_sum_over_step_min": min(sums) if sums else None,
+        "phase_sum_over_step_max": max(sums) if sums else None,
+        "step_over_wall_median": statistics.median(ratios) if ratios else None,
+        "step_over_wall_min": min(ratios) if ratios else None,
+        "step_over_wall_max": max(ratios) if ratios else None,
+        "collectives_per_step": statistics.median(coll_per_step.values()) if coll_per_step else 0,
+    }
+    out["within_tolerance"] = bool(sums) and abs(out["phase_sum_over_step_median"] - 1) <= tol and \
+        abs(out["step_over_wall_median"] - 1) <= tol
+    return out
+
+
+def _event_microbench(device: str, blocks: int, steps_per_block: int = 20) -> dict[str, float]:
+    """Training-thread CPU per recorded event, on the given timer path: per step a step context,
+    4 phases and 10 stand-in collectives through the collective wrapper (the collective itself
+    does nothing: its cost is the same with and without hooks). Blocks with hooks on and off
+    alternate; (on - off) thread CPU / events, median over blocks."""
+    import torch
+
+    from trainer_hooks import collectives as colls
+    from trainer_hooks.tracer import Tracer
+
+    tensor = torch.ones(256, device=device)
+    tracer = Tracer(run_id="bench-gpu-micro", rank=0, world_size=1, wrap_collectives=False, device=device,
+                    heartbeat_s=5.0)
+
+    def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
+        return None
+
+    wrapped = colls._make_wrapper(colls._Spec("all_reduce", all_reduce), all_reduce)
+    tracer.set_topology({"dp": [(0,)]})
+
+    class _N:
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *e: Any) -> bool:
+            return False
+
+    null = _N()
+
+    def block(on: bool) -> tuple[int, int]:
+        ar = wrapped if on else all_reduce
+        colls._installed.sink = tracer if on else None
+        c0 = time.thread_time_ns()
+        for n in range(steps_per_block):
+            with tracer.step(n) if on else null:
+                for name in ("data", "forward", "backward", "optimizer"):
+                    with tracer.phase(name) if on else null:
+                        ar(tensor)
+                        ar(tensor)
+                ar(tensor)
+                ar(tensor)
+        return time.thread_time_ns() - c0, 15 * steps_per_block if on else 0
+
+    per_event = []
+    try:
+        block(True)
+        block(False)
+        for _ in range(blocks):
+            on_cpu, events = block(True)  # per step: the step, 4 phases, 10 collectives = 15 events
+            off_cpu, _ = block(False)
+            per_event.append((on_cpu - off_cpu) / max(1, events))
+    finally:
+        colls._installed.sink = None
+        tracer.close()
+    return {"ns_per_event": statistics.median(per_event),
+            "ns_per_event_p90": sorted(per_event)[int(0.9 * (len(per_event) - 1))]}
+
+
+def _hooks(argv: list[str]) -> int:
+    out, block, warmup, seed, trainer_argv = Path(argv[0]), int(argv[1]), int(argv[2]), int(argv[3]), argv[4:]
+    cpu = "--cpu" in trainer_argv
+    trainer_argv = [x for x in trainer_argv if x != "--cpu"]
+    micro_blocks = 40
+    if "--micro-blocks" in trainer_argv:
+        i = trainer_argv.index("--micro-blocks")
+        micro_blocks = int(trainer_argv[i + 1])
+        del trainer_argv[i:i + 2]
+    tolerance_pct = 5.0 if not cpu else 20.0
+    tee, step_times, window = Tee(), {}, {}
+    _patch_trainer(tee, step_times, window)
+    watch = None
+    import torch
+
+    if not cpu and torch.cuda.is_available():
+        watch = SyncWatch(window)
+        watch.start()
+    from trainer_hooks import _bench_child
+
+    rc = _bench_child.main([str(out), str(block), str(warmup), str(seed), *trainer_argv])
+    if watch is not None:
+        watch.stop()
+    if rc:
+        return rc
+    log = json.loads(out.read_text())
+    extra: dict[str, Any] = {}
+    extra["timing"] = timing_figures(tee.steps, log["wall_s"], log["on"], warmup, tee.collectives, tolerance_pct)
+    resolved = tee.resolved_by()
+    main_name = threading.main_thread().name
+    extra["timing"].update({
+        "timer": "cuda events" if tee.clocks else "perf_counter (CPU: the training thread times itself)",
+        "resolved_by_threads": resolved,
+        "resolved_on_training_thread": resolved.get(main_name, 0) if tee.clocks else None,
+        "emitter_resolves": (bool(resolved) and set(resolved) == {"tracetop-emitter"}) if tee.clocks else None,
+    })
+    extra["syncs"] = (sync_figures(watch.records, log["on"], warmup) if watch is not None else
+                      {"mode": None, "note": "not applicable on CPU: set_sync_debug_mode watches CUDA only"})
+    import argparse
+
+    from trainer_hooks import bench as hooks_bench
+
+    endpoint = os.environ.get("TRACETOP_ENDPOINT", "127.0.0.1:1")
+    cpu_path = hooks_bench._microbench(argparse.Namespace(micro_blocks=micro_blocks), endpoint)
+    extra["events"] = {"ns_per_event_cpu_path": cpu_path["ns_per_event"],
+                       "ns_per_event_cpu_path_p90": cpu_path["ns_per_event_p90"]}
+    if tee.clocks:
+        cuda_path = _event_microbench("cuda", micro_blocks)
+        extra["events"].update({"ns_per_event_cuda_path": cuda_path["ns_per_event"],
+                                "ns_per_event_cuda_path_p90": cuda_path["ns_per_event_p90"]})
+    else:
+        extra["events"]["ns_per_event_cuda_path"] = None
+    out.with_suffix(".extra.json").write_text(json.dumps(extra))
+    return 0
+
+
+# ----------------------------------------------------------------------------- part 5
+
+
+def _offload(argv: list[str]) -> int:
+    out, warmup, trainer_argv = Path(argv[0]), int(argv[1]), argv[2:]
+    tee, step_times, window = Tee(), {}, {}
+    _patch_trainer(tee, step_times, window)
+    from reference_trainer import train
+
+    rc = train.main(trainer_argv)
+    if rc:
+        return rc
+    last = max(step_times) if step_times else -1
+    t0, t1 = step_times.get(warmup), window.get("closed_ns")
+    rows = [r for r in tee.offloads if warmup <= r[0] <= last]
+    by: dict[str, dict[str, int]] = {}
+    for _, direction, _what, nbytes, dur in rows:
+        d = by.setdefault(direction, {"bytes": 0, "copy_ns": 0, "rows": 0})
+        d["bytes"] += nbytes
+        d["copy_ns"] += dur
+        d["rows"] += 1
+    Path(out).write_text(json.dumps({
+        "window_start_ns": t0, "window_end_ns": t1, "steps": last - warmup + 1, "by_direction": by,
+        "rows_total": len(tee.offloads), "whats": sorted({r[2] for r in rows}),
+    }))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    mode, rest = argv[0], argv[1:]
+    if mode == "sync":
+        return _sync(rest)
+    if mode == "hooks":
+        return _hooks(rest)
+    if mode == "offload":
+        return _offload(rest)
+    print(f"bench_gpu_child: unknown mode {mode!r}; use sync, hooks or offload", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,185 @@
+"""`tracetop bench gpu`: the pure figures on hand-made inputs, and the whole command in --cpu mode
+(real processes: a collector, DeepSpeed runs on gloo, the agent on the fake NVML)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+
+from reference_trainer import bench_gpu
+from reference_trainer.bench_gpu_child import sync_figures, sync_site, timing_figures
+from reference_trainer.config import PRESETS, n_params
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ----------------------------------------------------------------------------- pure figures
+
+
+def test_counter_interpolates_between_samples_and_refuses_outside() -> None:
+    s = [(1_000, 100.0), (2_000, 300.0), (4_000, 500.0)]
+    assert bench_gpu.counter_at(s, 1_500) == pytest.approx(200.0)
+    assert bench_gpu.counter_at(s, 3_000) == pytest.approx(400.0)
+    assert bench_gpu.counter_at(s, 4_000) == pytest.approx(500.0)
+    assert bench_gpu.counter_at(s, 999) is None
+    assert bench_gpu.counter_at(s, 4_001) is None
+
+
+def test_throughput_integrates_rates_over_the_window_only() -> None:
+    # 1000 KB/s for 1 s, then 3000 KB/s for 1 s; window = the last half of the first second + all of the second
+    s = [(0, 1000.0), (1_000_000_000, 3000.0), (2_000_000_000, 0.0)]
+    got = bench_gpu.throughput_bytes(s, 500_000_000, 2_000_000_000)
+    assert got == pytest.approx(1024 * (1000 * 0.5 + 3000 * 1.0))
+    assert bench_gpu.throughput_bytes(s, -1, 2_000_000_000) is None  # readings do not cover the window
+
+
+def test_offload_figures_compare_each_direction_with_its_counter() -> None:
+    t0, t1 = 10_000_000_000, 12_000_000_000  # a 2 s window
+    trainer = {"window_start_ns": t0, "window_end_ns": t1, "steps": 4, "whats": ["grads", "params"],
+               "by_direction": {"d2h": {"bytes": 4_000_000_000}, "h2d": {"bytes": 2_200_000_000}}}
+    # TX counter moves 4.4 GB across the window, RX 2.0 GB; samples every second, straddling it
+    pcie = {"backend": "nvml", "samples": [
+        (t0 - 1_000_000_000, 0, 0, None, None), (t0, 1e9, 5e8, None, None),
+        (t1, 1e9 + 4.4e9, 5e8 + 2.0e9, None, None), (t1 + 1_000_000_000, 9e9, 9e9, None, None)]}
+    f = bench_gpu.offload_figures(trainer, pcie)
+    assert f["window_s"] == pytest.approx(2.0)
+    assert f["nvml_tx_bytes"] == pytest.approx(4.4e9) and f["nvml_rx_bytes"] == pytest.approx(2.0e9)
+    assert f["d2h_vs_tx_pct"] == pytest.approx((4.0 - 4.4) / 4.4 * 100)
+    assert f["h2d_vs_rx_pct"] == pytest.approx(10.0)
+    assert f["within_goal"] is True  # -9.1% and +10.0%: both within 10%
+    assert f["hooks_d2h_gbps"] == pytest.approx(2.0)
+    assert f["nvml_source"].startswith("counters")
+    # no counters: the throughput readings (KB/s) are integrated instead
+    pcie_thr = {"backend": "nvml", "samples": [(t0 - 1, None, None, 1e6, 5e5), (t1 + 1, None, None, 0.0, 0.0)]}
+    g = bench_gpu.offload_figures(trainer, pcie_thr)
+    assert g["nvml_source"].startswith("throughput")
+    assert g["nvml_tx_bytes"] == pytest.approx(1e6 * 1024 * (t1 - t0 + 1) / 1e9)
+    with pytest.raises(ValueError, match="no measured window"):
+        bench_gpu.offload_figures({"window_start_ns": None}, pcie)
+
+
+def test_goal_verdict_is_undecided_when_the_interval_straddles_the_goal() -> None:
+    assert bench_gpu.goal_verdict(-0.1, 0.15, 0.2) is True
+    assert bench_gpu.goal_verdict(0.25, 0.4, 0.2) is False
+    assert bench_gpu.goal_verdict(0.1, 0.3, 0.2) is None
+
+
+def test_wall_overhead_reads_a_known_difference() -> None:
+    off = [0.100] * 40
+    on = [0.1002] * 40  # +0.2%
+    f = bench_gpu.wall_overhead(on, off)
+    assert f["overhead_wall_pct"] == pytest.approx(0.2)
+    assert f["overhead_wall_ci95_low_pct"] == pytest.approx(0.2)
+    assert f["off_step_ms"] == pytest.approx(100.0)
+
+
+def _frame(path: str, line: int, name: str) -> traceback.FrameSummary:
+    return traceback.FrameSummary(path, line, name, lookup_line=False)
+
+
+def test_sync_site_is_the_innermost_frame_outside_torch() -> None:
+    torch_f = _frame("/site/torch/cuda/__init__.py", 10, "synchronize")
+    hooks = _frame("/repo/trainer_hooks/tracer.py", 500, "_step_end")
+    ds = _frame("/site/deepspeed/runtime/engine.py", 2000, "step")
+    trainer = _frame("/repo/reference_trainer/train.py", 300, "_train")
+    # a DeepSpeed sync called from inside a hook wrapper is DeepSpeed's, not the hooks'
+    assert sync_site([trainer, hooks, ds, torch_f], "MainThread") == ("deepspeed", "runtime/engine.py:2000 step")
+    assert sync_site([trainer, ds, hooks, torch_f], "MainThread")[0] == "hooks"
+    assert sync_site([trainer, torch_f], "MainThread")[0] == "trainer"
+    assert sync_site([torch_f], "tracetop-emitter")[0] == "hooks"  # a hook thread's sync is the hooks' anyway
+
+
+def test_sync_figures_count_per_on_and_off_step() -> None:
+    on = [True, True, False, False, True, True, False, False]
+    records = [(n, "trainer", "train.py:1 _train") for n in range(8)]  # one trainer sync a step
+    records += [(4, "hooks", "tracer.py:9 x")]
+    f = sync_figures(records, on, warmup=2)
+    assert f["syncs_in_hooks"] == 1
+    assert f["syncs_per_off_step"] == pytest.approx(1.0)
+    assert f["syncs_per_on_step"] == pytest.approx(1.5)  # steps 4, 5: 2 and 1
+
+
+def test_timing_figures_sum_the_phases_against_the_step_and_the_wall() -> None:
+    steps = [{"step": n, "start_ns": 0, "duration_ns": 100, "data_wait_ns": 5, "forward_ns": 30, "backward_ns": 40,
+              "optimizer_ns": 10, "comm_exposed_ns": 10} for n in range(4)]
+    wall = [100e-9 / 0.98] * 4  # the host saw each step 2% longer than the hooks' timer
+    f = timing_figures(steps, wall, [True] * 4, warmup=1, collectives=[(1, 5, 8), (2, 5, 8)], tolerance_pct=5)
+    assert f["steps_compared"] == 3
+    assert f["phase_sum_over_step_median"] == pytest.approx(0.95)
+    assert f["step_over_wall_median"] == pytest.approx(0.98)
+    assert f["within_tolerance"] is True
+    g = timing_figures(steps, wall, [True] * 4, warmup=1, collectives=[], tolerance_pct=4)
+    assert g["within_tolerance"] is False  # 0.95 is 5% off
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def _cli(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "gpu", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_arguments_are_refused_with_the_fix(tmp_path: Path) -> None:
+    r = _cli("--out", str(tmp_path / "o"), "--cpu", "--parts", "sync,bogus")
+    assert r.returncode == 2 and "unknown part(s) bogus" in r.stderr
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = _cli("--out", str(f), "--cpu")
+    assert r.returncode == 2 and "is a file" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_cpu_rehearsal_writes_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = _cli("--out", str(out), "--cpu", "--json")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu.json", "gpu.log"]
+    res = json.loads((out / "gpu.json").read_text())
+    assert res == json.loads(r.stdout)
+    assert res["mode"] == "cpu" and res["ok"] is True and res["collector"]["error"] is None
+    for part, keys in bench_gpu.FIGURES.items():
+        got = res["parts"][part]
+        assert got["ok"] is True, (part, got["error"])
+        assert set(keys) <= set(got), (part, set(keys) - set(got))
+
+    sync = res["parts"]["sync"]  # CPU: said to be not applicable, not a fake pass
+    assert sync["applicable"] is False and sync["hooks_passed"] is None and sync["syncs_added_by_hooks"] is None
+    assert "not applicable on CPU" in sync["verdict"]
+    assert "not applicable on CPU" in sync["deepspeed_warn_mode"]["note"]
+    assert sync["step_rows"] == sync["steps"] and sync["hook_errors"] == 0
+    assert sync["collective_rows"] == sync["steps"] * sync["collectives_per_step"]
+
+    over = res["parts"]["overhead"]
+    assert over["quads"] >= 5 and over["off_step_ms"] > 0
+    assert over["overhead_wall_ci95_low_pct"] <= over["overhead_wall_pct"] <= over["overhead_wall_ci95_high_pct"]
+    assert over["ns_per_event_cpu_path"] > 0 and over["ns_per_event_cuda_path"] is None
+
+    timing = res["parts"]["timing"]  # computed from the hooks' rows and the trainer's own step timer
+    assert timing["steps_compared"] >= 10
+    # the phases are inside the step and the step inside the trainer's own interval: neither exceeds 1
+    assert 0.5 < timing["phase_sum_over_step_median"] <= timing["phase_sum_over_step_max"] <= 1.0
+    assert 0.9 < timing["step_over_wall_median"] <= 1.0
+    assert timing["emitter_resolves"] is None and timing["timer"].startswith("perf_counter")
+
+    nvml = res["parts"]["nvml"]
+    assert nvml["backend"] == "fake" and nvml["passes"] >= 2 and nvml["xid_watcher_up"] is True
+    assert "power_mw" in nvml["fields_read"] and nvml["sample_ms_per_pass"] > 0
+
+    off = res["parts"]["offload"]
+    # ZeRO-2 + optimizer offload, fp32, dp 1, 2 micro-batches (shared/notes/deepspeed-instrumentation.md §3):
+    # per step d2h = 2 x N x 4 (accumulation) + N x 4 (boundary), h2d = N x 4 (accumulation) + N x 4 (params)
+    n = n_params(PRESETS["tiny"])
+    assert off["hooks_d2h_bytes"] == off["steps"] * 12 * n
+    assert off["hooks_h2d_bytes"] == off["steps"] * 8 * n
+    assert off["window_s"] > 0 and off["nvml_backend"] == "fake"
+    assert off["nvml_tx_bytes"] == 0 and off["d2h_vs_tx_pct"] is None  # fake counters stand still: no ratio
+    assert (out / "gpu.log").stat().st_size < 1 << 20
