@@ -251,8 +251,8 @@ class Bench:
         e.pop("TRACETOP_DISABLE", None)
         if self.cpu:
             e.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
-        elif e.get("DS_ACCELERATOR") == "cpu":
-            e.pop("DS_ACCELERATOR")  # make's exports would put DeepSpeed on the CPU
+        else:
+            e["DS_ACCELERATOR"] = "cuda"  # make exports cpu; and the carried DeepSpeed wheel was built on a CPU machine
         e.setdefault("DS_BUILD_OPS", "0")
         return e
 

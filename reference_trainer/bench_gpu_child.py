@@ -171,7 +171,7 @@ def sync_site(stack: list[traceback.FrameSummary], thread: str) -> tuple[str, st
             return "hooks", site
         if "/deepspeed/" in f:
             return "deepspeed", site
-        if "/reference_trainer/" in f:
+        if "/reference_trainer/" in f and "/tests/" not in f:
             return "trainer", site
         return "other", site
     return ("hooks" if thread.startswith("tracetop") else "other"), "?"
@@ -181,17 +181,21 @@ class SyncWatch:
     """torch.cuda.set_sync_debug_mode("warn"), each warning attributed (see sync_site) and
     counted by the step in progress."""
 
-    def __init__(self, window: dict[str, int]) -> None:
+    def __init__(self, window: dict[str, int], set_mode: Any = None) -> None:
         self.window = window
         self.records: list[tuple[int, str, str]] = []  # (step, owner, site)
         self._lock = threading.Lock()
+        self._set_mode = set_mode
+        self._previous: Any = None
 
     def start(self) -> None:
         import warnings
 
-        import torch
+        if self._set_mode is None:
+            import torch
 
-        previous = warnings.showwarning
+            self._set_mode = torch.cuda.set_sync_debug_mode
+        previous = self._previous = warnings.showwarning
 
         def show(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
             if SYNC_MESSAGE in str(message):
@@ -204,12 +208,14 @@ class SyncWatch:
 
         warnings.showwarning = show
         warnings.filterwarnings("always", message=f".*{SYNC_MESSAGE}.*")
-        torch.cuda.set_sync_debug_mode("warn")
+        self._set_mode("warn")
 
     def stop(self) -> None:
-        import torch
+        import warnings
 
-        torch.cuda.set_sync_debug_mode(0)
+        self._set_mode(0)
+        if self._previous is not None:
+            warnings.showwarning = self._previous
 
 
 def sync_figures(records: list[tuple[int, str, str]], on: list[bool], warmup: int) -> dict[str, Any]:

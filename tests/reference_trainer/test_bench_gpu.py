@@ -183,3 +183,30 @@ def test_cpu_rehearsal_writes_every_figure(tmp_path: Path) -> None:
     assert off["window_s"] > 0 and off["nvml_backend"] == "fake"
     assert off["nvml_tx_bytes"] == 0 and off["d2h_vs_tx_pct"] is None  # fake counters stand still: no ratio
     assert (out / "gpu.log").stat().st_size < 1 << 20
+
+
+def test_sync_watch_catches_the_sync_warning_in_any_thread_and_lets_others_through() -> None:
+    import threading
+    import warnings
+
+    from reference_trainer.bench_gpu_child import SyncWatch
+
+    modes: list[object] = []
+    window = {"current_step": 7}
+    watch = SyncWatch(window, set_mode=modes.append)  # the CUDA switch itself needs a GPU: recorded here
+    with warnings.catch_warnings(record=True) as other:
+        warnings.simplefilter("always")
+        watch.start()
+        try:
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+            t = threading.Thread(target=warnings.warn, args=("called a synchronizing CUDA operation",),
+                                 name="tracetop-emitter")
+            t.start()
+            t.join()
+            warnings.warn("something else", UserWarning, stacklevel=1)
+        finally:
+            watch.stop()
+    assert modes == ["warn", 0]
+    assert [(step, owner) for step, owner, _ in watch.records] == [(7, "other"), (7, "hooks")]
+    assert "test_bench_gpu.py" in watch.records[0][2]
+    assert [str(w.message) for w in other] == ["something else"]
