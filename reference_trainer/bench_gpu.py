@@ -32,8 +32,9 @@ with its error, its figures' keys set to null, and the next part runs. Writes tw
    the hooks' d2h/h2d bytes and GB/s over the measured steps against NVML's TX/RX over the same
    wall-clock window (goal: within 10%).
 
-``--cpu``: the same parts end to end on CPU with small sizes (gloo, the fake NVML, perf_counter),
-for the test suite; figures that only a GPU can give say "not applicable" instead of passing.
+``--cpu``: the same parts end to end on CPU with small sizes (gloo, the fake NVML, perf_counter;
+part 3 through the hooks' GPU accounting path with a host clock, so the emitter resolves), for the
+test suite; figures that only a GPU can give say "not applicable" instead of passing.
 
 Layering: this module imports no agent or collector (and torch only to see that a GPU is there); it
 starts the parts as processes
@@ -62,7 +63,7 @@ GOAL_OFFLOAD_PCT = 10.0
 
 #: part -> the figures it always carries (null when the part failed or does not apply).
 FIGURES: dict[str, tuple[str, ...]] = {
-    "sync": ("applicable", "backend", "model", "dtype", "steps", "collectives_per_step", "control_passed",
+    "sync": ("applicable", "mode", "backend", "model", "dtype", "steps", "collectives_per_step", "control_passed",
              "control_error", "hooks_passed", "hooks_error", "hook_errors", "syncs_added_by_hooks", "step_rows",
              "collective_rows", "resolved_by_threads", "verdict", "deepspeed_warn_mode"),
     "overhead": ("model", "steps", "block_steps", "quads", "off_step_ms", "overhead_wall_pct",
