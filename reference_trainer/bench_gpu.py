@@ -263,8 +263,8 @@ class Bench:
         raw = self.tmp / f"{name}.out"
         self.log(f"{name}: {' '.join(argv[1:])} (limit {timeout_s:.0f} s)")
         with open(raw, "w") as f:
-            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env or self.env(f"bench-gpu-{name}"),
-                                    start_new_session=True)
+            # not a session of its own: if this driver is killed (the device call's limit), its parts go too
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env or self.env(f"bench-gpu-{name}"))
             try:
                 rc = proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -362,7 +362,7 @@ class Bench:
             sampler = subprocess.Popen(
                 [sys.executable, "-m", "agent.bench_gpu", "pcie", str(pcie_out), *(["--fake"] if self.cpu else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                env=self.env("bench-gpu-pcie"), start_new_session=True)
+                env=self.env("bench-gpu-pcie"))
         try:
             assert sampler.stdout is not None and sampler.stdin is not None
             first = sampler.stdout.readline().strip()  # "ready" after the first sample, or EOF if it died
@@ -431,12 +431,8 @@ class Bench:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """Our own child, by its pid (the parts start no processes of their own)."""
+    proc.kill()
     proc.wait(10)
 
 

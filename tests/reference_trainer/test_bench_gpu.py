@@ -137,6 +137,13 @@ def test_bad_arguments_are_refused_with_the_fix(tmp_path: Path) -> None:
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the answer on a machine without a GPU")
+def test_without_a_gpu_the_gpu_mode_says_to_rehearse_with_cpu(tmp_path: Path) -> None:
+    r = _cli("--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "no CUDA device here; run with --cpu" in r.stderr
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.slow
 def test_cpu_rehearsal_writes_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "out"
