@@ -64,7 +64,7 @@ GOAL_OFFLOAD_PCT = 10.0
 #: part -> the figures it always carries (null when the part failed or does not apply).
 FIGURES: dict[str, tuple[str, ...]] = {
     "sync": ("applicable", "mode", "backend", "model", "dtype", "steps", "collectives_per_step", "control_passed",
-             "control_error", "hooks_passed", "hooks_error", "hook_errors", "syncs_added_by_hooks", "step_rows",
+             "control_error", "hooks_passed", "hooks_error", "hook_errors", "syncs_added_by_hooks", "step_rows", "step_rows_under_check",
              "collective_rows", "resolved_by_threads", "verdict", "deepspeed_warn_mode"),
     "overhead": ("model", "steps", "block_steps", "quads", "off_step_ms", "overhead_wall_pct",
                  "overhead_wall_ci95_low_pct", "overhead_wall_ci95_high_pct", "goal_pct", "meets_goal",
@@ -169,7 +169,7 @@ def offload_figures(trainer: dict[str, Any], pcie: dict[str, Any]) -> dict[str, 
     source, tx, rx = None, None, None
     a, b = counter_at(tx_c, t0), counter_at(tx_c, t1)
     c, d = counter_at(rx_c, t0), counter_at(rx_c, t1)
-    if None not in (a, b, c, d):
+    if None not in (a, b, c, d) and b >= a and d >= c:  # type: ignore[operator]  (a counter that wrapped: next)
         source, tx, rx = "counters (NVML_FI_DEV_PCIE_COUNT_TX/RX_BYTES)", b - a, d - c  # type: ignore[operator]
     else:
         tx_t = throughput_bytes([(r[0], float(r[3])) for r in rows if r[3] is not None], t0, t1)

@@ -376,6 +376,7 @@ def _sync(argv: list[str]) -> int:
                 step(n, tracer)
             time.sleep(1.5)  # the emitter resolves, drains and beats under the same mode
             result["hooks_error"] = None
+            result["step_rows_under_check"] = len(tee.steps)  # resolved and drained before the mode is lifted
         except RuntimeError as e:
             owner, site = sync_site(traceback.extract_tb(e.__traceback__), threading.current_thread().name)
             result["hooks_error"] = f"{str(e).splitlines()[0][:200]} at {site} ({owner})"
@@ -397,7 +398,7 @@ def _sync(argv: list[str]) -> int:
         "resolved_by_threads": tee.resolved_by(),
     })
     if on_gpu:
-        rows_ok = result["hooks_error"] is None and errors == 0 and len(tee.steps) == a.steps
+        rows_ok = result["hooks_error"] is None and errors == 0 and result.get("step_rows_under_check") == a.steps
         if watch is None:  # strict: under "error" any sync in a hook raised (and was counted)
             result["hooks_passed"] = rows_ok
             result["syncs_added_by_hooks"] = 0 if rows_ok else None

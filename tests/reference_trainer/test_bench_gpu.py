@@ -162,7 +162,7 @@ def test_cpu_rehearsal_writes_every_figure(tmp_path: Path) -> None:
     assert sync["applicable"] is False and sync["hooks_passed"] is None and sync["syncs_added_by_hooks"] is None
     assert "not applicable on CPU" in sync["verdict"]
     assert "not applicable on CPU" in sync["deepspeed_warn_mode"]["note"]
-    assert sync["step_rows"] == sync["steps"] and sync["hook_errors"] == 0
+    assert sync["step_rows"] == sync["step_rows_under_check"] == sync["steps"] and sync["hook_errors"] == 0
     assert sync["collective_rows"] == sync["steps"] * sync["collectives_per_step"]
 
     over = res["parts"]["overhead"]
