@@ -63,7 +63,8 @@ GOAL_OFFLOAD_PCT = 10.0
 
 #: part -> the figures it always carries (null when the part failed or does not apply).
 FIGURES: dict[str, tuple[str, ...]] = {
-    "sync": ("applicable", "mode", "backend", "model", "dtype", "steps", "collectives_per_step", "control_passed",
+    "sync": ("applicable", "mode", "backend", "model", "dtype", "steps", "collectives_per_step", "micro_batch_step_ms",
+             "control_passed",
              "control_error", "hooks_passed", "hooks_error", "hook_errors", "syncs_added_by_hooks", "step_rows", "step_rows_under_check",
              "collective_rows", "resolved_by_threads", "verdict", "deepspeed_warn_mode"),
     "overhead": ("model", "steps", "block_steps", "quads", "off_step_ms", "overhead_wall_pct",
@@ -214,6 +215,8 @@ class Bench:
         self.model = args.model or ("tiny" if self.cpu else "1b")
         self.offload_model = args.offload_model or ("tiny" if self.cpu else "350m")
         self.steps = int(args.steps or (96 if self.cpu else 400))
+        self.steps_given = args.steps is not None
+        self.overhead_limit_s = 180.0 if self.cpu else 300.0
         self.nvml_s = float(args.nvml_s if args.nvml_s is not None else (3 if self.cpu else 30))
         self.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
         self.keep = args.keep
@@ -309,7 +312,21 @@ class Bench:
         argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "sync", str(out), "--model", self.model,
                 "--steps", "4" if self.cpu else "8", "--micro-batch", "2", *(["--cpu"] if self.cpu else [])]
         self.spawn("sync", argv, 120 if self.cpu else 150)
-        return json.loads(out.read_text())
+        figures = json.loads(out.read_text())
+        self.size_overhead_run(figures.get("micro_batch_step_ms"))
+        return figures
+
+    def size_overhead_run(self, micro_batch_step_ms: float | None) -> None:
+        """Fewer steps for the overhead run when the sync part's plain loop says that 400 would not
+        fit its limit (a DeepSpeed step of 4 micro-batches ~ 4.5 plain one-micro-batch steps,
+        plus ~90 s of start-up); never below 96 (12 quads), never when --steps was given."""
+        if self.cpu or self.steps_given or not micro_batch_step_ms:
+            return
+        per_step_s = 4.5 * micro_batch_step_ms / 1e3
+        fit = int((self.overhead_limit_s - 90) / per_step_s)
+        if fit < self.steps:
+            self.steps = max(96, fit - fit % 8)
+            self.log(f"overhead: {self.steps} steps (a plain micro-batch step took {micro_batch_step_ms:.0f} ms)")
 
     def part_overhead(self) -> dict[str, Any]:
         """Parts 2 and 3 from one run; fills 'timing' and the sync part's warn-mode figures too."""
@@ -321,7 +338,7 @@ class Bench:
                    "--quiet", "--micro-blocks", "8" if self.cpu else "40", *(["--cpu"] if self.cpu else [])]
         argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "hooks", str(out), str(block), str(warmup),
                 "1", *trainer]
-        self.spawn("overhead", argv, 180 if self.cpu else 300)
+        self.spawn("overhead", argv, self.overhead_limit_s)
         log = json.loads(out.read_text())
         extra = json.loads(out.with_suffix(".extra.json").read_text())
         quads = hooks_bench.block_quads(log)

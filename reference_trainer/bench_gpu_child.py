@@ -336,6 +336,13 @@ def _sync(argv: list[str]) -> int:
                               "steps": a.steps, "collectives_per_step": len(grads_of)}
     for n in range(2):  # warm-up outside the check: NCCL's communicator, cuBLAS, the allocator
         step(n, None)
+    if on_gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(2, None)  # one timed step (one micro-batch): the driver sizes the overhead run by it
+    if on_gpu:
+        torch.cuda.synchronize()
+    result["micro_batch_step_ms"] = (time.perf_counter() - t0) * 1e3
     window: dict[str, int] = {}
     watch: SyncWatch | None = None
     error_sites: list[str] = []

@@ -221,3 +221,25 @@ def test_sync_watch_catches_the_sync_warning_in_any_thread_and_lets_others_throu
     assert [(step, owner) for step, owner, _ in watch.records] == [(7, "other"), (7, "hooks")]
     assert "test_bench_gpu.py" in watch.records[0][2]
     assert [str(w.message) for w in other] == ["something else"]
+
+
+def test_the_overhead_run_is_sized_to_its_limit_by_the_plain_loop(tmp_path: Path) -> None:
+    import argparse
+
+    def bench(steps: int | None = None) -> bench_gpu.Bench:
+        p = argparse.ArgumentParser()
+        bench_gpu.add_arguments(p)
+        argv = ["--out", str(tmp_path / "o"), "--keep", str(tmp_path / "k")] + (["--steps", str(steps)] if steps else [])
+        return bench_gpu.Bench(p.parse_args(argv))
+
+    b = bench()
+    assert b.steps == 400 and b.overhead_limit_s == 300
+    b.size_overhead_run(100.0)  # a DeepSpeed step ~0.45 s: 400 steps fit in 300 - 90 s
+    assert b.steps == 400
+    b.size_overhead_run(300.0)  # ~1.35 s: (300 - 90) / 1.35 = 155 steps, cut to whole quads
+    assert b.steps == 152
+    b.size_overhead_run(5000.0)
+    assert b.steps == 96  # never below 12 quads
+    given = bench(steps=400)
+    given.size_overhead_run(5000.0)
+    assert given.steps == 400  # --steps wins
