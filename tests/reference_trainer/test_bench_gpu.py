@@ -243,3 +243,25 @@ def test_the_overhead_run_is_sized_to_its_limit_by_the_plain_loop(tmp_path: Path
     given = bench(steps=400)
     given.size_overhead_run(5000.0)
     assert given.steps == 400  # --steps wins
+
+
+def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = _cli("--out", str(out), "--cpu", "--parts", "offload,nvml", "--offload-model", "nosuch", "--nvml-s", "2")
+    assert r.returncode == 1, r.stderr[-3000:]
+    res = json.loads((out / "gpu.json").read_text())
+    off, nvml = res["parts"]["offload"], res["parts"]["nvml"]
+    assert off["ok"] is False and "offload: exited 2" in off["error"] and "nosuch" in off["error"]
+    assert all(off[k] is None for k in bench_gpu.FIGURES["offload"])  # its figures stay null, not half-filled
+    assert nvml["ok"] is True and nvml["passes"] >= 1  # ran after the failure
+    assert res["parts"]["sync"]["ok"] is None and res["ok"] is False
+    assert "nosuch" in (out / "gpu.log").read_text()
+
+
+def test_parts_the_budget_cannot_hold_are_skipped_and_said_so(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = _cli("--out", str(out), "--cpu", "--budget-s", "1")
+    assert r.returncode == 1
+    res = json.loads((out / "gpu.json").read_text())
+    for part in ("sync", "overhead", "nvml", "offload"):
+        assert res["parts"][part]["ok"] is False and res["parts"][part]["error"].startswith("skipped:"), part
