@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cut off a query through the collector after this long (default 30)")
     parser.add_argument("--max-query-rows", type=int, default=100_000,
                         help="the most rows one query through the collector returns (default 100000)")
+    parser.add_argument("--memory-limit-mb", type=int, default=None,
+                        help="cap DuckDB's memory for the file (ingest and queries together; default DuckDB's, "
+                        "80%% of RAM); a query needing more is refused, the collector lives on")
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
     parser.add_argument("--flush-interval-s", type=float, default=0.5, help="...or once the oldest waited this long")
     parser.add_argument("--verbose", action="store_true", help="log every commit (rows, milliseconds)")
@@ -60,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
               "holds every shipper's batches (they are up to 3 MiB); use the default 64", file=sys.stderr)
         return 2
 
-    if args.query_timeout_s <= 0 or args.max_query_rows <= 0:
-        print("tracetop collector: --query-timeout-s and --max-query-rows must be positive", file=sys.stderr)
+    if args.query_timeout_s <= 0 or args.max_query_rows <= 0 or (args.memory_limit_mb is not None and args.memory_limit_mb < 64):
+        print("tracetop collector: --query-timeout-s and --max-query-rows must be positive, --memory-limit-mb "
+              "at least 64", file=sys.stderr)
         return 2
     try:
         auth = ServerAuth.from_files(
@@ -87,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
                 auth=auth,
                 query_timeout_s=args.query_timeout_s,
                 max_query_rows=args.max_query_rows,
+                memory_limit_mb=args.memory_limit_mb,
                 flush_rows=args.flush_rows,
                 flush_interval_s=args.flush_interval_s,
             )

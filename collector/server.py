@@ -215,6 +215,12 @@ class CollectorService:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
             if isinstance(e, readonly.QueryLimit):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            if isinstance(e, duckdb.OutOfMemoryException):
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"query needs more memory than the collector allows (--memory-limit-mb): {str(e).splitlines()[0]}; "
+                    "aggregate more, or run it on the file after the run",
+                )
             if isinstance(e, duckdb.Error):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(e).__name__}: {e}")
             raise
@@ -298,6 +304,7 @@ async def start(
     max_query_rows: int = readonly.DEFAULT_MAX_ROWS,
     query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S,
     auth: ServerAuth | None = None,
+    memory_limit_mb: int | None = None,
 ) -> Collector:
     """Open the file, start the writer and the gRPC server. Call inside a running event loop.
 
@@ -307,7 +314,7 @@ async def start(
     bind = check_listen(listen, closed=auth.closed)
     if bind.startswith("unix:"):
         _clear_stale_socket(_unix_path(bind))
-    con = open_store(db_path)
+    con = open_store(db_path, memory_limit_mb=memory_limit_mb)
     metrics = CollectorMetrics()
     writer = Writer(
         con,

@@ -139,7 +139,8 @@ def test_token_required_on_every_service_and_metrics(tmp_path: Path) -> None:
 
 
 def test_runaway_query_is_cut_off_and_the_collector_lives_on(tmp_path: Path) -> None:
-    c = start_collector(tmp_path, "unix", extra_args=["--query-timeout-s", "1", "--max-query-rows", "10"])
+    c = start_collector(tmp_path, "unix", extra_args=["--query-timeout-s", "3", "--max-query-rows", "10",
+                                                      "--memory-limit-mb", "256"])
     try:
         with grpc.insecure_channel(c.addr) as ch:
             query = pb_grpc.QueryStub(ch)
@@ -152,6 +153,10 @@ def test_runaway_query_is_cut_off_and_the_collector_lives_on(tmp_path: Path) -> 
             from collector.readonly import from_ipc
 
             assert from_ipc(reply.arrow_ipc).num_rows == 10
+            # a query that would hold ~800 MB is refused under a 256 MB cap
+            with pytest.raises(grpc.RpcError) as e:
+                query.Sql(pb.QueryRequest(sql="SELECT list(i) FROM range(100000000) t(i)"), timeout=120)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--memory-limit-mb" in e.value.details()
             assert from_ipc(query.Sql(pb.QueryRequest(sql="SELECT 5 AS v"), timeout=30).arrow_ipc).to_pylist() == [{"v": 5}]
     finally:
         assert c.stop() == 0
