@@ -7,3 +7,9 @@ itself crashes, failing an unrelated test (seen in tests/collector/test_auth.py)
 """
 
 import tracemalloc  # noqa: F401
+
+# hypothesis' pytest plugin imports hypothesis at the end of a session that collected no
+# hypothesis test; on CPython 3.11.7 that import, deep in pytest's summary hooks, can fail with
+# "SystemError: AST constructor recursion depth mismatch" (assertion rewriting compiles it there)
+# and turn a green run into exit 1. Importing it up front avoids the deep-stack compile.
+import hypothesis  # noqa: E402, F401
