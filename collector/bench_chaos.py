@@ -1,100 +1,228 @@
-"""`tracetop bench chaos`: kill -9 the collector repeatedly while sources ship; count what survived.
+"""`tracetop bench chaos [--scenario S]`: break the path while sources ship; count what survived.
 
 Sources ship identifiable rows (rank = source, step = row number) into a real collector process;
 meanwhile the collector is killed with SIGKILL several times and restarted on the same file. At
 the end every source has flushed (all its batches acked), the collector stops cleanly, and the
-file is counted: ``lost`` = sent − distinct rows stored, ``duplicates`` = rows stored − distinct.
+file is counted: ``lost`` = sent − distinct rows stored, ``duplicates`` = rows stored − distinct,
+``gaps_recorded`` = rows the gap table says were dropped; ``lost_unrecorded`` (lost − gaps) must be 0.
+Other scenarios (SCENARIOS) freeze the collector, partition the network through a loopback proxy,
+kill the node agent, or fill the agent's spool.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+SCENARIOS = {
+    "kill": "kill -9 the collector --kills times, restart it on the same file",
+    "freeze": "SIGSTOP the collector for --fault-s, then SIGCONT",
+    "partition": "a loopback proxy between sources and collector stalls, then resets, for --fault-s each",
+    "agent-kill": "sources ship through a node agent (disk spool); kill -9 the agent --kills times",
+    "full-spool": "through an agent whose spool is tiny, with the collector down for --fault-s",
+    "none": "no fault: the baseline for the sources' per-step telemetry cost",
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="kill",
+                        help="; ".join(f"{k}: {v}" for k, v in SCENARIOS.items()))
     parser.add_argument("--sources", type=int, default=8, help="shipper processes (default 8)")
     parser.add_argument("--events", type=int, default=1_000_000, help="events in all, split over the sources")
-    parser.add_argument("--kills", type=int, default=3, help="SIGKILLs of the collector (default 3)")
+    parser.add_argument("--kills", type=int, default=3, help="SIGKILLs of the collector or agent (default 3)")
     parser.add_argument("--kill-every-s", type=float, default=2.0, help="seconds between kills")
+    parser.add_argument("--fault-s", type=float, default=60.0, help="how long a freeze / partition / outage lasts (default 60)")
     parser.add_argument("--rate-eps", type=float, default=0.0,
-                        help="per-source pacing in events/s so the run outlasts the kills (default: chosen)")
+                        help="per-source pacing in events/s so the run outlasts the faults (default: chosen)")
     parser.add_argument("--dir", type=Path, default=None, help="keep the DuckDB file here (default: a temp dir)")
     parser.add_argument("--listen", default=None, help="collector address (default: a unix socket in the dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Agent:
+    """`tracetop agent` relaying the sources' batches through its disk spool (chaos runs only)."""
+
+    def __init__(self, workdir: Path, collector: str, spool_max_mb: float) -> None:
+        self.listen = f"unix://{workdir / 'agent.sock'}"
+        self.args = [sys.executable, "-m", "tracetop.cli", "agent", "--collector", collector, "--listen", self.listen,
+                     "--spool-dir", str(workdir / "spool"), "--spool-max-mb", str(spool_max_mb), "--fake-gpus", "1",
+                     "--run-id", "chaos-agent", "--clock-interval-s", "0"]
+        self.log = open(workdir / "agent.log", "ab")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        from collector.loadgen import wait_ready
+
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+        wait_ready(self.listen, 60, self.proc)
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
 def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: Path, listen: str | None = None,
-          rate_eps: float = 0.0) -> dict:
+          rate_eps: float = 0.0, scenario: str = "kill", fault_s: float = 60.0) -> dict:
+    """Run one scenario; count sent / stored / duplicates / lost / gaps exactly, and what the faults
+    cost the sources' hand-overs (`record_ms_max`: a source that never waits for acks, as a training
+    loop does not, must stay as fast during the fault as without it)."""
     from collector.loadgen import CollectorProcess, collect_sources, count_stored, start_sources
 
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown chaos scenario {scenario!r}; choose one of {', '.join(sorted(SCENARIOS))}")
     db = workdir / "chaos.duckdb"
+    if scenario == "partition":
+        listen = f"127.0.0.1:{_free_port()}"
     listen = listen or f"unix://{workdir / 'collector.sock'}"
     per_source = events // sources
+    fault_total_s = kills * kill_every_s if scenario in ("kill", "agent-kill") else 2 * fault_s if scenario == "partition" else fault_s
     if rate_eps <= 0:
-        # spread the sending over the kill schedule and a bit more, so kills land mid-stream
-        rate_eps = per_source / max(1.0, kills * kill_every_s * 1.5)
+        # spread the sending over the fault schedule and a bit more, so faults land mid-stream
+        rate_eps = per_source / max(1.0, fault_total_s * 1.5 if scenario != "none" else 3.0)
     collector = CollectorProcess(db, listen)
     collector.start()
     run_id = "chaos"
+    proxy = agent = None
+    endpoint = listen
+    if scenario == "partition":
+        from collector.chaos_proxy import ChaosProxy
+
+        host, _, port = listen.rpartition(":")
+        proxy = ChaosProxy((host, int(port))).start()
+        endpoint = proxy.address
+    if scenario in ("agent-kill", "full-spool"):
+        # full-spool: a spool of 1 MiB holds a few batches; the rest waits in the sources' memory
+        agent = _Agent(workdir, listen, spool_max_mb=1.0 if scenario == "full-spool" else 1024.0)
+        agent.start()
+        endpoint = agent.listen
+    trainer_like = scenario != "kill"  # the kill scenario keeps its historical ack-paced sources
     t0 = time.monotonic()
-    procs = start_sources(listen, run_id, sources, per_source, rate_eps)
-    killed = 0
+    # full-spool: the sources' own buffers are small too, so they must drop (oldest first) and say so
+    procs = start_sources(endpoint, run_id, sources, per_source, rate_eps, trainer_like=trainer_like,
+                          chunk_rows=2048 if trainer_like else 16384,
+                          buffer_bytes=1 << 20 if scenario == "full-spool" else None)
+    faults = 0
     restarts_s: list[float] = []
 
-    def killer() -> None:
-        nonlocal killed
-        for _ in range(kills):
-            time.sleep(kill_every_s)
-            if all(p.poll() is not None for p in procs):
-                break
+    def done() -> bool:
+        return all(p.poll() is not None for p in procs)
+
+    def injector() -> None:
+        nonlocal faults
+        time.sleep(min(kill_every_s, 2.0))
+        if scenario in ("kill", "agent-kill"):
+            target = collector if scenario == "kill" else agent
+            for i in range(kills):
+                if i:
+                    time.sleep(kill_every_s)
+                if done():
+                    break
+                target.kill()  # type: ignore[union-attr]
+                faults += 1
+                r0 = time.monotonic()
+                target.start()  # type: ignore[union-attr]
+                restarts_s.append(time.monotonic() - r0)
+        elif scenario == "freeze":
+            collector.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+            faults += 1
+            time.sleep(fault_s)
+            collector.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+        elif scenario == "partition":
+            proxy.stall()  # type: ignore[union-attr]
+            faults += 1
+            time.sleep(fault_s)
+            proxy.drop()  # type: ignore[union-attr]
+            faults += 1
+            time.sleep(fault_s)
+            proxy.heal()  # type: ignore[union-attr]
+        elif scenario == "full-spool":
             collector.kill()
-            killed += 1
+            faults += 1
+            time.sleep(fault_s)
             r0 = time.monotonic()
             collector.start()
             restarts_s.append(time.monotonic() - r0)
 
-    k = threading.Thread(target=killer, daemon=True)
+    k = threading.Thread(target=injector, daemon=True)
     k.start()
     results = collect_sources(procs)
     k.join()
     elapsed = time.monotonic() - t0
+    agent_rc = agent.stop() if agent is not None else None
+    if proxy is not None:
+        proxy.stop()
     rc = collector.stop()
-    counts = count_stored(db, run_id)
+    counts = count_stored(db, run_id, ("chaos-agent",) if agent is not None else ())
     sent = sum(r["sent"] for r in results)
     stored = sum(s for s, _ in counts["per_source"].values())
     distinct = sum(d for _, d in counts["per_source"].values())
-    return {
+    lost = sent - distinct
+    out = {
+        "scenario": scenario,
         "sources": sources,
         "sent": sent,
         "stored": stored,
         "duplicates": stored - distinct,
-        "lost": sent - distinct,
+        "lost": lost,
         "gaps_recorded": counts["gaps_dropped"],
-        "kills": killed,
-        "collector_restart_s_max": round(max(restarts_s), 2) if restarts_s else None,
+        "lost_unrecorded": lost - counts["gaps_dropped"],
+        "spool_refusals": counts["spool_refusals"],
+        "faults": faults,
+        "kills": faults if scenario in ("kill", "agent-kill") else 0,
+        "restart_s_max": round(max(restarts_s), 2) if restarts_s else None,
         "all_flushed": all(r["flushed"] for r in results),
         "reconnects": sum(r["reconnects"] for r in results),
         "elapsed_s": round(elapsed, 2),
         "collector_exit_code": rc,
+        "agent_exit_code": agent_rc,
         "db": str(db),
     }
+    out["collector_restart_s_max"] = out["restart_s_max"] if scenario == "kill" else None
+    if trainer_like:
+        out["record_ms_p50"] = round(max(r["record_ms_p50"] for r in results), 3)
+        out["record_ms_p99"] = round(max(r["record_ms_p99"] for r in results), 3)
+        out["record_ms_max"] = round(max(r["record_ms_max"] for r in results), 3)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
+    kw = dict(scenario=args.scenario, fault_s=args.fault_s)
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
-        result = chaos(args.sources, args.events, args.kills, args.kill_every_s, args.dir, args.listen, args.rate_eps)
+        result = chaos(args.sources, args.events, args.kills, args.kill_every_s, args.dir, args.listen, args.rate_eps, **kw)
     else:
         with tempfile.TemporaryDirectory(prefix="tracetop-chaos-") as d:
-            result = chaos(args.sources, args.events, args.kills, args.kill_every_s, Path(d), args.listen, args.rate_eps)
+            result = chaos(args.sources, args.events, args.kills, args.kill_every_s, Path(d), args.listen,
+                           args.rate_eps, **kw)
     if args.json:
         print(json.dumps(result))
     else:
         for key, value in result.items():
             print(f"{key:>24}: {value}")
-    return 0 if result["lost"] == 0 and result["duplicates"] == 0 else 1
+    return 0 if result["lost_unrecorded"] == 0 and result["duplicates"] == 0 else 1

@@ -17,16 +17,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen",
         default=env.DEFAULT_COLLECTOR,
-        help=f"HOST:PORT (loopback only unless --insecure-bind; port 0 picks one) or unix:///PATH "
+        help=f"HOST:PORT (loopback only unless TLS or a token is given; port 0 picks one) or unix:///PATH "
         f"(default {env.DEFAULT_COLLECTOR})",
     )
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1:PORT")
     parser.add_argument("--max-batch-mb", type=float, default=64, help="largest message accepted (default 64)")
-    parser.add_argument(
-        "--insecure-bind",
-        action="store_true",
-        help="allow a non-loopback listen address (no TLS or token auth exists yet)",
-    )
+    auth = parser.add_argument_group("access (a non-loopback address needs TLS or a token)")
+    auth.add_argument("--token-file", metavar="FILE",
+                      help="bearer tokens (one a line, mode 600) every RPC and /metrics scrape must present")
+    auth.add_argument("--control-token-file", metavar="FILE",
+                      help="the token that may command runs (Control); without it, commands are refused")
+    auth.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (with --tls-key)")
+    auth.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    auth.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: accept only clients with a cert this CA signed")
+    parser.add_argument("--query-timeout-s", type=float, default=30.0,
+                        help="cut off a query through the collector after this long (default 30)")
+    parser.add_argument("--max-query-rows", type=int, default=100_000,
+                        help="the most rows one query through the collector returns (default 100000)")
+    parser.add_argument("--memory-limit-mb", type=int, default=None,
+                        help="cap DuckDB's memory for the file (ingest and queries together; default DuckDB's, "
+                        "80%% of RAM); a query needing more is refused, the collector lives on")
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
     parser.add_argument("--flush-interval-s", type=float, default=0.5, help="...or once the oldest waited this long")
     parser.add_argument("--verbose", action="store_true", help="log every commit (rows, milliseconds)")
@@ -42,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     from collector.schema import SchemaError
     from collector.server import ListenError, start
+    from tracetop.wire.auth import AuthSetupError, ServerAuth
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -52,6 +63,24 @@ def run(args: argparse.Namespace) -> int:
               "holds every shipper's batches (they are up to 3 MiB); use the default 64", file=sys.stderr)
         return 2
 
+    if args.query_timeout_s <= 0 or args.max_query_rows <= 0 or (args.memory_limit_mb is not None and args.memory_limit_mb < 64):
+        print("tracetop collector: --query-timeout-s and --max-query-rows must be positive, --memory-limit-mb "
+              "at least 64", file=sys.stderr)
+        return 2
+    try:
+        auth = ServerAuth.from_files(
+            token_file=args.token_file, control_token_file=args.control_token_file,
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        )
+    except AuthSetupError as e:
+        print(f"tracetop collector: {e}", file=sys.stderr)
+        return 2
+
+    if auth.token_required and auth.tls_cert is None and not args.listen.startswith("unix:") and not (
+            args.listen.startswith("127.") or args.listen.startswith("localhost:") or args.listen.startswith("[::1]")):
+        print("tracetop collector: warning: a token without TLS travels in clear text on this network; "
+              "add --tls-cert/--tls-key", file=sys.stderr)
+
     async def main() -> int:
         try:
             c = await start(
@@ -59,7 +88,10 @@ def run(args: argparse.Namespace) -> int:
                 args.listen,
                 max_batch_mb=args.max_batch_mb,
                 metrics_port=args.metrics_port,
-                insecure_bind=args.insecure_bind,
+                auth=auth,
+                query_timeout_s=args.query_timeout_s,
+                max_query_rows=args.max_query_rows,
+                memory_limit_mb=args.memory_limit_mb,
                 flush_rows=args.flush_rows,
                 flush_interval_s=args.flush_interval_s,
             )

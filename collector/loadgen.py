@@ -33,12 +33,18 @@ def run_source(
     chunk_rows: int = CHUNK_ROWS,
     rate_eps: float = 0.0,
     start_file: str | None = None,
+    trainer_like: bool = False,
+    buffer_bytes: int | None = None,
 ) -> dict:
     """Ship `events` STEP rows tagged (rank=source, step=0..events-1); return the shipper's stats.
 
     With start_file: once set up (imports done, shipper started), create `<start_file>.ready.<source>`
     and wait until start_file exists, so a benchmark can start every source at once and leave
-    interpreter start-up out of its window."""
+    interpreter start-up out of its window.
+
+    trainer_like: behave as a training loop does: never wait for acks (the shipper must buffer,
+    spill or drop and count), and time each hand-over to the shipper; the stats then carry
+    ``record_ms_p50/p99/max``, what telemetry cost the "training" thread per step."""
     import numpy as np
 
     from tracetop.events import SCHEMAS, Kind
@@ -47,8 +53,9 @@ def run_source(
     # A load source sends without pause, like a busy agent relay: its stream stays open between
     # its paced batches (a 1 s linger) and ends only when it is done, so a killed collector
     # breaks a live stream rather than falling between two bursts.
+    extra = {"max_unacked_bytes": buffer_bytes} if buffer_bytes else {}
     shipper = Shipper(endpoint, run_id=run_id, source_id=f"loadgen-{source}-{os.getpid()}", rank=source,
-                      burst_linger_s=1.0)
+                      burst_linger_s=1.0, **extra)
     names = [c.name for c in SCHEMAS[Kind.STEP]]
     if start_file:
         Path(f"{start_file}.ready.{source}").touch()
@@ -56,9 +63,10 @@ def run_source(
             time.sleep(0.005)
     t0, cpu0 = time.monotonic(), time.process_time()
     sent = 0
+    record_s: list[float] = []
     while sent < events:
         n = min(chunk_rows, events - sent)
-        while True:
+        while not trainer_like:
             st = shipper.stats()
             if st["unacked_batches"] + st["pending_rows"] // chunk_rows <= MAX_INFLIGHT_BATCHES:
                 break
@@ -68,7 +76,9 @@ def run_source(
         cols = {name: steps for name in names}
         cols["rank"] = np.full(n, source, dtype="<i4")
         cols["start_ns"] = np.full(n, now, dtype="<i8")
+        r0 = time.perf_counter()
         shipper.record_many(Kind.STEP, cols)
+        record_s.append(time.perf_counter() - r0)
         sent += n
         if rate_eps > 0:
             ahead = sent / rate_eps - (time.monotonic() - t0)
@@ -78,6 +88,10 @@ def run_source(
     stats = shipper.stats()
     shipper.close(timeout_s=5)
     stats.update(sent=sent, flushed=ok, source=source, elapsed_s=time.monotonic() - t0, cpu_s=time.process_time() - cpu0)
+    if record_s:
+        q = np.quantile(np.array(record_s), [0.5, 0.99])
+        stats.update(record_ms_p50=float(q[0]) * 1e3, record_ms_p99=float(q[1]) * 1e3,
+                     record_ms_max=max(record_s) * 1e3)
     return stats
 
 
@@ -137,10 +151,14 @@ def wait_ready(address: str, timeout_s: float, proc: subprocess.Popen | None = N
 
 
 def start_sources(
-    endpoint: str, run_id: str, sources: int, events: int, rate_eps: float = 0.0, start_file: Path | None = None
+    endpoint: str, run_id: str, sources: int, events: int, rate_eps: float = 0.0, start_file: Path | None = None,
+    *, trainer_like: bool = False, chunk_rows: int = CHUNK_ROWS, buffer_bytes: int | None = None,
 ) -> list[subprocess.Popen]:
     """Launch the source processes. With start_file they get ready and wait; call release(start_file)."""
     extra = ["--start-file", str(start_file)] if start_file else []
+    extra += ["--trainer-like"] if trainer_like else []
+    extra += ["--chunk-rows", str(chunk_rows)]
+    extra += ["--buffer-bytes", str(buffer_bytes)] if buffer_bytes else []
     return [
         subprocess.Popen(
             [sys.executable, "-m", "collector.loadgen", "--endpoint", endpoint, "--run-id", run_id,
@@ -175,7 +193,7 @@ def collect_sources(procs: list[subprocess.Popen], timeout_s: float = 900) -> li
     return out
 
 
-def count_stored(db: Path, run_id: str) -> dict:
+def count_stored(db: Path, run_id: str, relay_run_ids: tuple[str, ...] = ()) -> dict:
     """Exactly-once accounting over the STEP table: per source (rank), distinct and total rows."""
     import duckdb
 
@@ -185,10 +203,18 @@ def count_stored(db: Path, run_id: str) -> dict:
             "SELECT rank, count(*) AS stored, count(DISTINCT step) AS distinct_steps FROM step WHERE run_id = ? GROUP BY rank",
             [run_id],
         ).fetchall()
-        gaps = con.execute("SELECT coalesce(sum(dropped), 0) FROM gap WHERE run_id = ?", [run_id]).fetchone()[0]
+        # rows recorded as lost (a spool_full row is a refusal: the hook keeps the batch and resends it)
+        # a relay (agent) records drops of the sources' rows under its own run id
+        runs = [run_id, *relay_run_ids]
+        marks = ", ".join("?" * len(runs))
+        gaps = con.execute(f"SELECT coalesce(sum(dropped), 0) FROM gap WHERE run_id IN ({marks}) AND kind = 'step' "
+                           "AND reason <> 'spool_full'", runs).fetchone()[0]
+        refused = con.execute(f"SELECT coalesce(sum(dropped), 0) FROM gap WHERE run_id IN ({marks}) "
+                              "AND reason = 'spool_full'", runs).fetchone()[0]
     finally:
         con.close()
-    return {"per_source": {int(r): (int(s), int(d)) for r, s, d in rows}, "gaps_dropped": int(gaps)}
+    return {"per_source": {int(r): (int(s), int(d)) for r, s, d in rows}, "gaps_dropped": int(gaps),
+            "spool_refusals": int(refused)}
 
 
 def main() -> None:
@@ -199,8 +225,12 @@ def main() -> None:
     p.add_argument("--events", type=int, required=True)
     p.add_argument("--rate-eps", type=float, default=0.0, help="events/s pacing; 0 = as fast as acks allow")
     p.add_argument("--start-file", default=None, help="get ready, then wait until this file exists")
+    p.add_argument("--trainer-like", action="store_true", help="never wait for acks; time each hand-over")
+    p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help="rows per hand-over (one 'step')")
+    p.add_argument("--buffer-bytes", type=int, default=None, help="the shipper's unacked budget")
     a = p.parse_args()
-    stats = run_source(a.endpoint, a.run_id, a.source, a.events, rate_eps=a.rate_eps, start_file=a.start_file)
+    stats = run_source(a.endpoint, a.run_id, a.source, a.events, chunk_rows=a.chunk_rows, rate_eps=a.rate_eps,
+                       start_file=a.start_file, trainer_like=a.trainer_like, buffer_bytes=a.buffer_bytes)
     print(json.dumps(stats), flush=True)
 
 

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fmt.add_argument("--csv", action="store_true", help="print CSV")
     fmt.add_argument("--json", action="store_true", help="print a JSON array of row objects")
     parser.add_argument("--max-rows", type=int, default=100_000, help="stop after this many rows (0 = all)")
+    from tracetop.wire.auth import add_client_arguments
+
+    add_client_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,13 +103,25 @@ def _via_collector(addr: str, sql: str, args: argparse.Namespace) -> int:
     from collector import readonly
     from tracetop.wire import tracetop_pb2 as pb
     from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+    from tracetop.wire.auth import AuthSetupError, client_auth_from_args
 
+    try:
+        auth = client_auth_from_args(args)
+    except AuthSetupError as e:
+        return _usage(str(e))
     opts = [("grpc.max_receive_message_length", 512 * 1024 * 1024)]
-    with grpc.insecure_channel(addr, options=opts) as channel:
+    with auth.channel(addr, options=opts) as channel:
         try:
-            reply = pb_grpc.QueryStub(channel).Sql(pb.QueryRequest(sql=sql, max_rows=args.max_rows), timeout=300)
+            reply = pb_grpc.QueryStub(channel).Sql(pb.QueryRequest(sql=sql, max_rows=args.max_rows), timeout=300,
+                                                    metadata=auth.metadata())
         except grpc.RpcError as e:
             code = e.code()
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) and "token" in (e.details() or ""):
+                print(f"tracetop query: collector at {addr} refused: {code.name}: {e.details()}", file=sys.stderr)
+                return EXIT_REFUSED
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                print(f"tracetop query: {e.details()}", file=sys.stderr)
+                return EXIT_SQL_ERROR
             if code == grpc.StatusCode.PERMISSION_DENIED:
                 print(_refusal_text(Exception(e.details())), file=sys.stderr)
                 return EXIT_REFUSED

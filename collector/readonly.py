@@ -15,6 +15,11 @@ import pyarrow as pa
 
 ALLOWED = {duckdb.StatementType.SELECT}
 DEFAULT_MAX_ROWS = 100_000
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class QueryLimit(Exception):
+    """A query ran past a limit (its time); str() says which and what to do."""
 
 
 class ReadOnlyViolation(Exception):
@@ -45,15 +50,31 @@ def is_refusal(exc: BaseException) -> bool:
     return isinstance(exc, ReadOnlyViolation | duckdb.PermissionException)
 
 
-def run_read_only(con, sql: str, max_rows: int = DEFAULT_MAX_ROWS) -> tuple[pa.Table, bool]:
+def run_read_only(con, sql: str, max_rows: int = DEFAULT_MAX_ROWS, *, timeout_s: float | None = None
+                  ) -> tuple[pa.Table, bool]:
     """Run read-only SQL on `con` (a cursor of its own); return (result, truncated).
 
     Several statements run in order and the last one's result is returned. The statements run in
     a transaction that is rolled back, so even a SELECT with a side effect leaves nothing behind.
+    Rows beyond `max_rows` are never produced (the result streams and stops there). With
+    `timeout_s`, a query still running after that long is interrupted (DuckDB's own interrupt, which
+    leaves the connection usable) and QueryLimit is raised.
     """
+    import threading
+
     queries = check_read_only(con, sql)
+    timed_out = threading.Event()
+
+    def interrupt() -> None:
+        timed_out.set()
+        con.interrupt()
+
+    timer = threading.Timer(timeout_s, interrupt) if timeout_s else None
     con.execute("BEGIN TRANSACTION")
     try:
+        if timer is not None:
+            timer.daemon = True
+            timer.start()
         for q in queries[:-1]:
             con.execute(q).fetchall()
         rel = con.sql(queries[-1])
@@ -69,7 +90,16 @@ def run_read_only(con, sql: str, max_rows: int = DEFAULT_MAX_ROWS) -> tuple[pa.T
         table = pa.Table.from_batches(batches, schema=reader.schema)
         reader.close()
         del rel
+    except Exception as e:
+        if timed_out.is_set():
+            raise QueryLimit(
+                f"query stopped after {timeout_s:g} s (the collector's --query-timeout-s); narrow it "
+                "(a WHERE on run_id/step, a LIMIT), or run it on the file after the run"
+            ) from e
+        raise
     finally:
+        if timer is not None:
+            timer.cancel()
         con.execute("ROLLBACK")
     return table, truncated
 

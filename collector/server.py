@@ -33,6 +33,7 @@ from collector.writer import Ack, Barrier, Pending, StreamEnd, StreamSink, Write
 from tracetop.events import table_name
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+from tracetop.wire.auth import ServerAuth, server_interceptor
 from tracetop.wire.codec import Rejection, parse_batch, receive
 
 log = logging.getLogger("tracetop.collector")
@@ -46,9 +47,9 @@ class ListenError(ValueError):
 
 
 
-def check_listen(listen: str, *, insecure_bind: bool = False) -> str:
-    """Validate a listen address; returns the gRPC bind string. Loopback or unix only, unless
-    insecure_bind (there is no TLS or token auth yet)."""
+def check_listen(listen: str, *, closed: bool = False) -> str:
+    """Validate a listen address; returns the gRPC bind string. Loopback or a unix socket, or any
+    address when ``closed`` (the collector demands TLS or a bearer token of every caller)."""
     if listen.startswith("unix:"):
         path = _unix_path(listen)
         if not path:
@@ -57,10 +58,11 @@ def check_listen(listen: str, *, insecure_bind: bool = False) -> str:
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
         raise ListenError(f"listen address {listen!r} is not HOST:PORT or unix:///PATH")
-    if host not in LOOPBACK_HOSTS and not host.startswith("127.") and not insecure_bind:
+    if host not in LOOPBACK_HOSTS and not host.startswith("127.") and not closed:
         raise ListenError(
-            f"refusing to listen on {listen}: not loopback, and the collector has no TLS or token auth yet "
-            "(future work). Use 127.0.0.1:PORT or unix:///PATH, or pass --insecure-bind on a trusted network"
+            f"refusing to listen on {listen}: not loopback, and the collector would let anyone in. "
+            "Give it TLS (--tls-cert FILE --tls-key FILE, optionally --tls-client-ca FILE for mutual TLS) "
+            "and/or a bearer token (--token-file FILE), or listen on 127.0.0.1:PORT or unix:///PATH"
         )
     return listen
 
@@ -102,8 +104,10 @@ class _AioSink(StreamSink):
 class CollectorService:
     """Ingest + Query handlers over one Writer and its connection."""
 
-    def __init__(self, con, writer: Writer, metrics: CollectorMetrics, *, max_query_rows: int) -> None:
+    def __init__(self, con, writer: Writer, metrics: CollectorMetrics, *, max_query_rows: int,
+                 query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S) -> None:
         self.con = con
+        self.query_timeout_s = query_timeout_s
         self.writer = writer
         self.metrics = metrics
         self.max_query_rows = max_query_rows
@@ -196,7 +200,7 @@ class CollectorService:
         with self._query_lock:
             cur = self._query_root.cursor()
         try:
-            return readonly.run_read_only(cur, sql, max_rows)
+            return readonly.run_read_only(cur, sql, max_rows, timeout_s=self.query_timeout_s)
         finally:
             cur.close()
 
@@ -209,6 +213,14 @@ class CollectorService:
         except Exception as e:
             if readonly.is_refusal(e):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
+            if isinstance(e, readonly.QueryLimit):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            if isinstance(e, duckdb.OutOfMemoryException):
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"query needs more memory than the collector allows (--memory-limit-mb): {str(e).splitlines()[0]}; "
+                    "aggregate more, or run it on the file after the run",
+                )
             if isinstance(e, duckdb.Error):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(e).__name__}: {e}")
             raise
@@ -287,16 +299,22 @@ async def start(
     *,
     max_batch_mb: float = 64,
     metrics_port: int | None = None,
-    insecure_bind: bool = False,
     flush_rows: int = 10_000,
     flush_interval_s: float = 0.5,
     max_query_rows: int = readonly.DEFAULT_MAX_ROWS,
+    query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S,
+    auth: ServerAuth | None = None,
+    memory_limit_mb: int | None = None,
 ) -> Collector:
-    """Open the file, start the writer and the gRPC server. Call inside a running event loop."""
-    bind = check_listen(listen, insecure_bind=insecure_bind)
+    """Open the file, start the writer and the gRPC server. Call inside a running event loop.
+
+    ``auth`` (tracetop.wire.auth.ServerAuth) is checked on every RPC and on /metrics; without TLS
+    or a token only loopback and unix-socket addresses are accepted."""
+    auth = auth or ServerAuth()
+    bind = check_listen(listen, closed=auth.closed)
     if bind.startswith("unix:"):
         _clear_stale_socket(_unix_path(bind))
-    con = open_store(db_path)
+    con = open_store(db_path, memory_limit_mb=memory_limit_mb)
     metrics = CollectorMetrics()
     writer = Writer(
         con,
@@ -306,19 +324,21 @@ async def start(
         on_queue=metrics.on_queue,
     )
     writer.start()
-    service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows)
+    service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows, query_timeout_s=query_timeout_s)
     max_bytes = int(max_batch_mb * 1024 * 1024)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", 512 * 1024 * 1024),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
+        interceptors=[server_interceptor(auth)] if auth.token_required else None,
     )
     server.add_generic_rpc_handlers(service.handlers())
     pb_grpc.add_ControlServicer_to_server(_ControlNotYet(), server)
     try:
-        port = server.add_insecure_port(bind)
+        creds = auth.server_credentials()
+        port = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
     except RuntimeError as e:
         writer.close()
         con.close()
@@ -331,7 +351,7 @@ async def start(
     await server.start()
     http = None
     if metrics_port is not None:
-        http, _ = serve_metrics(metrics_port, metrics.registry)
+        http, _ = serve_metrics(metrics_port, metrics.registry, auth=auth)
         metrics_port = http.server_port
     return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http)
 

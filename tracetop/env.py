@@ -38,6 +38,25 @@ TRACETOP_BUFFER_BYTES = "TRACETOP_BUFFER_BYTES"
 """Bytes of unacked telemetry one rank's hooks keep in memory while their endpoint is unreachable.
 Beyond it the oldest batches are dropped, counted and shipped as gap rows. Default: 256 MiB."""
 
+TRACETOP_TOKEN_FILE = "TRACETOP_TOKEN_FILE"
+"""A file holding the bearer token clients present to a collector that demands one (hooks, agents,
+the TUI, ``tracetop query --collector``, ``tracetop control``); the flag ``--token-file`` wins. The file
+must not be readable by other users. Default: no token."""
+
+TRACETOP_TLS_CA = "TRACETOP_TLS_CA"
+"""PEM file of the CA that signed the collector's TLS certificate; set, clients connect with TLS.
+Default: plaintext (loopback and unix sockets only)."""
+
+TRACETOP_TLS_CERT = "TRACETOP_TLS_CERT"
+"""PEM client certificate for a collector that demands mutual TLS (with TRACETOP_TLS_KEY)."""
+
+TRACETOP_TLS_KEY = "TRACETOP_TLS_KEY"
+"""PEM private key of TRACETOP_TLS_CERT."""
+
+TRACETOP_TLS_SERVER_NAME = "TRACETOP_TLS_SERVER_NAME"
+"""The name to check in the collector's certificate when it differs from the address's host
+(e.g. connecting by IP to a certificate issued for ``collector.internal``)."""
+
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"

@@ -91,7 +91,7 @@ def test_refuses_non_loopback_and_newer_file(tmp_path):
         [sys.executable, "-m", "collector", "--db", str(tmp_path / "x.duckdb"), "--listen", "0.0.0.0:0"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
-    assert r.returncode == 2 and "not loopback" in r.stderr and "--insecure-bind" in r.stderr
+    assert r.returncode == 2 and "not loopback" in r.stderr and "--token-file" in r.stderr and "listening" not in r.stdout
     newer = tmp_path / "newer.duckdb"
     con = duckdb.connect(str(newer))
     con.execute("CREATE TABLE schema_meta (version INTEGER, applied_ns BIGINT)")

@@ -60,10 +60,10 @@ def test_loopback_and_unix_accepted(addr):
 
 
 @pytest.mark.parametrize("addr", ["0.0.0.0:7000", "10.0.0.1:7000", "[::]:7000"])
-def test_other_binds_need_insecure_bind(addr):
-    with pytest.raises(ListenError, match="--insecure-bind"):
+def test_other_binds_need_tls_or_a_token(addr):
+    with pytest.raises(ListenError, match="--tls-cert.*--token-file"):
         check_listen(addr)
-    assert check_listen(addr, insecure_bind=True) == addr
+    assert check_listen(addr, closed=True) == addr
 
 
 @pytest.mark.parametrize("addr", ["7000", "host", "unix:", "127.0.0.1:port"])
