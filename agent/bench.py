@@ -89,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
     import subprocess
     import sys
     import tempfile
-    import threading
     import time
     import urllib.request
     from pathlib import Path
@@ -100,27 +99,13 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     procs: list[subprocess.Popen] = []
 
-    def start(argv: list[str], pattern: str, what: str) -> tuple[subprocess.Popen, re.Match]:
-        p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        procs.append(p)
-        lines: list[str] = []
-        found: list[re.Match] = []
-        ready = threading.Event()
+    from tracetop import procs as services
 
-        def pump() -> None:
-            assert p.stdout is not None
-            for line in p.stdout:
-                lines.append(line)
-                m = re.search(pattern, line)
-                if m and not found:
-                    found.append(m)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(120) or not found:
-            raise RuntimeError(f"bench agent: {what} did not start:\n{''.join(lines)}")
-        return p, found[0]
+    def start(service: services.ServiceProcess) -> services.ServiceProcess:
+        service.env = dict(env, PYTHONUNBUFFERED="1")
+        service.start(120)
+        procs.append(service.proc)  # type: ignore[arg-type]
+        return service
 
     def log(msg: str) -> None:
         if not args.json:
@@ -128,44 +113,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         collector_addr = f"unix://{tmp / 'collector.sock'}"
-        start(
-            [
-                sys.executable,
-                "-m",
-                "tracetop.cli",
-                "collector",
-                "--db",
-                str(tmp / "bench.duckdb"),
-                "--listen",
-                collector_addr,
-            ],
-            r"tracetop collector: listening on",
-            "the collector",
-        )
+        start(services.collector(tmp / "bench.duckdb", collector_addr))
         sock = f"unix://{tmp / 'agent.sock'}"
-        agent, m = start(
-            [
-                sys.executable,
-                "-m",
-                "tracetop.cli",
-                "agent",
-                "--collector",
-                collector_addr,
-                "--listen",
-                sock,
-                "--spool-dir",
-                str(tmp / "spool"),
-                "--fake-gpus",
-                str(args.gpus),
-                "--interval-s",
-                str(args.interval_s),
-                "--metrics-port",
-                "0",
-            ],
-            r"metrics on http://127\.0\.0\.1:(\d+)/metrics",
-            "the agent",
-        )
-        metrics_url = f"http://127.0.0.1:{m.group(1)}/metrics"
+        agent_service = start(services.agent(
+            collector_addr, sock, spool_dir=tmp / "spool",
+            extra_args=["--fake-gpus", str(args.gpus), "--interval-s", str(args.interval_s), "--metrics-port", "0"],
+        ))
+        agent = agent_service.proc
+        assert agent is not None
+        metrics_url = f"http://127.0.0.1:{agent_service.metrics_port}/metrics"
         aproc = psutil.Process(agent.pid)
 
         def relayed_rows() -> float:

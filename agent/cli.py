@@ -124,16 +124,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     gpus = len(agent.nvml.handles) if agent.nvml else 0
-    metrics = (
-        f", metrics on http://{cfg.metrics_addr}:{agent.metrics_port}/metrics"
-        if agent.metrics_port is not None
-        else ""
-    )
-    print(
-        f"tracetop agent: listening on {', '.join(agent.relay.addresses() if agent.relay else cfg.listen)}; {gpus} GPUs; shipping to {cfg.collector}; "
-        f"spool {cfg.spool_dir}{metrics}",
-        flush=True,
-    )
+    from tracetop.procs import announce_agent
+
+    metrics_url = f"http://{cfg.metrics_addr}:{agent.metrics_port}/metrics" if agent.metrics_port is not None else None
+    listening = agent.relay.addresses() if agent.relay else cfg.listen
+    print(announce_agent(listening, gpus, cfg.collector, str(cfg.spool_dir), metrics_url), flush=True)
     try:
         agent.run(stop)
     finally:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -54,37 +52,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Agent:
+def _agent(workdir: Path, collector: str, spool_max_mb: float):
     """`tracetop agent` relaying the sources' batches through its disk spool (chaos runs only)."""
+    from tracetop import procs
 
-    def __init__(self, workdir: Path, collector: str, spool_max_mb: float) -> None:
-        self.listen = f"unix://{workdir / 'agent.sock'}"
-        self.args = [sys.executable, "-m", "tracetop.cli", "agent", "--collector", collector, "--listen", self.listen,
-                     "--spool-dir", str(workdir / "spool"), "--spool-max-mb", str(spool_max_mb), "--fake-gpus", "1",
-                     "--run-id", "chaos-agent", "--clock-interval-s", "0"]
-        self.log = open(workdir / "agent.log", "ab")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        from collector.loadgen import wait_ready
-
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
-        wait_ready(self.listen, 60, self.proc)
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+    return procs.agent(collector, f"unix://{workdir / 'agent.sock'}", spool_dir=workdir / "spool",
+                       extra_args=["--spool-max-mb", str(spool_max_mb), "--fake-gpus", "1", "--run-id", "chaos-agent",
+                                   "--clock-interval-s", "0"], log_path=workdir / "agent.log")
 
 
 def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: Path, listen: str | None = None,
@@ -118,9 +92,9 @@ def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: P
         endpoint = proxy.address
     if scenario in ("agent-kill", "full-spool"):
         # full-spool: a spool of 1 MiB holds a few batches; the rest waits in the sources' memory
-        agent = _Agent(workdir, listen, spool_max_mb=1.0 if scenario == "full-spool" else 1024.0)
+        agent = _agent(workdir, listen, spool_max_mb=1.0 if scenario == "full-spool" else 1024.0)
         agent.start()
-        endpoint = agent.listen
+        endpoint = agent.address
     trainer_like = scenario != "kill"  # the kill scenario keeps its historical ack-paced sources
     t0 = time.monotonic()
     # full-spool: the sources' own buffers are small too, so they must drop (oldest first) and say so
@@ -174,7 +148,7 @@ def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: P
     results = collect_sources(procs)
     k.join()
     elapsed = time.monotonic() - t0
-    agent_rc = agent.stop() if agent is not None else None
+    agent_rc = agent.stop(timeout_s=120) if agent is not None else None
     if proxy is not None:
         proxy.stop()
     rc = collector.stop()

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -59,17 +57,12 @@ def bench(clients: int, batches: int, rows: int, window: int, workdir: Path) -> 
     import psutil
 
     db = workdir / "raw.duckdb"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "collector", "--db", str(db), "--listen", "127.0.0.1:0"],
-        stdout=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    m = re.search(r"listening on (\S+),", line)
-    if not m:
-        proc.kill()
-        raise RuntimeError(f"collector did not start: {line!r}")
-    addr = m.group(1)
+    from tracetop import procs as services
+
+    service = services.collector(db, "127.0.0.1:0").start()
+    proc = service.proc
+    assert proc is not None
+    addr = service.address
     ps = psutil.Process(proc.pid)
     out: mp.Queue = mp.Queue()
     procs = [mp.Process(target=_client, args=(addr, i, batches, rows, window, out)) for i in range(clients)]

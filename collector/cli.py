@@ -102,8 +102,9 @@ def run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        metrics = f", metrics on 127.0.0.1:{c.metrics_port}" if c.metrics_port is not None else ""
-        print(f"tracetop collector: listening on {c.address}, db {c.db_path}{metrics}", flush=True)
+        from tracetop.procs import announce_collector
+
+        print(announce_collector(c.address, c.db_path, c.metrics_port), flush=True)
         await stop.wait()
         await c.shutdown()
         print("tracetop collector: stopped; everything acked is committed", flush=True)

@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 CHUNK_ROWS = 16384
@@ -95,41 +93,32 @@ def run_source(
     return stats
 
 
-@dataclass
 class CollectorProcess:
-    """`tracetop collector` as a child process on a given file and address."""
+    """`tracetop collector` as a child process on a given file and address, killable and restartable."""
 
-    db: Path
-    listen: str
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
+    def __init__(self, db: Path, listen: str, extra_args: tuple[str, ...] = ()) -> None:
+        from tracetop import procs
+
+        self.db = db
+        self.listen = listen
+        self.log_path = db.with_suffix(".collector.log")
+        self.service = procs.collector(db, listen, extra_args=extra_args, log_path=self.log_path)
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.service.proc
 
     def start(self, timeout_s: float = 60.0) -> None:
-        self.log_path = self.db.with_suffix(".collector.log")
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tracetop.cli", "collector", "--db", str(self.db), "--listen", self.listen],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        wait_ready(self.listen, timeout_s, self.proc)
+        self.service.start(timeout_s)
 
     def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+        self.service.kill()
 
     def stop(self, timeout_s: float = 60.0) -> int:
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        try:
+            return self.service.stop(timeout_s=timeout_s)
+        except subprocess.TimeoutExpired:
+            return self.service.proc.returncode  # type: ignore[union-attr]
 
 
 def wait_ready(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:

@@ -8,42 +8,47 @@
 
 from __future__ import annotations
 
-import os
-import re
 import signal
 import subprocess
-import sys
-import threading
-import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from tracetop import procs
+from tracetop.procs import ServiceProcess
+
 ROOT = Path(__file__).resolve().parents[1]
-_LINE = re.compile(r"tracetop collector: listening on (\S+), db (\S+?)(?:, metrics on 127\.0\.0\.1:(\d+))?$")
 
 
 @dataclass
 class CollectorProc:
-    addr: str
+    """A collector child process (tracetop.procs.ServiceProcess) under the names the tests use."""
+
+    service: ServiceProcess
     db: Path
-    proc: subprocess.Popen
-    metrics_port: int | None = None
-    output: list[str] = field(default_factory=list)
+
+    @property
+    def addr(self) -> str:
+        return self.service.address
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.service.proc  # type: ignore[return-value]
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self.service.metrics_port
+
+    @property
+    def output(self) -> list[str]:
+        return list(self.service.lines)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         """Send `sig` (SIGTERM: flush and exit 0; SIGKILL: die now) and wait for the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-            raise
+        return self.service.stop(sig, timeout_s)
 
     def text(self) -> str:
-        return "\n".join(self.output)
+        return self.service.text()
 
 
 def start_collector(
@@ -65,41 +70,12 @@ def start_collector(
         listen = "127.0.0.1:0"
     elif listen == "unix":
         listen = f"unix://{tmp_path / 'collector.sock'}"
-    args = [sys.executable, "-m", "collector", "--db", str(db), "--listen", listen, *extra_args]
-    if metrics:
-        args += ["--metrics-port", "0"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: list[str] = []
-    found: dict[str, re.Match] = {}
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            lines.append(line)
-            m = _LINE.search(line)
-            if m and not ready.is_set():
-                found["m"] = m
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + timeout_s
-    while not ready.wait(0.05):
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("collector did not start in time:\n" + "\n".join(lines))
-    if "m" not in found:
-        proc.wait(10)
-        raise RuntimeError(f"collector exited ({proc.returncode}) before listening:\n" + "\n".join(lines))
-    m = found["m"]
-    return CollectorProc(
-        addr=m.group(1), db=db, proc=proc, metrics_port=int(m.group(3)) if m.group(3) else None, output=lines
-    )
+    service = procs.collector(db, listen, metrics=metrics, extra_args=extra_args, cwd=ROOT)
+    try:
+        service.start(timeout_s)
+    except procs.ServiceError as e:
+        raise RuntimeError(str(e)) from None
+    return CollectorProc(service, db)
 
 
 def scrape_metrics(port: int) -> dict[str, float]:

@@ -10,6 +10,8 @@ import pytest
 FORBIDDEN = {
     # package imported -> modules that must not appear in sys.modules afterwards
     "tracetop.wire.shipper": ("duckdb", "textual", "torch", "collector", "agent", "tui", "trainer_hooks", "reference_trainer"),
+    "tracetop.procs": ("duckdb", "textual", "torch", "grpc", "collector", "agent", "tui", "trainer_hooks", "reference_trainer"),
+    "tracetop.wire.auth": ("duckdb", "textual", "torch", "collector", "agent", "tui", "trainer_hooks", "reference_trainer"),
     "tracetop.cli": ("duckdb", "textual", "torch", "grpc", "collector", "agent", "tui", "trainer_hooks"),
     "trainer_hooks": ("duckdb", "textual", "collector", "agent", "tui"),
     "agent": ("duckdb", "textual", "collector", "tui", "trainer_hooks", "torch"),

@@ -52,19 +52,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-_LISTEN = re.compile(r"tracetop collector: listening on (\S+?),")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,41 +81,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 class _Collector:
     def __init__(self, folder: Path) -> None:
+        from tracetop import procs
+
         self.db = folder / "bench.duckdb"
-        self.proc = subprocess.Popen(
-            # --flush-interval-s 0.02: acks come within ~20 ms, so each burst's stream (and gRPC's
-            # threads serving it) closes soon after it, as with a collector or agent that is not idle.
-            [sys.executable, "-m", "collector", "--db", str(self.db), "--listen", "127.0.0.1:0", "--flush-interval-s", "0.02"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            preexec_fn=lambda: os.nice(10),
-        )
-        self.addr = ""
-        self.lines: list[str] = []
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip())
-                m = _LISTEN.search(line)
-                if m and not ready.is_set():
-                    self.addr = m.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not ready.wait(120) or not self.addr:
-            self.stop()
-            raise RuntimeError("bench hooks: the collector did not start:\n" + "\n".join(self.lines[-20:]))
+        # --flush-interval-s 0.02: acks come within ~20 ms, so each burst's stream (and gRPC's
+        # threads serving it) closes soon after it, as with a collector or agent that is not idle.
+        self.service = procs.collector(self.db, "127.0.0.1:0", extra_args=["--flush-interval-s", "0.02"], nice=10)
+        try:
+            self.service.start(120)
+        except procs.ServiceError as e:
+            raise RuntimeError(f"bench hooks: the collector did not start:\n{e}") from None
+        self.addr = self.service.address
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        try:
+            self.service.stop(timeout_s=60)
+        except Exception:
+            self.service.kill()
 
 
 def _run_trainer(args: argparse.Namespace, folder: Path, name: str, endpoint: str, seed: int, aa: bool) -> dict[str, Any]:

@@ -3,27 +3,37 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tracetop import procs
+from tracetop.procs import ServiceProcess
+
 ROOT = Path(__file__).resolve().parents[2]
 HOOK = Path(__file__).with_name("hook_proc.py")
-_LINE = re.compile(r"tracetop agent: listening on .*metrics on http://127\.0\.0\.1:(\d+)/metrics")
 
 
 @dataclass
 class AgentProc:
-    proc: subprocess.Popen
-    metrics_port: int
-    output: list[str] = field(default_factory=list)
+    service: ServiceProcess
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.service.proc  # type: ignore[return-value]
+
+    @property
+    def metrics_port(self) -> int:
+        return self.service.metrics_port  # type: ignore[return-value]
+
+    @property
+    def output(self) -> list[str]:
+        return list(self.service.lines)
 
     def scrape(self) -> dict[str, float]:
         """name -> value summed over label sets."""
@@ -62,47 +72,12 @@ class AgentProc:
 
 
 def start_agent(collector: str, sock: str, spool: Path, *extra: str, timeout_s: float = 60.0) -> AgentProc:
-    args = [
-        sys.executable,
-        "-m",
-        "agent",
-        "--collector",
-        collector,
-        "--listen",
-        sock,
-        "--spool-dir",
-        str(spool),
-        "--metrics-port",
-        "0",
-        *extra,
-    ]
-    proc = subprocess.Popen(
-        args,
-        cwd=ROOT,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    port: list[int] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            m = _LINE.search(line)
-            if m and not port:
-                port.append(int(m.group(1)))
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(timeout_s) or not port:
-        proc.kill()
-        raise RuntimeError("agent did not start:\n" + "\n".join(lines))
-    return AgentProc(proc, port[0], lines)
+    service = procs.agent(collector, sock, spool_dir=spool, extra_args=["--metrics-port", "0", *extra], cwd=ROOT)
+    try:
+        service.start(timeout_s)
+    except procs.ServiceError as e:
+        raise RuntimeError(str(e)) from None
+    return AgentProc(service)
 
 
 def start_hook(
