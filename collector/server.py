@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import grpc
 
 from collector import readonly
+from collector.export import Exports, no_alerts, no_gauges
+from collector.export.prometheus import AlertsFn, GaugesFn
 from collector.metrics import CollectorMetrics, serve_metrics
 from collector.schema import open_store
 from collector.writer import Ack, Barrier, Pending, StreamEnd, StreamSink, Writer, batch_to_arrow
@@ -266,6 +268,7 @@ class Collector:
     metrics: CollectorMetrics
     metrics_port: int | None
     metrics_http: object | None
+    exports: Exports | None = None
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
@@ -279,6 +282,8 @@ class Collector:
             self.metrics_http.shutdown()  # type: ignore[attr-defined]
         self.service.close()
         self.con.close()  # type: ignore[attr-defined]
+        if self.exports is not None:
+            await asyncio.to_thread(self.exports.close)  # bounded: dead receivers are left behind
 
 
 async def start(
@@ -291,13 +296,22 @@ async def start(
     flush_rows: int = 10_000,
     flush_interval_s: float = 0.5,
     max_query_rows: int = readonly.DEFAULT_MAX_ROWS,
+    exports: Exports | None = None,
+    gauges_fn: GaugesFn | None = None,
+    alerts_fn: AlertsFn | None = None,
 ) -> Collector:
-    """Open the file, start the writer and the gRPC server. Call inside a running event loop."""
+    """Open the file, start the writer and the gRPC server. Call inside a running event loop.
+
+    exports (collector.export.build): its metrics go on /metrics and its OTLP export starts, fed by
+    gauges_fn / alerts_fn (the live engine's; until one exists they return nothing). Closed at
+    shutdown, bounded. The engine publishes to exports.sinks itself."""
     bind = check_listen(listen, insecure_bind=insecure_bind)
     if bind.startswith("unix:"):
         _clear_stale_socket(_unix_path(bind))
     con = open_store(db_path)
     metrics = CollectorMetrics()
+    exports = exports if exports is not None else Exports()
+    exports.attach_metrics(metrics.registry, gauges_fn or no_gauges, alerts_fn or no_alerts)
     writer = Writer(
         con,
         flush_rows=flush_rows,
@@ -333,7 +347,8 @@ async def start(
     if metrics_port is not None:
         http, _ = serve_metrics(metrics_port, metrics.registry)
         metrics_port = http.server_port
-    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http)
+    exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
+    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports)
 
 
 class Handle:

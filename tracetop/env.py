@@ -38,6 +38,17 @@ TRACETOP_BUFFER_BYTES = "TRACETOP_BUFFER_BYTES"
 """Bytes of unacked telemetry one rank's hooks keep in memory while their endpoint is unreachable.
 Beyond it the oldest batches are dropped, counted and shipped as gap rows. Default: 256 MiB."""
 
+TRACETOP_ALERTMANAGER = "TRACETOP_ALERTMANAGER"
+"""The collector's ``--alertmanager URL``: an Alertmanager's base URL (``http://127.0.0.1:9093``)
+to push alerts to (v2 API). Default: none."""
+
+TRACETOP_WEBHOOK = "TRACETOP_WEBHOOK"
+"""The collector's ``--webhook URL``: where alerts are POSTed as plain JSON. Default: none."""
+
+TRACETOP_OTLP = "TRACETOP_OTLP"
+"""The collector's ``--otlp ENDPOINT``: an OTLP/gRPC endpoint (``HOST:PORT`` plaintext,
+``https://HOST:PORT`` TLS) for the per-run gauges and alert counts. Default: none."""
+
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"
