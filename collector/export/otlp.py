@@ -159,7 +159,8 @@ class OtlpExporter:
         self.endpoint = endpoint
         self.requests = 0
         self.failures = 0
-        logging.getLogger(_EXPORTER_LOGGER).addFilter(_filter)
+        logging.getLogger(_EXPORTER_LOGGER).addFilter(_filter)  # once: a Filter is added once per logger
+        _filter.quiet = False  # this exporter's first complaint is shown
         outer = self
 
         class _CountingExporter(OTLPMetricExporter):
