@@ -9,8 +9,8 @@ import calendar
 import time
 from dataclasses import replace
 
-from collector.export.alertmanager import AlertmanagerSink, am_alert, label_name, rfc3339
 from collector.export._sender import SendError
+from collector.export.alertmanager import AlertmanagerSink, am_alert, label_name, rfc3339
 from collector.live.model import FIRING
 
 from .records import pending_bubble, resolved, straggler

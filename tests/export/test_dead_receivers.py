@@ -21,7 +21,7 @@ from tests.collector.util import Feeder, batch
 from tests.helpers import scrape_metrics, start_collector
 
 from .records import gauges, resolved, straggler
-from .tools import Blackhole, refused_port, wait_until
+from .tools import Blackhole, refused_port
 
 SOURCES = 2
 EVENTS = 500_000  # per source; ~30 commits of 16,384 rows each
