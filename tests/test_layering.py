@@ -14,6 +14,8 @@ FORBIDDEN = {
     "trainer_hooks": ("duckdb", "textual", "collector", "agent", "tui"),
     "agent": ("duckdb", "textual", "collector", "tui", "trainer_hooks", "torch"),
     "collector": ("textual", "agent", "tui", "trainer_hooks", "torch"),
+    # the outputs: OTLP's SDK only when --otlp asks for it; no file access
+    "collector.export": ("duckdb", "opentelemetry", "textual", "agent", "tui", "trainer_hooks", "torch"),
 }
 
 

@@ -140,15 +140,29 @@ def build(args, *, environ=None) -> Exports:
     TRACETOP_* variable. Validates everything before starting anything."""
     from tracetop import env
 
+    from_env: dict[str, str] = {}
+
     def pick(attr: str, var: str) -> str | None:
         v = getattr(args, attr, None)
         if v is None:
             v = (environ.get(var) or None) if environ is not None else env.get(var)
+            if v is not None:
+                from_env[attr] = var
         return v
 
     am = pick("alertmanager", env.TRACETOP_ALERTMANAGER)
     hook = pick("webhook", env.TRACETOP_WEBHOOK)
     otlp_ep = pick("otlp", env.TRACETOP_OTLP)
+    try:
+        return _build(am, hook, otlp_ep, args)
+    except ExportConfigError as e:
+        flag = str(e).split(" ", 1)[0].lstrip("-").replace("-", "_")
+        if flag in from_env:
+            raise ExportConfigError(f"{e} (the value comes from ${from_env[flag]})") from None
+        raise
+
+
+def _build(am: str | None, hook: str | None, otlp_ep: str | None, args) -> Exports:
     interval_s = getattr(args, "otlp_interval_s", None)
     interval_s = 10.0 if interval_s is None else interval_s
     if am is not None:
