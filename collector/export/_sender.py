@@ -122,8 +122,8 @@ _STOP = object()
 class QueuedSink:
     """Base of the pushing sinks: `publish` enqueues, the thread calls `_on_publish` and `_on_tick`.
 
-    Subclasses implement `_on_publish(changed, firing, now_s)` and `_on_tick(now_s)` and return
-    from `_next_due_s(now_s)` how long the thread may sleep. Their I/O goes through `_post`, which
+    Subclasses implement `_on_publish(changed, firing, now_s)`, `_on_tick(now_s)` and
+    `_on_close(now_s)` and return from `_next_due_s(now_s)` how long the thread may sleep. Their I/O goes through `_post`, which
     counts requests and failures and logs the first failure (and the first success after one)."""
 
     kind = "sink"
@@ -145,6 +145,7 @@ class QueuedSink:
         self._wall_ns = wall_ns
         self._q: queue.Queue = queue.Queue(maxsize=queue_calls)
         self._stop = threading.Event()
+        self._closed = False
         self.requests = 0
         self.failures = 0
         self.dropped = 0
@@ -159,7 +160,7 @@ class QueuedSink:
     def publish(self, changed: Sequence[Alert], firing: Sequence[Alert]) -> None:
         """Never blocks, never raises."""
         try:
-            if self._stop.is_set():
+            if self._closed:
                 return
             self._q.put_nowait((tuple(changed), tuple(firing)))
         except queue.Full:
@@ -176,12 +177,15 @@ class QueuedSink:
             self.errors += 1
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        self._stop.set()
+        """Take what was published so far, try once more to deliver what is unsent, and stop; wait
+        at most timeout_s (a thread stuck in a dead receiver's timeout is left behind)."""
+        self._closed = True
         try:
             self._q.put_nowait(_STOP)
         except queue.Full:
-            pass  # the thread sees _stop after the item it is on
+            self._stop.set()  # no room for the marker: stop after the current item
         self._thread.join(timeout_s)
+        self._stop.set()
 
     def stats(self) -> dict[str, int]:
         return {"requests": self.requests, "failures": self.failures, "dropped": self.dropped,
@@ -192,20 +196,33 @@ class QueuedSink:
         while not self._stop.is_set():
             wait_s = max(0.0, min(self._next_due_s(self._clock_s()), 1.0))
             try:
-                item = self._q.get(timeout=wait_s) if wait_s > 0 else self._q.get_nowait()
+                items = [self._q.get(timeout=wait_s) if wait_s > 0 else self._q.get_nowait()]
             except queue.Empty:
-                item = None
-            if item is _STOP or self._stop.is_set():
-                return
+                items = []
+            # take everything queued meanwhile: a slow receiver gets one request for many calls
+            while items and items[-1] is not _STOP and len(items) < self._q.maxsize:
+                try:
+                    items.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            stopping = bool(items) and items[-1] is _STOP
             try:
-                if item is not None:
-                    self._on_publish(item[0], item[1], self._clock_s())
+                for item in items:
+                    if item is not _STOP:
+                        self._on_publish(item[0], item[1], self._clock_s())
+                    if self._stop.is_set():
+                        return
+                if stopping:
+                    self._on_close(self._clock_s())
+                    return
                 self._on_tick(self._clock_s())
             except Exception:
                 self.errors += 1
                 if not self._error_logged:
                     self._error_logged = True
                     log.exception("%s %s: failed to handle alerts (logged once)", self.kind, self.url)
+                if stopping:
+                    return
 
     def _post(self, url: str, payload: object) -> bool:
         self.requests += 1
@@ -230,6 +247,9 @@ class QueuedSink:
 
     def _next_due_s(self, now_s: float) -> float:
         raise NotImplementedError
+
+    def _on_close(self, now_s: float) -> None:
+        """One last attempt at what is still unsent (bounded by close's wait)."""
 
 
 def labels_of(labels: Mapping[str, str]) -> dict[str, str]:

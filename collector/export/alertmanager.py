@@ -155,6 +155,12 @@ class AlertmanagerSink(QueuedSink):
             if resend:
                 self._next_resend_s = now_s + self.retry_s
 
+    def _on_close(self, now_s: float) -> None:
+        if self._unsent_fired or self._unsent_resolved:
+            self._retry_at_s = now_s
+            self._next_resend_s = math.inf  # only what is unsent; the rest lapses at its endsAt
+            self._on_tick(now_s)
+
     def stats(self) -> dict[str, int]:
         s = super().stats()
         s["firing"] = len(self._tracker.firing)

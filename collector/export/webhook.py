@@ -64,6 +64,10 @@ class WebhookSink(QueuedSink):
                 return
             self._backlog.popleft()
 
+    def _on_close(self, now_s: float) -> None:
+        self._retry_at_s = now_s
+        self._on_tick(now_s)
+
     def stats(self) -> dict[str, int]:
         s = super().stats()
         s["backlog"] = len(self._backlog)

@@ -55,3 +55,18 @@ def test_tracker_transitions():
     x = t.update([r], [], now_ns=3)
     assert x.resolved == [r]
     assert t.update([pending_bubble()], [pending_bubble()], now_ns=4).fired == []  # pending never fires out
+
+
+def test_what_was_published_before_close_is_delivered():
+    rx = Receiver()
+    sink = WebhookSink(rx.url)
+    try:
+        a = straggler()
+        sink.publish([a], [a])
+        sink.publish([resolved(a)], [])
+        sink.close(timeout_s=10)  # the receiver answers: close returns once both went out
+        assert [b["alerts"][0]["state"] for b in rx.bodies] == ["firing", "resolved"]
+        sink.publish([a], [a])  # after close: ignored, never raises
+        assert sink.stats()["requests"] == 2
+    finally:
+        rx.close()
