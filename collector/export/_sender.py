@@ -25,7 +25,8 @@ from collector.live.model import FIRING, RESOLVED, Alert
 log = logging.getLogger("tracetop.export")
 
 #: A publish call waits on no lock but this queue's; beyond this many calls the newest are dropped.
-QUEUE_CALLS = 1024
+#: Each call holds its firing tuple (references): 256 calls x 10k firing alerts ~ 20 MB at worst.
+QUEUE_CALLS = 256
 #: Seconds an HTTP request may take (connect + answer). Short: a receiver that slow is as good as dead.
 HTTP_TIMEOUT_S = 2.0
 #: Seconds `close` waits for a sink's thread (then leaves it behind; it is a daemon).
