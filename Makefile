@@ -7,16 +7,20 @@ export OMP_NUM_THREADS := 1
 export DS_BUILD_OPS := 0
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-fast demo lint proto clean
+.PHONY: setup external test test-fast demo lint proto clean
 
-setup: $(VENV)/.ready
+setup: $(VENV)/.ready external
+
+# Alertmanager, promtool and tmux from apt where it is there (quick no-op once installed; never fatal).
+external:
+	bash scripts/setup_external.sh
 
 # torch first and pinned: an unpinned torch (or deepspeed pulling one) installs a multi-GB CUDA build.
 $(VENV)/.ready: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[trainer,dev]'
+	$(VPY) -m pip install -q -e '.[trainer,dev,otlp]'
 	touch $@
 
 test: setup

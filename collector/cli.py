@@ -40,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
     parser.add_argument("--flush-interval-s", type=float, default=0.5, help="...or once the oldest waited this long")
     parser.add_argument("--verbose", action="store_true", help="log every commit (rows, milliseconds)")
+    out = parser.add_argument_group("outputs (alerts and per-run gauges; a dead receiver never slows ingest)")
+    out.add_argument("--alertmanager", metavar="URL", default=None,
+                     help=f"push alerts to this Alertmanager (v2 API), e.g. http://127.0.0.1:9093 (or ${env.TRACETOP_ALERTMANAGER})")
+    out.add_argument("--webhook", metavar="URL", default=None,
+                     help=f"POST alerts as plain JSON to this URL (or ${env.TRACETOP_WEBHOOK})")
+    out.add_argument("--otlp", metavar="ENDPOINT", default=None,
+                     help=f"export gauges and alert counts over OTLP/gRPC: HOST:PORT or https://HOST:PORT (or ${env.TRACETOP_OTLP})")
+    out.add_argument("--otlp-interval-s", type=float, default=None, help="seconds between OTLP exports (default 10)")
 
 
 MIN_BATCH_MB = 4
@@ -50,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
+    from collector.export import ExportConfigError, build
     from collector.schema import SchemaError
     from collector.server import ListenError, start
     from tracetop.wire.auth import AuthSetupError, ServerAuth
@@ -81,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
         print("tracetop collector: warning: a token without TLS travels in clear text on this network; "
               "add --tls-cert/--tls-key", file=sys.stderr)
 
+    try:
+        exports = build(args)  # validates every output before anything starts
+    except ExportConfigError as e:
+        print(f"tracetop collector: {e}", file=sys.stderr)
+        return 2
+
     async def main() -> int:
         try:
             c = await start(
@@ -94,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
                 memory_limit_mb=args.memory_limit_mb,
                 flush_rows=args.flush_rows,
                 flush_interval_s=args.flush_interval_s,
+                exports=exports,
             )
         except (ListenError, SchemaError) as e:
+            exports.close()
             print(f"tracetop collector: {e}", file=sys.stderr)
             return 2
         stop = asyncio.Event()

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import grpc
 
 from collector import readonly
+from collector.export import Exports, no_alerts, no_gauges
+from collector.export.prometheus import AlertsFn, GaugesFn
 from collector.metrics import CollectorMetrics, serve_metrics
 from collector.schema import open_store
 from collector.writer import Ack, Barrier, Pending, StreamEnd, StreamSink, Writer, batch_to_arrow
@@ -278,6 +280,7 @@ class Collector:
     metrics: CollectorMetrics
     metrics_port: int | None
     metrics_http: object | None
+    exports: Exports | None = None
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
@@ -291,6 +294,8 @@ class Collector:
             self.metrics_http.shutdown()  # type: ignore[attr-defined]
         self.service.close()
         self.con.close()  # type: ignore[attr-defined]
+        if self.exports is not None:
+            await asyncio.to_thread(self.exports.close)  # bounded: dead receivers are left behind
 
 
 async def start(
@@ -305,17 +310,26 @@ async def start(
     query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S,
     auth: ServerAuth | None = None,
     memory_limit_mb: int | None = None,
+    exports: Exports | None = None,
+    gauges_fn: GaugesFn | None = None,
+    alerts_fn: AlertsFn | None = None,
 ) -> Collector:
     """Open the file, start the writer and the gRPC server. Call inside a running event loop.
 
     ``auth`` (tracetop.wire.auth.ServerAuth) is checked on every RPC and on /metrics; without TLS
-    or a token only loopback and unix-socket addresses are accepted."""
+    or a token only loopback and unix-socket addresses are accepted.
+
+    exports (collector.export.build): its metrics go on /metrics and its OTLP export starts, fed by
+    gauges_fn / alerts_fn (the live engine's; until one exists they return nothing). Closed at
+    shutdown, bounded. The engine publishes to exports.sinks itself."""
     auth = auth or ServerAuth()
     bind = check_listen(listen, closed=auth.closed)
     if bind.startswith("unix:"):
         _clear_stale_socket(_unix_path(bind))
     con = open_store(db_path, memory_limit_mb=memory_limit_mb)
     metrics = CollectorMetrics()
+    exports = exports if exports is not None else Exports()
+    exports.attach_metrics(metrics.registry, gauges_fn or no_gauges, alerts_fn or no_alerts)
     writer = Writer(
         con,
         flush_rows=flush_rows,
@@ -353,7 +367,8 @@ async def start(
     if metrics_port is not None:
         http, _ = serve_metrics(metrics_port, metrics.registry, auth=auth)
         metrics_port = http.server_port
-    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http)
+    exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
+    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports)
 
 
 class Handle:

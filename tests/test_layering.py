@@ -20,6 +20,8 @@ FORBIDDEN = {
     "reference_trainer.bench_gpu": ("duckdb", "textual", "torch", "collector", "agent", "tui"),
     "reference_trainer.bench_gpu_child": ("duckdb", "textual", "collector", "agent", "tui"),
     "agent.bench_gpu": ("duckdb", "textual", "torch", "collector", "tui", "trainer_hooks", "reference_trainer"),
+    # the outputs: OTLP's SDK only when --otlp asks for it; no file access
+    "collector.export": ("duckdb", "opentelemetry", "textual", "agent", "tui", "trainer_hooks", "torch"),
 }
 
 

@@ -57,6 +57,17 @@ TRACETOP_TLS_SERVER_NAME = "TRACETOP_TLS_SERVER_NAME"
 """The name to check in the collector's certificate when it differs from the address's host
 (e.g. connecting by IP to a certificate issued for ``collector.internal``)."""
 
+TRACETOP_ALERTMANAGER = "TRACETOP_ALERTMANAGER"
+"""The collector's ``--alertmanager URL``: an Alertmanager's base URL (``http://127.0.0.1:9093``)
+to push alerts to (v2 API). Default: none."""
+
+TRACETOP_WEBHOOK = "TRACETOP_WEBHOOK"
+"""The collector's ``--webhook URL``: where alerts are POSTed as plain JSON. Default: none."""
+
+TRACETOP_OTLP = "TRACETOP_OTLP"
+"""The collector's ``--otlp ENDPOINT``: an OTLP/gRPC endpoint (``HOST:PORT`` plaintext,
+``https://HOST:PORT`` TLS) for the per-run gauges and alert counts. Default: none."""
+
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"
