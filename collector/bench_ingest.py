@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=None, help="collector address (default: 127.0.0.1 on a free port)")
     parser.add_argument("--dir", type=Path, default=None, help="keep the DuckDB file here (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    mix = parser.add_argument_group("simulated ranks (--mix realistic)")
+    mix.add_argument("--mix", choices=["rows", "realistic"], default="rows",
+                     help="rows: identifiable STEP rows as fast as acks allow (default); realistic: --ranks ranks' "
+                     "per-step mix (1 STEP, 20 COLLECTIVE, 16 PIPE_INSTR, 1 MEMORY, 1 THROUGHPUT a rank-step; GPU "
+                     "samples at 1 Hz per 8 ranks; heartbeats every 5 s) at --step-s")
+    mix.add_argument("--ranks", type=int, default=16384, help="simulated ranks (default 16384)")
+    mix.add_argument("--step-s", type=float, default=1.0, help="the simulated training step time (default 1 s)")
+    mix.add_argument("--duration-s", type=float, default=300.0, help="how long the ranks ship (default 300)")
 
 
 def _free_port() -> int:
@@ -97,7 +106,94 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None) 
     }
 
 
+def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workdir: Path,
+               listen: str | None = None) -> dict:
+    """The realistic mix of `ranks` ranks for `duration_s`: what one collector stores, at what delay,
+    CPU and memory, and how fast its file grows. Offered vs stored says whether it keeps up."""
+    import duckdb
+    import numpy as np
+    import psutil
+
+    from collector.loadgen import (
+        MIX_GPU_HZ_PER_8_RANKS,
+        MIX_HEARTBEAT_S,
+        MIX_PER_RANK_STEP,
+        CollectorProcess,
+        collect_sources,
+        release,
+        start_mix_sources,
+    )
+
+    db = workdir / "mix.duckdb"
+    listen = listen or f"127.0.0.1:{_free_port()}"
+    collector = CollectorProcess(db, listen)
+    collector.start()
+    assert collector.proc is not None
+    ps = psutil.Process(collector.proc.pid)
+    go = workdir / "go"
+    procs = start_mix_sources(listen, "mix", sources, ranks, step_s, duration_s, go)
+    release(go, procs)
+    cpu0, wall0 = ps.cpu_times(), time.monotonic()
+    rss_max = 0.0
+    while any(p.poll() is None for p in procs):
+        rss_max = max(rss_max, ps.memory_info().rss / 2**20)
+        time.sleep(0.5)
+    results = collect_sources(procs)
+    cpu1, wall1 = ps.cpu_times(), time.monotonic()
+    peak_rss = _peak_rss_mb(collector.proc.pid)
+    collector.stop()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        n, first_ns, committed_ns, t_first, t_last = con.execute(
+            "SELECT list(n), list(first_record_ns), list(committed_ns), min(first_record_ns), max(committed_ns) "
+            "FROM ingest_log"
+        ).fetchone()
+    finally:
+        con.close()
+    n = np.asarray(n, dtype=np.int64)
+    delay_ms = (np.asarray(committed_ns, dtype=np.int64) - np.asarray(first_ns, dtype=np.int64)) / 1e6
+    order = np.argsort(delay_ms)
+    cum = np.cumsum(n[order]) / n.sum()
+    sent = sum(r["sent"] for r in results)
+    stored = int(n.sum())
+    per_step = sum(MIX_PER_RANK_STEP.values())
+    offered = ranks * (per_step / step_s + MIX_GPU_HZ_PER_8_RANKS / 8 + 1 / MIX_HEARTBEAT_S)
+    file_mb = db.stat().st_size / 2**20
+    cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+    return {
+        "mix": "realistic",
+        "ranks": ranks,
+        "step_s": step_s,
+        "duration_s": duration_s,
+        "sources": sources,
+        "offered_events_per_s": round(offered, 1),
+        "sent": sent,
+        "stored": stored,
+        "events_per_s": round(stored / ((t_last - t_first) / 1e9), 1),
+        "kept_up": bool(all(r["late_steps"] == 0 for r in results)) and stored == sent,
+        "sources_late_steps": int(sum(r["late_steps"] for r in results)),
+        "sources_max_lag_s": max(r["max_lag_s"] for r in results),
+        "p50_ms": round(float(delay_ms[order][np.searchsorted(cum, 0.50)]), 1),
+        "p99_ms": round(float(delay_ms[order][np.searchsorted(cum, 0.99)]), 1),
+        "collector_cpu_pct": round(100 * cpu_s / (wall1 - wall0), 1),
+        "collector_peak_rss_mb": round(max(peak_rss, rss_max), 1),
+        "sources_cpu_pct": round(100 * sum(r["cpu_s"] for r in results) / (wall1 - wall0), 1),
+        "file_mb": round(file_mb, 1),
+        "file_gb_per_hour": round(file_mb / 1024 * 3600 / duration_s, 2),
+        "wall_s": round(wall1 - wall0, 2),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.mix == "realistic":
+        for flag, value in (("--ranks", args.ranks), ("--step-s", args.step_s), ("--duration-s", args.duration_s)):
+            if value <= 0:
+                print(f"tracetop bench ingest: {flag} must be positive", file=sys.stderr)
+                return 2
+        with tempfile.TemporaryDirectory(prefix="tracetop-mix-", dir=args.dir) as d:
+            result = ingest_mix(args.ranks, args.step_s, args.duration_s, args.sources, Path(d), args.listen)
+        print(json.dumps(result) if args.json else "\n".join(f"{k:>24}: {v}" for k, v in result.items()))
+        return 0 if result["stored"] == result["sent"] else 1
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
         result = ingest(args.sources, args.events, args.dir, args.listen)

@@ -206,6 +206,112 @@ def count_stored(db: Path, run_id: str, relay_run_ids: tuple[str, ...] = ()) -> 
             "spool_refusals": int(refused)}
 
 
+#: What one rank sends per step in a "realistic" mix (issue: hardening, the 16,384-rank bench):
+#: rows per rank-step by kind. GPU samples come at 1 Hz per 8 ranks, heartbeats every 5 s per rank.
+MIX_PER_RANK_STEP = {"STEP": 1, "COLLECTIVE": 20, "PIPE_INSTR": 16, "MEMORY": 1, "THROUGHPUT": 1}
+MIX_GPU_HZ_PER_8_RANKS = 1.0
+MIX_HEARTBEAT_S = 5.0
+
+
+def _mix_template(kind, first_rank: int, ranks: int, per_rank: int) -> dict:
+    """Columns for `ranks` ranks × `per_rank` rows of one kind; strings as (codes, dictionary)."""
+    import numpy as np
+
+    from tracetop.events import SCHEMAS
+
+    n = ranks * per_rank
+    rank = np.repeat(np.arange(first_rank, first_rank + ranks, dtype="<i4"), per_rank)
+    cols: dict = {}
+    for col in SCHEMAS[kind]:
+        if col.name == "rank":
+            cols["rank"] = rank
+        elif col.dtype == "str":
+            cols[col.name] = (np.arange(n, dtype="<i4") % 4, [f"{col.name}-{i}" for i in range(4)])
+        elif col.dtype == "f8":
+            cols[col.name] = np.linspace(0.0, 1.0, n)
+        else:
+            cols[col.name] = (np.arange(n) % 1000 + 1).astype("<" + col.dtype)
+    return cols
+
+
+def run_mix_source(endpoint: str, run_id: str, source: int, first_rank: int, ranks: int, step_s: float,
+                   duration_s: float, start_file: str | None = None) -> dict:
+    """Ship the realistic per-rank-step mix of `ranks` ranks (first_rank..) every `step_s` for
+    `duration_s`, as the hooks of those ranks would (never waiting for acks). Reports what was sent
+    and how far the source fell behind its schedule (it shares the machine with the collector)."""
+    import numpy as np
+
+    from tracetop.events import Kind
+    from tracetop.wire.shipper import Shipper
+
+    shipper = Shipper(endpoint, run_id=run_id, source_id=f"mix-{source}-{os.getpid()}", rank=first_rank,
+                      burst_linger_s=1.0)
+    templates = {getattr(Kind, k): _mix_template(getattr(Kind, k), first_rank, ranks, per)
+                 for k, per in MIX_PER_RANK_STEP.items()}
+    gpus = max(1, ranks // 8)
+    gpu_t = _mix_template(Kind.GPU_SAMPLE, first_rank, gpus, 1)
+    hb_t = _mix_template(Kind.HEARTBEAT, first_rank, ranks, 1)
+    if start_file:
+        Path(f"{start_file}.ready.{source}").touch()
+        while not os.path.exists(start_file):
+            time.sleep(0.005)
+    sent: dict[str, int] = {}
+    t0, cpu0 = time.monotonic(), time.process_time()
+    next_gpu = next_hb = t0
+    step, late, max_lag = 0, 0, 0.0
+
+    def ship(kind, cols: dict, step_no: int) -> None:
+        n = len(cols["rank"])
+        cols["step"] = np.full(n, step_no, "<i8")
+        cols["start_ns"] = np.full(n, time.time_ns(), "<i8")
+        shipper.record_many(kind, cols)
+        sent[kind.name.lower()] = sent.get(kind.name.lower(), 0) + n
+
+    while True:
+        due = t0 + step * step_s
+        now = time.monotonic()
+        if due - t0 >= duration_s:
+            break
+        if now < due:
+            time.sleep(due - now)
+        else:
+            lag = now - due
+            max_lag = max(max_lag, lag)
+            late += lag > step_s
+        for kind, cols in templates.items():
+            ship(kind, cols, step)
+        now = time.monotonic()
+        if now >= next_gpu:
+            ship(Kind.GPU_SAMPLE, gpu_t, -1)
+            next_gpu += 1.0 / MIX_GPU_HZ_PER_8_RANKS
+        if now >= next_hb:
+            ship(Kind.HEARTBEAT, hb_t, step)
+            next_hb += MIX_HEARTBEAT_S
+        step += 1
+    elapsed = time.monotonic() - t0
+    ok = shipper.flush(timeout_s=600)
+    stats = shipper.stats()
+    shipper.close(timeout_s=5)
+    stats.update(sent=sum(sent.values()), sent_by_kind=sent, steps=step, late_steps=late, max_lag_s=round(max_lag, 3),
+                 flushed=ok, source=source, elapsed_s=elapsed, cpu_s=time.process_time() - cpu0)
+    return stats
+
+
+def start_mix_sources(endpoint: str, run_id: str, sources: int, ranks: int, step_s: float, duration_s: float,
+                      start_file: Path) -> list[subprocess.Popen]:
+    share = [ranks // sources + (1 if i < ranks % sources else 0) for i in range(sources)]
+    firsts = [sum(share[:i]) for i in range(sources)]
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "collector.loadgen", "--endpoint", endpoint, "--run-id", run_id, "--source", str(i),
+             "--mix-ranks", str(share[i]), "--mix-first-rank", str(firsts[i]), "--mix-step-s", str(step_s),
+             "--mix-duration-s", str(duration_s), "--events", "0", "--start-file", str(start_file)],
+            stdout=subprocess.PIPE, text=True,
+        )
+        for i in range(sources)
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="one load source (used by tracetop bench ingest/chaos)")
     p.add_argument("--endpoint", required=True)
@@ -217,7 +323,16 @@ def main() -> None:
     p.add_argument("--trainer-like", action="store_true", help="never wait for acks; time each hand-over")
     p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help="rows per hand-over (one 'step')")
     p.add_argument("--buffer-bytes", type=int, default=None, help="the shipper's unacked budget")
+    p.add_argument("--mix-ranks", type=int, default=0, help="ship the realistic mix of this many ranks instead")
+    p.add_argument("--mix-first-rank", type=int, default=0)
+    p.add_argument("--mix-step-s", type=float, default=1.0)
+    p.add_argument("--mix-duration-s", type=float, default=60.0)
     a = p.parse_args()
+    if a.mix_ranks:
+        stats = run_mix_source(a.endpoint, a.run_id, a.source, a.mix_first_rank, a.mix_ranks, a.mix_step_s,
+                               a.mix_duration_s, start_file=a.start_file)
+        print(json.dumps(stats), flush=True)
+        return
     stats = run_source(a.endpoint, a.run_id, a.source, a.events, chunk_rows=a.chunk_rows, rate_eps=a.rate_eps,
                        start_file=a.start_file, trainer_like=a.trainer_like, buffer_bytes=a.buffer_bytes)
     print(json.dumps(stats), flush=True)
