@@ -60,7 +60,9 @@ def _dispatch(table: dict[str, tuple[str, str]], prefix: str, argv: list[str]) -
     module = importlib.import_module(table[name][0])
     parser = argparse.ArgumentParser(prog=f"{prefix} {name}", description=table[name][1])
     module.add_arguments(parser)
-    args = parser.parse_args(rest)
+    # a module may ask for options anywhere among its positionals (`tracetop query FILE --json "SQL"`)
+    parse = parser.parse_intermixed_args if getattr(module, "PARSE_INTERMIXED", False) else parser.parse_args
+    args = parse(rest)
     return int(module.run(args) or 0)
 
 
