@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("agent.cli", "run the node agent: NVML/host sampling, local relay with disk spool"),
     "train": ("reference_trainer.cli", "run the reference 3D-parallel trainer through torchrun"),
     "demo": ("collector.demo", "collector + a 4-rank reference run, then a per-rank summary"),
+    "report": ("collector.report_html", "one self-contained HTML report with plots of a run in a collector's file"),
     "export": ("collector.export", "the file as a Perfetto/chrome://tracing timeline (--perfetto) or Parquet (--parquet)"),
     "plan": ("tracetop.plan_cli", "parallelism planner: ranked TP x PP x DP plans, memory per GPU, launch commands"),
 }
