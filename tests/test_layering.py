@@ -14,6 +14,13 @@ FORBIDDEN = {
     "trainer_hooks": ("duckdb", "textual", "collector", "agent", "tui"),
     "agent": ("duckdb", "textual", "collector", "tui", "trainer_hooks", "torch"),
     "collector": ("textual", "agent", "tui", "trainer_hooks", "torch"),
+    # the planner is arithmetic in the shared core: nothing of ours, no database, no plotting
+    "tracetop.plan": ("duckdb", "textual", "torch", "grpc", "matplotlib", "collector", "agent", "tui",
+                      "trainer_hooks", "reference_trainer"),
+    "tracetop.plan_cli": ("duckdb", "textual", "torch", "grpc", "matplotlib", "collector", "agent", "tui",
+                          "trainer_hooks", "reference_trainer"),
+    # the report's plotting library loads only when a report is drawn
+    "collector.report_html": ("matplotlib", "textual", "agent", "tui", "trainer_hooks", "torch"),
 }
 
 
