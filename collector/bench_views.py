@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=1024, help="ranks in the generated run (default 1024)")
     parser.add_argument("--dir", type=Path, default=None, help="where the file goes (default: a temp folder)")
     parser.add_argument("--keep", action="store_true", help="keep the generated file")
+    parser.add_argument("--file", type=Path, default=None,
+                        help="time the views of this existing file instead of generating one (kept as it is)")
     parser.add_argument("--repeat", type=int, default=3, help="reads per view (default 3)")
     parser.add_argument("--memory-limit-gb", type=float, default=4.0,
                         help="DuckDB memory limit while generating and reading (default 4; the machine is shared)")
@@ -140,6 +142,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"tracetop bench views: --rows {args.rows} --ranks {args.ranks}: need rows >= 100 and at least "
               "10 rows per rank", file=sys.stderr)
         return 2
+    if args.file is not None:
+        if not args.file.exists():
+            print(f"tracetop bench views: --file {args.file}: no such file", file=sys.stderr)
+            return 2
+        views = time_views(str(args.file), args.repeat, args.memory_limit_gb)
+        result = {"file": str(args.file), "file_bytes": args.file.stat().st_size, "views": views,
+                  "all_within_1s": all(v["within_1s"] for v in views),
+                  "loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+                  "memory_limit_gb": args.memory_limit_gb}
+        print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+        return 0
     tmp = None
     if args.dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="tracetop-bench-views-")
