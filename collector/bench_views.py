@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                   "all_within_1s": all(v["within_1s"] for v in views),
                   "loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
                   "memory_limit_gb": args.memory_limit_gb}
-        print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+        _print(result, args.json)
         return 0
     tmp = None
     if args.dir is None:
@@ -181,15 +181,23 @@ def run(args: argparse.Namespace) -> int:
               "loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
               "memory_limit_gb": args.memory_limit_gb,
               "file": str(path) if args.keep else None}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"generated {result['rows']:,} rows ({args.ranks} ranks) in {gen_s:.1f} s; file {size / 1e9:.2f} GB")
-        for v in views:
-            if "error" in v:
-                print(f"  {v['view']:<20} {v['error']}")
-                continue
-            print(f"  {v['view']:<20} first {v['first_s']:8.3f} s  median {v['median_s']:8.3f} s  "
-                  f"{v['rows']:>10,} rows  {'ok' if v['within_1s'] else 'OVER 1 s'}")
-        print(f"load average {result['loadavg_1m']} on {result['cpus']} CPUs")
+    _print(result, args.json)
     return 0
+
+
+def _print(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    if "generate_s" in result:
+        print(f"generated {result['rows']:,} rows ({result['ranks']} ranks) in {result['generate_s']:.1f} s; "
+              f"file {result['file_bytes'] / 1e9:.2f} GB")
+    else:
+        print(f"{result['file']}: {result['file_bytes'] / 1e9:.2f} GB")
+    for v in result["views"]:
+        if "error" in v:
+            print(f"  {v['view']:<20} {v['error']}")
+            continue
+        print(f"  {v['view']:<20} first {v['first_s']:8.3f} s  median {v['median_s']:8.3f} s  "
+              f"{v['rows']:>10,} rows  {'ok' if v['within_1s'] else 'OVER 1 s'}")
+    print(f"load average {result['loadavg_1m']} on {result['cpus']} CPUs")
