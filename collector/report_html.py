@@ -382,7 +382,10 @@ def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress
     parts: list[str] = []
     summary = summarize(con, run_id)
     prog.step("summary")
-    parts.append(_section("summary", "summary", f"<pre>{html.escape(render(summary))}</pre>"))
+    text = f"<pre>{html.escape(render(summary))}</pre>"
+    if len(summary.ranks) > 32:  # a long per-rank table folds away; the heatmap shows every rank
+        text = f"<details><summary>per-rank summary ({len(summary.ranks)} ranks)</summary>{text}</details>"
+    parts.append(_section("summary", "summary", text))
 
     steps = gather_steps(con, run_id)
     parts.append(_section("step-time", "step time and phases",
