@@ -121,3 +121,13 @@ def test_cli_json_shape_and_exit_codes() -> None:
     assert bad.returncode == 2 and "multiple of 8" in bad.stderr and bad.stdout == ""
     huge = _plan_cli("--params", "1e13", "--gpus", "8")
     assert huge.returncode == 2 and "fits no layout" in huge.stderr
+
+
+def test_offload_time_by_hand() -> None:
+    # 1e9 params, dp 4, ZeRO-2 + cpu: a 2.5e8-parameter shard; PCIe 4 bytes each at 20 GB/s = 50 ms,
+    # the host Adam step at 2e9 parameters/s = 125 ms
+    m = P.Model(params=1e9, layers=8, hidden=1024, heads=8, seq=512)
+    c = P.Cluster(gpus=4, host_gbps=20.0, cpu_adam_params_per_s=2e9)
+    got = [p for p in P.candidates(m, c, 16) if (p.tp, p.pp, p.zero_stage, p.offload) == (1, 1, 2, "cpu")]
+    assert got and all(p.offload_ms == pytest.approx(175.0) for p in got)
+    assert all(p.offload_ms == 0 for p in P.candidates(m, c, 16) if p.offload == "none")

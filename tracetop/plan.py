@@ -35,7 +35,8 @@ gradient back (s*b*h*2 bytes each) per micro-batch and bubble slot, (m + p - 1) 
 on the critical path at the bandwidth of the link between stages; grad-sync moves each GPU's bf16 gradients
 (all-reduce, or reduce-scatter + all-gather: 2(n-1)/n of the bytes; ZeRO-3 3(n-1)/n) at the
 bus bandwidth of the links the DP group spans, and is counted as fully exposed (an upper bound);
-offload adds the PCIe copies (2 + 2 bytes per parameter held) at the host link's GB/s.
+offload adds the PCIe copies (2 + 2 bytes per parameter of the rank's shard) at the host link's
+GB/s and the host optimizer step over that shard (an assumed 2e9 parameters/s, DeepSpeed's CPU Adam).
 
 Rules the reference trainer (and DeepSpeed's pipeline engine) impose, restated here (a test checks
 every plan against reference_trainer.config.make_layout): ZeRO 2/3 only without a pipeline
@@ -81,6 +82,7 @@ class Cluster:
     intra_busbw_gbps: float = 150.0  # NVLink bus bandwidth (NCCL-tests busbw) inside a node
     inter_busbw_gbps: float = 40.0  # bus bandwidth across nodes
     host_gbps: float = 20.0  # PCIe device<->host, per GPU
+    cpu_adam_params_per_s: float = 2e9  # host optimizer step (DeepSpeed CPU Adam), per rank; an assumption
 
     @property
     def budget_gb(self) -> float:
@@ -276,8 +278,9 @@ def _plan(model: Model, cluster: Cluster, tp: int, pp: int, dp: int, zero: int, 
     off_ms = 0.0
     if offload == "cpu":
         held = model.params / (tp * pp)
-        moved = (BYTES_GRAD + BYTES_WEIGHT) * held / (dp if zero >= 2 else 1)
-        off_ms = moved / (cluster.host_gbps * GB) * 1e3
+        shard = held / (dp if zero >= 2 else 1)
+        off_ms = ((BYTES_GRAD + BYTES_WEIGHT) * shard / (cluster.host_gbps * GB)
+                  + shard / cluster.cpu_adam_params_per_s) * 1e3
     step_ms = pipeline_ms + tp_ms + p2p_ms + sync_ms + off_ms
     return Plan(tp=tp, pp=pp, dp=dp, zero_stage=zero, offload=offload, recompute=recompute, micro_batch=b,
                 micro_batches=m, memory=mem, bubble=bub, grad_sync_ms=sync_ms, tp_comm_ms=tp_ms, p2p_ms=p2p_ms,
