@@ -43,6 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--parquet", type=Path, default=None, metavar="DIR",
                         help="write one Parquet dataset per table, partitioned by run (DIR must not exist)")
     parser.add_argument("--run", default=None, help="only this run (default: every run; Perfetto: the latest)")
+    parser.add_argument("--steps", type=_step_range, default=None, metavar="FROM:TO",
+                        help="Perfetto: only steps FROM..TO (inclusive), for long runs")
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: give FROM:TO, e.g. 100:120") from e
+    if lo > hi:
+        raise argparse.ArgumentTypeError(f"{text!r}: FROM is after TO")
+    return lo, hi
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             n = export_parquet(con, args.parquet, args.run)
             print(f"tracetop export: {n} tables to {args.parquet}/")
         if args.perfetto is not None:
-            counts = export_perfetto(con, args.perfetto, args.run)
+            counts = export_perfetto(con, args.perfetto, args.run, args.steps)
             total = sum(counts.values())
             print(f"tracetop export: {total} trace events to {args.perfetto} "
                   f"({', '.join(f'{k} {v}' for k, v in counts.items())}); open it in https://ui.perfetto.dev")
@@ -138,16 +150,20 @@ def metadata_events(layout: dict[int, tuple[str, int, int]], has_offload: set[in
     return ev
 
 
-def export_perfetto(con, out: Path, run: str | None = None, progress=None) -> dict[str, int]:
-    """Write the run's timeline to `out` (via a temp file renamed at the end); return event counts
-    by category."""
+def export_perfetto(con, out: Path, run: str | None = None, steps: tuple[int, int] | None = None) -> dict[str, int]:
+    """Write the run's timeline (steps lo..hi inclusive, or all) to `out` (via a temp file renamed
+    at the end); return event counts by category."""
     run_id = pick_run(con, run)
+    cond = "run_id = ?" + (" AND step BETWEEN ? AND ?" if steps else "")
+    params = [run_id, *(steps or ())]
     layout = rank_layout(con, run_id)
     hosts = sorted({h for h, _, _ in layout.values()})
     pid = {h: i + 1 for i, h in enumerate(hosts)}
-    t0 = con.execute("SELECT min(start_ns) FROM step WHERE run_id = ?", [run_id]).fetchone()[0]
+    t0 = con.execute(f"SELECT min(start_ns) FROM step WHERE {cond}", params).fetchone()[0]
+    if t0 is None:
+        raise ExportError(f"run {run_id} has no steps in {steps[0]}..{steps[1]}")
     for table in ("pipe_instr", "collective", "offload"):
-        t = con.execute(f"SELECT min(start_ns) FROM {table} WHERE run_id = ?", [run_id]).fetchone()[0]
+        t = con.execute(f"SELECT min(start_ns) FROM {table} WHERE {cond}", params).fetchone()[0]
         if t is not None:
             t0 = min(t0, t)
 
@@ -155,8 +171,8 @@ def export_perfetto(con, out: Path, run: str | None = None, progress=None) -> di
         host, _, off = layout.get(rank, ("?", -1, 0))
         return pid.get(host, 0), rank * 10 + k, round((start_ns + off - t0) / 1e3, 3)
 
-    has_offload = {r for (r,) in con.execute("SELECT DISTINCT rank FROM offload WHERE run_id = ?",
-                                             [run_id]).fetchall()}
+    has_offload = {r for (r,) in con.execute(f"SELECT DISTINCT rank FROM offload WHERE {cond}",
+                                             params).fetchall()}
     counts = {"step": 0, "pipe": 0, "collective": 0, "offload": 0, "counter": 0}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,7 +180,8 @@ def export_perfetto(con, out: Path, run: str | None = None, progress=None) -> di
     try:
         with os.fdopen(fd, "w") as f:
             f.write('{"displayTimeUnit": "ms", "otherData": ')
-            json.dump({"run_id": run_id, "t0_ns": int(t0), "source": "tracetop export"}, f)
+            json.dump({"run_id": run_id, "t0_ns": int(t0), "steps": list(steps) if steps else None,
+                       "source": "tracetop export"}, f)
             f.write(', "traceEvents": [\n')
             first = True
 
@@ -179,7 +196,7 @@ def export_perfetto(con, out: Path, run: str | None = None, progress=None) -> di
                 emit(e)
             cols = ", ".join(PHASES)
             for row in _rows(con, f"SELECT rank, step, start_ns, duration_ns, {cols}, loss FROM step "
-                                  "WHERE run_id = ? ORDER BY rank, start_ns", run_id):
+                                  f"WHERE {cond} ORDER BY rank, start_ns", params):
                 rank, step, start, dur = row[:4]
                 p, t, ts = place(rank, start, TID_MAIN)
                 phases = {k[:-3] + "_ms": (v / 1e6 if v is not None else None) for k, v in zip(PHASES, row[4:10])}
@@ -194,14 +211,14 @@ def export_perfetto(con, out: Path, run: str | None = None, progress=None) -> di
                 counts["counter"] += 1
             for rank, step, start, dur, stage, mb, instr in _rows(
                     con, "SELECT rank, step, start_ns, duration_ns, stage, micro_batch, instr FROM pipe_instr "
-                         "WHERE run_id = ? ORDER BY rank, start_ns", run_id):
+                         f"WHERE {cond} ORDER BY rank, start_ns", params):
                 p, t, ts = place(rank, start, TID_MAIN)
                 emit({"ph": "X", "cat": "pipe", "name": instr, "pid": p, "tid": t, "ts": ts,
                       "dur": round(dur / 1e3, 3), "args": {"step": step, "stage": stage, "micro_batch": mb}})
                 counts["pipe"] += 1
             for rank, step, start, dur, op, role, gs, nbytes, peer, is_async in _rows(
                     con, "SELECT rank, step, start_ns, duration_ns, op, role, group_size, bytes, peer, is_async "
-                         "FROM collective WHERE run_id = ? ORDER BY rank, start_ns", run_id):
+                         f"FROM collective WHERE {cond} ORDER BY rank, start_ns", params):
                 p, t, ts = place(rank, start, TID_COMM)
                 args = {"step": step, "role": role, "group_size": gs, "bytes": nbytes, "async": bool(is_async)}
                 if peer is not None and peer >= 0:
@@ -211,7 +228,7 @@ def export_perfetto(con, out: Path, run: str | None = None, progress=None) -> di
                 counts["collective"] += 1
             for rank, step, start, dur, direction, what, nbytes in _rows(
                     con, "SELECT rank, step, start_ns, duration_ns, direction, what, bytes FROM offload "
-                         "WHERE run_id = ? ORDER BY rank, start_ns", run_id):
+                         f"WHERE {cond} ORDER BY rank, start_ns", params):
                 p, t, ts = place(rank, start, TID_OFFLOAD)
                 gbps = nbytes / dur if dur else None
                 emit({"ph": "X", "cat": "offload", "name": f"{direction} {what}", "pid": p, "tid": t, "ts": ts,
@@ -225,10 +242,10 @@ def export_perfetto(con, out: Path, run: str | None = None, progress=None) -> di
     return counts
 
 
-def _rows(con, sql: str, run_id: str, chunk: int = 50_000):
+def _rows(con, sql: str, params: list, chunk: int = 50_000):
     cur = con.cursor()
     try:
-        cur.execute(sql, [run_id])
+        cur.execute(sql, params)
         while True:
             rows = cur.fetchmany(chunk)
             if not rows:

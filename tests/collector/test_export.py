@@ -140,3 +140,22 @@ def test_bad_arguments(tmp_path: Path) -> None:
     assert r.returncode == 2 and "no such file" in r.stderr
     r = _export(FIXTURE, "--perfetto", tmp_path / "t.json", "--run", "no-such-run")
     assert r.returncode == 2 and "no-such-run" in r.stderr and not (tmp_path / "t.json").exists()
+
+
+def test_perfetto_step_window(tmp_path: Path) -> None:
+    out = tmp_path / "w.json"
+    r = _export(FIXTURE, "--perfetto", out, "--steps", "20:24")
+    assert r.returncode == 0, r.stderr
+    t = json.loads(out.read_text())
+    con = duckdb.connect(str(FIXTURE), read_only=True)
+    run_id = t["otherData"]["run_id"]
+    by_cat = defaultdict(int)
+    for e in t["traceEvents"]:
+        if e["ph"] == "X":
+            by_cat[e["cat"]] += 1
+            assert 20 <= e["args"]["step"] <= 24
+    for cat, table in (("step", "step"), ("pipe", "pipe_instr"), ("collective", "collective")):
+        assert by_cat[cat] == con.execute(f"SELECT count(*) FROM {table} WHERE run_id = ? AND step BETWEEN 20 AND 24",
+                                          [run_id]).fetchone()[0]
+    r = _export(FIXTURE, "--perfetto", tmp_path / "x.json", "--steps", "9:3")
+    assert r.returncode == 2 and "FROM is after TO" in r.stderr
