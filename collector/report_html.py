@@ -421,10 +421,11 @@ def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress
         "" if mem["budget_gb"] else "<p>no budget declared (budget_bytes = -1)</p>") if mem["series"]
         else _none("no memory rows")))
     prog.step("memory")
-    for sid, table, who in (("alerts", "alerts", "the live engine's rules"), ("actions", "actions", "the controller")):
+    for sid, table, who in (("alerts", "alerts", "the live engine's rules write it"),
+                            ("actions", "actions", "the controller writes it")):
         got = gather_events_table(con, table, run_id)
         if got is None:
-            body = _none(f"this file has no {table} table ({who} write it; files from collectors without them have none)")
+            body = _none(f"this file has no {table} table ({who}; files from collectors without them have none)")
         elif not got[1]:
             body = _none(f"no {table} for this run")
         else:
