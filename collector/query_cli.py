@@ -1,7 +1,8 @@
-"""`tracetop query FILE "SQL"` or `tracetop query --collector [ADDR] "SQL"`: read-only SQL.
+"""`tracetop query FILE... "SQL"` or `tracetop query --collector [ADDR] "SQL"`: read-only SQL.
 
-Directly on a file no collector holds (opened read-only, external access off), or through a
-running collector's Query service. Prints a table, or `--csv` / `--json` (a JSON array of
+Directly on files no collector holds (opened read-only, external access off; several files are
+presented as one, see collector/multifile.py), or through a running collector's Query service.
+Options go anywhere on the line (`tracetop query FILE --json "SQL"`). Prints a table, or `--csv` / `--json` (a JSON array of
 objects). Exit codes: 0 answered, 1 the SQL failed (syntax, missing table, ...), 2 refused
 (writes, ATTACH, COPY, file reads, INSTALL) or unusable arguments.
 """
@@ -12,10 +13,13 @@ import argparse
 import sys
 
 EXIT_OK, EXIT_SQL_ERROR, EXIT_REFUSED = 0, 1, 2
+#: tracetop/cli.py parses this command with parse_intermixed_args: options anywhere on the line.
+PARSE_INTERMIXED = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("args", nargs="*", metavar="[FILE] SQL", help="a collector's DuckDB file, then the SQL")
+    parser.add_argument("args", nargs="*", metavar="[FILE ...] SQL",
+                        help="one or more collector DuckDB files (queried as one), then the SQL")
     parser.add_argument(
         "--collector",
         nargs="?",
@@ -45,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
         if len(positional) != 1:
             return _usage("with --collector give only the SQL")
         return _via_collector(env.collector(addr or None), positional[0], args)
-    if len(positional) != 2:
-        return _usage('give a FILE and the SQL: tracetop query FILE "SQL" (or --collector ADDR "SQL")')
-    return _on_file(positional[0], positional[1], args)
+    if len(positional) < 2:
+        return _usage('give a FILE and the SQL: tracetop query FILE [FILE ...] "SQL" (or --collector ADDR "SQL")')
+    return _on_file(positional[:-1], positional[-1], args)
 
 
 def _usage(msg: str) -> int:
@@ -55,26 +59,31 @@ def _usage(msg: str) -> int:
     return EXIT_REFUSED
 
 
-def _on_file(path: str, sql: str, args: argparse.Namespace) -> int:
+def _on_file(paths: list[str], sql: str, args: argparse.Namespace) -> int:
     import os
 
     import duckdb
 
     from collector import readonly
+    from collector.multifile import MultiFileError, connect_many
     from collector.schema import SchemaError, connect
 
-    if not os.path.exists(path):
-        return _usage(f"{path}: no such file (to ask a running collector use --collector ADDR)")
+    for path in paths:
+        if not os.path.exists(path):
+            return _usage(f"{path}: no such file (to ask a running collector use --collector ADDR)")
+    if len(set(map(os.path.realpath, paths))) != len(paths):
+        return _usage("the same file is named twice; its rows would be counted twice")
     try:
-        con = connect(path, read_only=True)
-    except SchemaError as e:
+        con = connect(paths[0], read_only=True) if len(paths) == 1 else connect_many(paths)
+    except (SchemaError, MultiFileError) as e:
         print(f"tracetop query: {e}", file=sys.stderr)
         return EXIT_SQL_ERROR
     except duckdb.Error as e:
-        print(f"tracetop query: cannot open {path}: {e}", file=sys.stderr)
+        print(f"tracetop query: cannot open {paths[0]}: {e}", file=sys.stderr)
         return EXIT_SQL_ERROR
     try:
-        con.execute("SET lock_configuration = true")
+        if len(paths) == 1:  # connect_many locks its own configuration
+            con.execute("SET lock_configuration = true")
         table, truncated = readonly.run_read_only(con, sql, args.max_rows)
     except Exception as e:
         if readonly.is_refusal(e):

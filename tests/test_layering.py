@@ -22,6 +22,13 @@ FORBIDDEN = {
     "agent.bench_gpu": ("duckdb", "textual", "torch", "collector", "tui", "trainer_hooks", "reference_trainer"),
     # the outputs: OTLP's SDK only when --otlp asks for it; no file access
     "collector.export": ("duckdb", "opentelemetry", "textual", "agent", "tui", "trainer_hooks", "torch"),
+    # the planner is arithmetic in the shared core: nothing of ours, no database, no plotting
+    "tracetop.plan": ("duckdb", "textual", "torch", "grpc", "matplotlib", "collector", "agent", "tui",
+                      "trainer_hooks", "reference_trainer"),
+    "tracetop.plan_cli": ("duckdb", "textual", "torch", "grpc", "matplotlib", "collector", "agent", "tui",
+                          "trainer_hooks", "reference_trainer"),
+    # the report's plotting library loads only when a report is drawn
+    "collector.report_html": ("matplotlib", "textual", "agent", "tui", "trainer_hooks", "torch"),
 }
 
 

@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("agent.cli", "run the node agent: NVML/host sampling, local relay with disk spool"),
     "train": ("reference_trainer.cli", "run the reference 3D-parallel trainer through torchrun"),
     "demo": ("collector.demo", "collector + a 4-rank reference run, then a per-rank summary"),
+    "report": ("collector.report_html", "one self-contained HTML report with plots of a run in a collector's file"),
+    "export": ("collector.export.timeline", "the file as a Perfetto/chrome://tracing timeline (--perfetto) or Parquet (--parquet)"),
+    "plan": ("tracetop.plan_cli", "parallelism planner: ranked TP x PP x DP plans, memory per GPU, launch commands"),
 }
 
 #: `tracetop bench <what>` -> module. Each prints one JSON object with --json.
@@ -27,6 +30,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "hooks": ("trainer_hooks.bench", "interleaved reference runs with hooks on/off: overhead"),
     "agent": ("agent.bench", "agent CPU cost: sampling 8 fake GPUs, relaying 10k events/s"),
     "gpu": ("reference_trainer.bench_gpu", "the GPU path in one call: syncs, overhead, CUDA timing, NVML, offload"),
+    "views": ("collector.bench_views", "every view over a generated file of --rows rows: seconds each"),
 }
 
 
@@ -60,7 +64,9 @@ def _dispatch(table: dict[str, tuple[str, str]], prefix: str, argv: list[str]) -
     module = importlib.import_module(table[name][0])
     parser = argparse.ArgumentParser(prog=f"{prefix} {name}", description=table[name][1])
     module.add_arguments(parser)
-    args = parser.parse_args(rest)
+    # a module may ask for options anywhere among its positionals (`tracetop query FILE --json "SQL"`)
+    parse = parser.parse_intermixed_args if getattr(module, "PARSE_INTERMIXED", False) else parser.parse_args
+    args = parse(rest)
     return int(module.run(args) or 0)
 
 

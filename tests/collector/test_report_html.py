@@ -1,0 +1,136 @@
+"""`tracetop report`: one self-contained HTML file holding each plot; the grad-sync stand-in checked
+against the raw collective rows; alert/action sections when those tables exist; a real headless
+Chromium renders it to a screenshot that is not blank (where chromium is installed)."""
+
+from __future__ import annotations
+
+import io
+import re
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from collector import report_html as R
+from tests.helpers import ROOT
+
+FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
+PLOTTED = ("step-time", "rank-heatmap", "bubble", "collectives", "grad-sync", "memory")
+
+
+def _report(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tracetop.cli", "report", *map(str, args)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+def _sections(text: str) -> dict[str, str]:
+    return dict(re.findall(r'<section id="([a-z-]+)">(.*?)</section>', text, flags=re.S))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("report") / "r.html"
+    r = _report(FIXTURE, "-o", out)
+    assert r.returncode == 0, r.stderr
+    # no progress bar without a terminal (stderr may hold matplotlib's one-time font-cache notice)
+    assert "\r" not in r.stderr and "[#" not in r.stderr and "/11 " not in r.stderr
+    return out
+
+
+def test_report_holds_each_plot_and_nothing_from_the_network(report: Path) -> None:
+    text = report.read_text()
+    sections = _sections(text)
+    assert set(R.SECTIONS) <= set(sections)
+    for sid in PLOTTED:
+        assert "<svg" in sections[sid], f"section {sid} has no plot"
+    # this run has no offload and the file no alerts/actions tables: each section says so
+    assert "<svg" not in sections["offload"] and "no offload" in sections["offload"]
+    assert "no alerts table" in sections["alerts"] and "no actions table" in sections["actions"]
+    assert "nothing was dropped" in sections["gaps"]
+    assert "<script" not in text
+    assert not re.search(r'(src|href)\s*=\s*"https?:', text)
+    assert "@import" not in text and "url(http" not in text
+
+
+def test_grad_sync_stand_in_matches_the_raw_rows() -> None:
+    con = duckdb.connect(str(FIXTURE), read_only=True)
+    run_id = R.latest_run(con)
+    per = defaultdict(float)
+    for step, rank, role, dur in con.execute(
+            "SELECT step, rank, role, duration_ns FROM collective WHERE run_id = ?", [run_id]).fetchall():
+        if "dp" in role.split("|") and step >= 0:
+            per[(step, rank)] += dur / 1e6
+    want: dict[int, float] = {}
+    for (step, _), ms in per.items():
+        want[step] = max(want.get(step, 0.0), ms)
+    got = dict(R.grad_sync_by_step_from_dp_collectives(con, run_id))
+    assert set(got) == set(want)
+    for s in want:
+        assert got[s] == pytest.approx(want[s])
+    # the injected straggler (rank 3, +150 ms from step 20) makes its DP peer wait in the all-reduce
+    before = sorted(got[s] for s in got if 5 <= s < 20)
+    after = sorted(got[s] for s in got if s >= 21)
+    assert after[len(after) // 2] - before[len(before) // 2] > 150 * 0.5
+
+
+def test_heatmap_marks_the_straggler_row() -> None:
+    con = duckdb.connect(str(FIXTURE), read_only=True)
+    hm = R.gather_heatmap(con, R.latest_run(con))
+    late = [i for i, s in enumerate(hm["steps"]) if s >= 21]
+    med = {r: sorted(hm["grid"][i][j] for j in late)[len(late) // 2] for i, r in enumerate(hm["ranks"])}
+    assert max(med, key=med.get) == 3
+
+
+def test_alerts_and_actions_sections_when_the_tables_exist(tmp_path: Path) -> None:
+    db = tmp_path / "with-alerts.duckdb"
+    shutil.copy(FIXTURE, db)
+    con = duckdb.connect(str(db))
+    run_id = R.latest_run(con)
+    t0 = con.execute("SELECT min(start_ns) FROM step").fetchone()[0]
+    con.execute("CREATE TABLE alerts (run_id VARCHAR, rule VARCHAR, rank INTEGER, step BIGINT, fired_ns BIGINT)")
+    con.execute("INSERT INTO alerts VALUES (?, 'straggler', 3, 24, ?), (?, 'grad_sync_slow', -1, 30, ?)",
+                [run_id, t0 + 10**9, run_id, t0 + 2 * 10**9])
+    con.execute("CREATE TABLE actions (run_id VARCHAR, action VARCHAR, step BIGINT, applied_ns BIGINT)")
+    con.execute("INSERT INTO actions VALUES (?, 'micro_batch=2', 28, ?)", [run_id, t0 + 3 * 10**9])
+    con.close()
+    out = tmp_path / "r.html"
+    r = _report(db, "-o", out, "--run", run_id)
+    assert r.returncode == 0, r.stderr
+    sections = _sections(out.read_text())
+    assert "<svg" in sections["alerts"] and "straggler" in sections["alerts"] and "grad_sync_slow" in sections["alerts"]
+    assert "<svg" in sections["actions"] and "micro_batch=2" in sections["actions"]
+
+
+def test_progress_bar_draws_to_the_end() -> None:
+    buf = io.StringIO()
+    p = R.Progress(total=3, enabled=True, out=buf)
+    for what in ("a", "b", "c"):
+        p.step(what)
+    assert buf.getvalue().count("\r") == 3 and "3/3" in buf.getvalue() and buf.getvalue().endswith("\n")
+    quiet = io.StringIO()
+    R.Progress(total=1, enabled=False, out=quiet).step("a")
+    assert quiet.getvalue() == ""
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    r = _report(tmp_path / "nope.duckdb")
+    assert r.returncode == 2 and "no such file" in r.stderr
+    r = _report(FIXTURE, "-o", tmp_path / "r.html", "--run", "no-such-run")
+    assert r.returncode == 2 and "no-such-run" in r.stderr and not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="Debian's chromium is not installed (apt-get install chromium; kept out of make setup)")
+def test_headless_chromium_renders_a_screenshot_that_is_not_blank(report: Path, tmp_path: Path) -> None:
+    png = tmp_path / "r.png"
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "report_screenshot.sh"), str(report), str(png)],
+                       capture_output=True, text=True, timeout=180, env={"PY": sys.executable, "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    from PIL import Image
+
+    im = Image.open(png).convert("RGB")
+    assert len(im.getcolors(maxcolors=1 << 20) or range(1 << 20)) > 100
