@@ -16,25 +16,27 @@ import time
 
 import torch
 
-#: (in, out) of each Linear: every dim divisible by 4 (FSDP pads dim 0 to the world size; none here);
-#: 2.1 MB of fp32 parameters, so DDP makes two buckets from step 1 (1 MiB first bucket, then the rest)
-LAYERS = ((256, 512), (512, 512), (512, 256))
+#: (in, out) of each Linear: every dim divisible by 4 (FSDP pads dim 0 to the world size; none here).
+#: "large": 2.1 MB of fp32 parameters, so DDP makes two buckets from step 1 (1 MiB first bucket,
+#: then the rest); "small" (132 kB): FSDP's nine blocking collectives a step stay short on a loaded
+#: 2-core machine, so an 80 ms straggler stands out of their noise.
+LAYERS = {"large": ((256, 512), (512, 512), (512, 256)), "small": ((64, 128), (128, 128), (128, 64))}
 BATCH = 8
 
 
-def build_model() -> torch.nn.Sequential:
+def build_model(size: str = "large") -> torch.nn.Sequential:
     torch.manual_seed(0)
     mods: list[torch.nn.Module] = []
-    for i, (a, b) in enumerate(LAYERS):
+    for i, (a, b) in enumerate(LAYERS[size]):
         mods.append(torch.nn.Linear(a, b))
-        if i < len(LAYERS) - 1:
+        if i < len(LAYERS[size]) - 1:
             mods.append(torch.nn.ReLU())
     return torch.nn.Sequential(*mods)
 
 
-def unit_bytes() -> list[int]:
+def unit_bytes(size: str = "large") -> list[int]:
     """fp32 bytes of each Linear's parameters (one FSDP unit each)."""
-    return [4 * (a * b + b) for a, b in LAYERS]
+    return [4 * (a * b + b) for a, b in LAYERS[size]]
 
 
 def main() -> None:
@@ -42,6 +44,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=("ddp", "fsdp2", "fsdp1"), default="ddp")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--slow", default="", help="RANK:MS@STEP")
+    ap.add_argument("--size", choices=tuple(LAYERS), default="large")
     a = ap.parse_args()
     import torch.distributed as dist
 
@@ -55,7 +58,7 @@ def main() -> None:
         ms, s = rest.split("@")
         slow_rank, slow_ms, slow_from = int(r), float(ms), int(s)
     tracer = trainer_hooks.Tracer(heartbeat_s=1)
-    model = build_model()
+    model = build_model(a.size)
     if a.mode == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif a.mode == "fsdp2":
@@ -75,7 +78,7 @@ def main() -> None:
     for step in range(a.steps):
         with tracer.step(step):
             with tracer.phase("data"):
-                x = torch.randn(BATCH, LAYERS[0][0], generator=gen)
+                x = torch.randn(BATCH, LAYERS[a.size][0][0], generator=gen)
             with tracer.phase("forward"):
                 if rank == slow_rank and step >= slow_from:
                     time.sleep(slow_ms / 1000)
