@@ -189,7 +189,7 @@ def test_default_hook_timed_found_at_first_forward_gradients_unchanged(ranks) ->
         for s in d["steps"]:
             assert 0 <= s["comm_exposed_ns"] <= s["duration_ns"]
             assert s["forward_ns"] + s["backward_ns"] + s["comm_exposed_ns"] <= s["duration_ns"]
-        assert d["hook_name"] == "allreduce_hook"  # DDP reads the name: the inner's, as registered
+        assert d["hook_name"] == "_allreduce_mean"  # DDP reads the name: the inner hook's (ours here)
 
 
 def test_watching_stops_after_the_first_step_and_close_restores(ranks) -> None:
