@@ -38,6 +38,10 @@ TRACETOP_BUFFER_BYTES = "TRACETOP_BUFFER_BYTES"
 """Bytes of unacked telemetry one rank's hooks keep in memory while their endpoint is unreachable.
 Beyond it the oldest batches are dropped, counted and shipped as gap rows. Default: 256 MiB."""
 
+TRACETOP_DDP_BUCKETS = "TRACETOP_DDP_BUCKETS"
+"""``0`` leaves DDP's gradient all-reduce on its built-in C++ path: no comm hook, no DDP bucket rows,
+the wait for them counted as backward compute (``trainer_hooks/ddp.py``). Default ``1``: timed."""
+
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"

@@ -46,6 +46,7 @@ import time
 import weakref
 from typing import Any
 
+from tracetop import env as tenv
 from trainer_hooks import collectives as colls
 
 log = logging.getLogger("trainer_hooks")
@@ -105,6 +106,7 @@ class _State:
         self.seen: weakref.WeakSet = weakref.WeakSet()
         self.originals: dict[str, Any] = {}
         self.warned: set[str] = set()
+        self.time_buckets = True  # TRACETOP_DDP_BUCKETS=0: leave DDP's built-in all-reduce alone
 
 
 _state = _State()
@@ -130,6 +132,7 @@ def install(tracer: Any) -> bool:
         DDP.register_comm_hook = _register_comm_hook
         DDP._register_builtin_comm_hook = _register_builtin_comm_hook
     _state.sink = tracer
+    _state.time_buckets = tenv.get(tenv.TRACETOP_DDP_BUCKETS, "1") != "0"
     _state.first_step = None
     _state.kinds = None
     if _state.handle is None:
@@ -248,7 +251,7 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
 
 def _attach(t: Any, ddp: Any) -> None:
     """Put the timed default hook on a DDP module that has none."""
-    if getattr(ddp, "_tracetop_cell", None) is not None:
+    if getattr(ddp, "_tracetop_cell", None) is not None or not _state.time_buckets:
         return  # timed already (a hook the user registered while we were installed, or an earlier Tracer)
     if t._cuda is not None:
         _warn_once("ddp-gpu", "trainer_hooks: DDP gradient buckets are not timed on GPU yet (CPU/gloo only); "
@@ -296,6 +299,8 @@ def _builtin_hook(ddp: Any) -> str:
 def _register_comm_hook(self: Any, state: object, hook: Any) -> None:
     """``DDP.register_comm_hook`` while a Tracer is installed: the user's hook, timed."""
     original = _state.originals["register_comm_hook"]
+    if not _state.time_buckets:
+        return original(self, state, hook)
     cell = getattr(self, "_tracetop_cell", None)
     if cell is not None and not cell.user:
         # ours (the timed default) is in and DDP takes one hook: the user's goes inside it

@@ -141,6 +141,18 @@ def _worker(rank: int, port: int, out: str) -> None:
     tracer.close()
     result["user_before"] = {"grads_equal": close_to(grads), "rows": _rows(mem, Kind.COLLECTIVE),
                              "warnings": list(warnings), "errors": tracer.errors}
+
+    # 5. TRACETOP_DDP_BUCKETS=0: DDP keeps its built-in path, a user's hook is registered as is
+    os.environ["TRACETOP_DDP_BUCKETS"] = "0"
+    mem = MemoryTransport()
+    tracer = Tracer(rank=rank, world_size=2, run_id="e", transport=mem, heartbeat_s=60)
+    ddp, ddp2 = DDP(_model()), DDP(_model())
+    ddp2.register_comm_hook(None, counting_hook)
+    grads = _train(ddp, tracer, x, steps=2)
+    tracer.close()
+    del os.environ["TRACETOP_DDP_BUCKETS"]
+    result["off"] = {"grads_equal": close_to(grads), "rows": _rows(mem, Kind.COLLECTIVE), "hooks": len(ddp._comm_hooks),
+                     "user_hook_as_is": ddp2._comm_hooks[0][0] is counting_hook}
     dist.barrier()
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps(result, default=str))
     dist.destroy_process_group()
@@ -222,3 +234,10 @@ def test_hook_registered_before_the_tracer_is_left_alone_and_said(ranks) -> None
         assert u["grads_equal"] and u["errors"] == 0
         assert not [r for r in u["rows"] if r["op"] == "all_reduce_ddp"]
         assert any("registered before the Tracer existed" in w for w in u["warnings"]), u["warnings"]
+
+
+def test_ddp_bucket_timing_can_be_turned_off(ranks) -> None:
+    for got in ranks:
+        off = got["off"]
+        assert off["grads_equal"] and off["hooks"] == 0 and off["user_hook_as_is"]
+        assert not [r for r in off["rows"] if r["op"] == "all_reduce_ddp"]
