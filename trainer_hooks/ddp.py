@@ -11,8 +11,9 @@ module only names their groups ``dp``.) Measurements behind each choice:
 
 Finding the modules, without a change to the user's loop: a global forward pre-hook
 (``torch.nn.modules.module.register_module_forward_pre_hook``, public) looks at every module
-called until the second step in which modules run has begun, then removes itself (while it is
-there every module call costs ~1 us more: a global hook takes torch off its hook-free fast path).
+called until the second step in which modules run has begun (or 250,000 module calls, for a loop
+without ``tracer.step``), then removes itself (while it is there every module call costs ~1 us
+more: a global hook takes torch off its hook-free fast path).
 It finds ``DistributedDataParallel``, FSDP2 (``FSDPModule``) and FSDP1
 (``FullyShardedDataParallel``) modules, wherever and whenever they were built. A DDP module used
 for the first time later than that is not found: pass it to :func:`watch`.
@@ -51,6 +52,9 @@ from trainer_hooks import collectives as colls
 
 log = logging.getLogger("trainer_hooks")
 perf_counter_ns = time.perf_counter_ns
+
+#: module calls after which the global forward pre-hook goes even if no second step began
+MAX_WATCHED_CALLS = 250_000
 
 #: the op name of a DDP bucket row ("all_reduce" prefix: busbw takes the all-reduce factor)
 DDP_OP = "all_reduce_ddp"
@@ -102,6 +106,7 @@ class _State:
         self.sink: Any = None  # the Tracer; None = every timed hook passes straight through
         self.handle: Any = None  # the global forward pre-hook, while watching
         self.first_step: int | None = None
+        self.calls = 0  # module calls seen while watching
         self.kinds: tuple[type, ...] | None = None
         self.seen: weakref.WeakSet = weakref.WeakSet()
         self.originals: dict[str, Any] = {}
@@ -134,6 +139,7 @@ def install(tracer: Any) -> bool:
     _state.sink = tracer
     _state.time_buckets = tenv.get(tenv.TRACETOP_DDP_BUCKETS, "1") != "0"
     _state.first_step = None
+    _state.calls = 0
     _state.kinds = None
     if _state.handle is None:
         _state.handle = register_module_forward_pre_hook(_on_forward)
@@ -202,6 +208,9 @@ def _on_forward(module: Any, args: Any) -> None:
                 _state.first_step = t.step_n
             elif t.step_n != _state.first_step:
                 _stop_watching()  # every module the loop uses ran in the first step
+        _state.calls += 1
+        if _state.calls > MAX_WATCHED_CALLS:  # a loop without tracer.step: stop paying ~1 us a call
+            _stop_watching()
     except Exception as e:
         t._hook_error("ddp", e)
     return None
