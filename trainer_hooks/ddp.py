@@ -131,18 +131,23 @@ def install(tracer: Any) -> bool:
         return False
     if not dist.is_available():
         return False
-    if not _state.originals:
-        _state.originals = {"register_comm_hook": DDP.register_comm_hook,
-                            "_register_builtin_comm_hook": DDP._register_builtin_comm_hook}
-        DDP.register_comm_hook = _register_comm_hook
-        DDP._register_builtin_comm_hook = _register_builtin_comm_hook
-    _state.sink = tracer
-    _state.time_buckets = tenv.get(tenv.TRACETOP_DDP_BUCKETS, "1") != "0"
-    _state.first_step = None
-    _state.calls = 0
-    _state.kinds = None
-    if _state.handle is None:
-        _state.handle = register_module_forward_pre_hook(_on_forward)
+    try:
+        if not _state.originals:
+            _state.originals = {"register_comm_hook": DDP.register_comm_hook,
+                                "_register_builtin_comm_hook": DDP._register_builtin_comm_hook}
+            DDP.register_comm_hook = _register_comm_hook
+            DDP._register_builtin_comm_hook = _register_builtin_comm_hook
+        _state.sink = tracer
+        _state.time_buckets = tenv.get(tenv.TRACETOP_DDP_BUCKETS, "1") != "0"
+        _state.first_step = None
+        _state.calls = 0
+        _state.kinds = None
+        if _state.handle is None:
+            _state.handle = register_module_forward_pre_hook(_on_forward)
+    except Exception as e:  # a torch without these seams: DDP stays unseen, the rest of the Tracer works
+        tracer._hook_error("ddp", e)
+        uninstall(tracer)
+        return False
     return True
 
 
