@@ -144,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         r = result
+        print(f"timed hook vs DDP's C++ path (timed - plain), per step of {r['buckets_per_step']:.0f} buckets: "
+              f"{r['timed_minus_plain_wall_us']:+.1f} us wall, {r['timed_minus_plain_thread_cpu_us']:+.1f} us training-thread "
+              f"CPU, {r['timed_minus_plain_process_cpu_us']:+.1f} us process CPU")
         print(f"DDP bucket timing (timed - python hook), per step of {r['buckets_per_step']:.0f} buckets: "
               f"{r['timed_minus_python_wall_us']:+.1f} us wall ({r['timing_wall_pct']:+.2f}% of a plain step), "
               f"{r['timed_minus_python_thread_cpu_us']:+.1f} us training-thread CPU, "
