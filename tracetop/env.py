@@ -68,6 +68,10 @@ TRACETOP_OTLP = "TRACETOP_OTLP"
 """The collector's ``--otlp ENDPOINT``: an OTLP/gRPC endpoint (``HOST:PORT`` plaintext,
 ``https://HOST:PORT`` TLS) for the per-run gauges and alert counts. Default: none."""
 
+TRACETOP_DDP_BUCKETS = "TRACETOP_DDP_BUCKETS"
+"""``0`` leaves DDP's gradient all-reduce on its built-in C++ path: no comm hook, no DDP bucket rows,
+the wait for them counted as backward compute (``trainer_hooks/ddp.py``). Default ``1``: timed."""
+
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"

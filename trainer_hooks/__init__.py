@@ -5,7 +5,8 @@
         with tracer.phase("forward"): ...
     tracer.close()
 
-DeepSpeed: ``trainer_hooks.deepspeed.instrument(engine)``; Hugging Face:
+DDP and FSDP modules are found at their first forward (``trainer_hooks.ddp``: DDP's gradient
+buckets are timed through its comm hook). DeepSpeed: ``trainer_hooks.deepspeed.instrument(engine)``; Hugging Face:
 ``trainer_hooks.hf.TracetopCallback``; Lightning: ``trainer_hooks.lightning.TracetopCallback``.
 
 Never imports the collector, the agent, the TUI, duckdb or textual (checked by a test)."""

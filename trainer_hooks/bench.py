@@ -77,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="every run an A/A control (hooks off in every block, only the labels alternate): the "
                         "training-thread figure should come out within its interval of 0 (checks the estimator)")
     p.add_argument("--keep", default=None, help="keep the collector's file and the run logs in this folder")
+    p.add_argument("--ddp", action="store_true",
+                   help="instead: the DDP comm hook's own cost, 2 gloo ranks, timed vs plain DDP (trainer_hooks/bench_ddp.py)")
+    p.add_argument("--ddp-steps", type=int, default=1200, help="steps of the --ddp bench (default 1200)")
 
 
 class _Collector:
@@ -310,6 +313,10 @@ def _microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "ddp", False):
+        from trainer_hooks import bench_ddp
+
+        return bench_ddp.run(args)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.steps < args.warmup + 8 * args.block or args.block < 1:

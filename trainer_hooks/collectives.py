@@ -53,7 +53,17 @@ PAYLOAD: dict[str, tuple[str, int] | None] = {
     "scatter": ("arg", 0),
     "barrier": None,
     "monitored_barrier": None,
+    # DDP's own (C++ builtins on torch.distributed, no signature): the parameter and buffer broadcast
+    # at construction (and of the buffers before each forward), and the parameter-shape check
+    # (an all-gather of shapes: no payload of note)
+    "_broadcast_coalesced": ("list", 1),
+    "_verify_params_across_processes": None,
 }
+
+#: ops whose process group is their first positional argument (builtins: no signature to read)
+GROUP_ARG = {"_broadcast_coalesced": 0, "_verify_params_across_processes": 0}
+#: the role of ops that only data parallelism issues, where the group has no other name
+DEFAULT_ROLE = {"_broadcast_coalesced": "dp", "_verify_params_across_processes": "dp"}
 
 #: ops that are point-to-point (peer from the dst/src argument, role from the peer's coordinates)
 P2P_PEER_ARG = {"send": "dst", "recv": "src", "isend": "dst", "irecv": "src"}
@@ -74,7 +84,8 @@ def busbw_factor(op: str, group_size: int) -> float:
 class _Spec:
     """Where one op's arguments sit, found once from its signature."""
 
-    __slots__ = ("name", "kind", "index", "arg_name", "group_i", "async_i", "peer_name", "peer_i", "group_peer_name", "group_peer_i")
+    __slots__ = ("name", "kind", "index", "arg_name", "group_i", "async_i", "peer_name", "peer_i", "group_peer_name",
+                 "group_peer_i", "default_role")
 
     def __init__(self, name: str, fn: Callable[..., Any]) -> None:
         self.name = name
@@ -85,7 +96,8 @@ class _Spec:
         except (TypeError, ValueError):
             params = []
         self.arg_name = params[self.index] if self.index < len(params) else ""
-        self.group_i = params.index("group") if "group" in params else -1
+        self.group_i = params.index("group") if "group" in params else GROUP_ARG.get(name, -1)
+        self.default_role = DEFAULT_ROLE.get(name, "")
         self.async_i = params.index("async_op") if "async_op" in params else -1
         self.peer_name = P2P_PEER_ARG.get(name, "")
         self.peer_i = params.index(self.peer_name) if self.peer_name in params else -1

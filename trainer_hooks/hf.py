@@ -6,8 +6,10 @@
 Every optimizer step is one tracetop step (``state.global_step``). Phases: ``forward`` from the
 model's forward pre-hook to its forward hook, ``backward`` from there to the next forward or to the
 optimizer, ``optimizer`` between ``on_pre_optimizer_step`` and ``on_optimizer_step`` (transformers
->= 4.47; older versions leave the optimizer inside ``backward``). Collectives (DDP, FSDP,
-DeepSpeed) are timed by the Tracer's wrapper. Importing this module needs ``transformers``.
+>= 4.47; older versions leave the optimizer inside ``backward``). Collectives are timed by the
+Tracer (DDP's gradient buckets through its comm hook, see :mod:`trainer_hooks.ddp`); the Tracer is
+made when the Trainer is (``on_init_end``), before ``train()`` wraps the model. Importing this
+module needs ``transformers``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ class TracetopCallback(TrainerCallback):
         self.tracer = tracer
         self._kwargs = tracer_kwargs
         self._handles: list[Any] = []
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # before train() wraps the model: DDP's start-up broadcast is seen, and a comm hook
+        # accelerate registers (DistributedDataParallelKwargs(comm_hook=...)) is timed
+        if self.tracer is None:
+            self.tracer = Tracer(**self._kwargs)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.tracer is None:

@@ -6,8 +6,9 @@
 Every training batch is one tracetop step (``trainer.global_step`` at its start). Phases:
 ``forward`` from ``on_train_batch_start`` to ``on_before_backward``, ``backward`` to
 ``on_after_backward``, ``optimizer`` from ``on_before_optimizer_step`` to the batch end.
-Collectives (DDP, FSDP, DeepSpeed) are timed by the Tracer's wrapper. Needs ``lightning`` (or
-the older ``pytorch_lightning``).
+Collectives are timed by the Tracer (DDP's gradient buckets through its comm hook, see
+:mod:`trainer_hooks.ddp`). The Tracer is made in ``setup`` (stage ``fit``), before the strategy
+wraps the model. Needs ``lightning`` (or the older ``pytorch_lightning``).
 """
 
 from __future__ import annotations
@@ -33,12 +34,21 @@ class TracetopCallback(Callback):
         self.tracer = tracer
         self._kwargs = tracer_kwargs
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    def _make_tracer(self, trainer: Any) -> None:
         if self.tracer is None:
             kw = dict(self._kwargs)
             kw.setdefault("rank", int(trainer.global_rank))
             kw.setdefault("world_size", int(trainer.world_size))
             self.tracer = Tracer(**kw)
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # before the strategy wraps the model: DDP's start-up broadcast is seen, and a comm hook
+        # the strategy registers (DDPStrategy(ddp_comm_hook=...)) is timed
+        if stage == "fit":
+            self._make_tracer(trainer)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._make_tracer(trainer)
         self.tracer.describe(
             model_name=type(pl_module).__name__, n_params=sum(p.numel() for p in pl_module.parameters()),
             micro_batches=int(getattr(trainer, "accumulate_grad_batches", 1) or 1), integration="lightning",

@@ -43,6 +43,7 @@ from tracetop import env as tenv
 from tracetop.events import Kind
 from trainer_hooks import collectives as colls
 from trainer_hooks import columns as cols
+from trainer_hooks import ddp
 from trainer_hooks.identity import Identity, SetupError, resolve
 
 log = logging.getLogger("trainer_hooks")
@@ -434,6 +435,7 @@ class Tracer:
             return
         try:
             colls.uninstall(self)
+            ddp.uninstall(self)
             self._stop.set()
             self._emitter.join(timeout=max(2.0, self.close_timeout_s))
             self._heartbeat()
@@ -540,7 +542,9 @@ class Tracer:
             import torch.distributed  # noqa: F401
         except ImportError:
             return []
-        return colls.install(self)
+        wrapped = colls.install(self)
+        ddp.install(self)  # DDP's gradient buckets (its reducer bypasses the wrapper); FSDP groups named dp
+        return wrapped
 
     def _group_info(self, group: Any) -> tuple[str, int]:
         info = self._roles.get(group)
@@ -600,6 +604,8 @@ class Tracer:
     def _new_sig(self, spec: Any, group: Any, tensor: Any, is_async: bool, peer: Any, key: tuple) -> int:
         """First call of its kind: name the group, the peer and the dtype once."""
         role, size = self._group_info(group)
+        if role in ("world", "group") and getattr(spec, "default_role", ""):
+            role = spec.default_role  # DDP's buckets and broadcasts are data parallel whatever the group
         peer_rank = -1
         if spec.peer_name and peer is not None:
             peer_rank = int(peer)

@@ -53,7 +53,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     steps = mem.rows(Kind.STEP)
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps({
         "rows": [{k: (v[i].item() if hasattr(v[i], "item") else v[i]) for k, v in rows.items()} for i in range(len(rows["op"]))],
-        "step": {k: int(v[0]) for k, v in steps.items() if k not in ()},
+        "step": {k: int(v[0]) for k, v in steps.items() if k != "loss"},  # loss: NaN until given
         "restored": restored, "wrapped_identity": wrapped_identity,
     }))
     dist.destroy_process_group()

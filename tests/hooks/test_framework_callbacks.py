@@ -1,17 +1,16 @@
-"""Hugging Face and Lightning callbacks: run only where those libraries are installed (they are not
-part of the project's environment); the protocol they drive is tested in test_units.py."""
+"""Hugging Face and Lightning callbacks in one process (the dev extra installs both frameworks; the
+2-process DDP runs through each are in test_ddp_fsdp.py)."""
 
 from __future__ import annotations
-
-import pytest
 
 from tracetop.events import Kind
 from tracetop.wire.shipper import MemoryTransport
 
 
 def test_hf_callback_traces_a_trainer_run(tmp_path) -> None:
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed here (optional integration)")
-    torch = pytest.importorskip("torch")
+    import torch
+    import transformers
+
     from trainer_hooks import Tracer
     from trainer_hooks.hf import TracetopCallback
 
@@ -36,10 +35,7 @@ def test_hf_callback_traces_a_trainer_run(tmp_path) -> None:
 
 
 def test_lightning_callback_traces_a_fit(tmp_path) -> None:
-    try:
-        import lightning.pytorch as pl
-    except ImportError:
-        pl = pytest.importorskip("pytorch_lightning", reason="lightning is not installed here (optional integration)")
+    import lightning.pytorch as pl
     import torch
 
     from trainer_hooks import Tracer
