@@ -551,7 +551,7 @@ class Shipper:
                     if not isinstance(e, Disconnected):
                         self._warn_once("transport-error", f"tracetop: transport failed (retrying): {e!r}")
                     if self.stats_.reconnects == 0:
-                        self._warn_once("connect", f"tracetop: cannot reach {self.endpoint} ({e}); buffering and retrying")
+                        self._warn_once("connect", f"tracetop: cannot reach {self.endpoint or 'the receiver'} ({e}); buffering and retrying")
                     self.stats_.reconnects += 1
                 finally:
                     if acks is not None and hasattr(acks, "close"):
