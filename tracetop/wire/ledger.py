@@ -11,8 +11,9 @@ Reasons (the GAP table's ``reason`` column):
                        (a batch in flight is counted only when its stream ends without an ack)
     rejected:<fault>   the receiver refused the batch (``fault`` as it named it)
     spool_unreadable   a spooled batch could not be read back from disk
-    spool_full         a forwarded batch was refused because the spool is full (counted once
-                       per batch, however often its producer resends it)
+    spool_full         the agent relay refused a hook's batch because the spool is full (the
+                       relay records it once per batch as a GAP row; the shipper folds GAP rows
+                       recorded by producers into this ledger when it seals)
 
 ``kind`` is the event kind's name, or ``"batch"`` when not even that is known (an unreadable
 spool file whose header is gone): then ``dropped`` counts batches, not rows.
