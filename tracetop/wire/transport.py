@@ -106,10 +106,15 @@ class GrpcTransport:
         self._channel_factory = channel_factory
         self._channel: Any = None
         self._stub: Any = None
+        self._grpc: Any = None
 
     def _open(self) -> Any:
         if self._stub is None:
+            import grpc
+
             from tracetop.wire import tracetop_pb2_grpc
+
+            self._grpc = grpc
 
             if self.channel_credentials is None:
                 self._channel = self._channel_factory(self.endpoint)
@@ -119,12 +124,11 @@ class GrpcTransport:
         return self._stub
 
     def stream(self, batches: Iterator[pb.ColumnBatch]) -> Iterator[Any]:
-        import grpc
-
         call = self._open().Stream(batches, metadata=self.call_metadata)
         try:
             yield from call
-        except grpc.RpcError as e:
+        except self._grpc.RpcError as e:
+            grpc = self._grpc
             code = e.code() if hasattr(e, "code") else None
             detail = (e.details() if hasattr(e, "details") else str(e)) or ""
             if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -340,6 +344,14 @@ class MemoryTransport:
                 self._high[batch.source_id] = high = batch.seq
                 self.batches.append(decoded)
         st.put(pb.Ack(source_id=batch.source_id, seq=high))
+
+    def send(self, batch: pb.ColumnBatch) -> None:
+        """Store one batch outside any stream (validated: raises BatchError; no dedup, no ack)."""
+        from tracetop.wire.codec import decode_batch
+
+        decoded = decode_batch(batch)
+        with self._lock:
+            self.batches.append(decoded)
 
     # ---- reading what arrived ----
     def rows(self, kind: Kind) -> dict[str, np.ndarray]:
