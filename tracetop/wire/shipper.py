@@ -526,6 +526,12 @@ class Shipper:
         (trainer_hooks/README.md "Cost"); between bursts there is none."""
         backoff = 0.05
         try:
+            opener = getattr(self._transport, "open", None)
+            if opener is not None:
+                try:
+                    opener()  # the channel now, not at the first burst (it costs ~10 ms of CPU)
+                except Exception as e:  # a bad endpoint: each stream retries it, counted there
+                    self._warn_once("transport-open", f"tracetop: cannot open a channel to {self.endpoint}: {e!r}")
             while not self._stop.is_set():
                 if not self._wait_for_work():
                     break
