@@ -172,7 +172,7 @@ SCHEMAS: dict[Kind, tuple[Col, ...]] = {
     + (
         Col("kind", "str"),             # the event kind (or "batch") that was dropped
         Col("dropped", "i8"),           # rows (or batches) lost
-        Col("reason", "str"),           # queue_full | unacked_full | spool_full | rejected:<fault>
+        Col("reason", "str"),           # see tracetop/wire/ledger.py: queue_full | bad_row | unacked_full | rejected:<fault> | spool_unreadable | spool_full
         Col("origin_source", "str"),    # the source whose data was lost
     ),
     Kind.XID: _COMMON

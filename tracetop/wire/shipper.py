@@ -8,27 +8,30 @@ Three promises (DESIGN §4):
 * **Nothing is lost silently.** A flusher thread turns buffered rows into columnar batches
   (vectorised, a few large numpy operations per batch), numbers them per source (``seq``), and
   keeps each one until the receiver acks it (cumulative acks). After a reconnect everything
-  unacked is resent; the receiver drops duplicates. Every drop — a full buffer, the unacked
-  budget exceeded, a batch the receiver refused — becomes a GAP row that is itself shipped.
+  unacked is resent; the receiver drops duplicates. Every drop goes through one ledger
+  (``tracetop/wire/ledger.py``, which lists the reasons) and becomes a GAP row that is itself
+  shipped, with the same counts in ``stats()``.
 * **Bounded memory, optional disk spool.** Unacked batches are bounded by ``max_unacked_bytes``
   (oldest own batches dropped first, with a gap row). With ``spool_dir`` every batch is written
   to disk before it counts as accepted (``forward`` returns only then: the agent acks hooks on
   that), survives a kill -9, and is replayed on the next start.
 
-Transports: gRPC (``Ingest.Stream``) by default; ``MemoryTransport`` for tests and in-process use.
+Parts: ``outbox.py`` (the unacked book, limbo, resend order: plain state), ``spool.py`` (the
+disk spool), ``transport.py`` (the one I/O seam: gRPC ``Ingest.Stream`` by default,
+``MemoryTransport`` for tests and in-process use). This module keeps intake, sealing, the two
+threads (flusher, sender: one sender loop for every transport) and the stats.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,13 +40,26 @@ import numpy as np
 
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
-from tracetop.wire.codec import concat_columns, decode_batch, dict_encode, encode_batch
+from tracetop.wire.codec import concat_columns, dict_encode, encode_batch
+from tracetop.wire.ledger import DropLedger
+from tracetop.wire.outbox import Outbox
+from tracetop.wire.spool import Spool
+from tracetop.wire.transport import (
+    MAX_MESSAGE_BYTES,
+    Disconnected,
+    GrpcTransport,
+    MemoryTransport,
+    Rejected,
+    SendTransport,
+    default_channel,
+)
+
+__all__ = ["BATCH_BYTES", "MAX_BATCH_ROWS", "MAX_MESSAGE_BYTES", "MemoryTransport", "NullShipper", "Shipper",
+           "ShipperStats", "default_channel"]
 
 log = logging.getLogger("tracetop.shipper")
 
 MiB = 1 << 20
-#: gRPC message cap used by the default channel (the collector's default max is 64 MiB).
-MAX_MESSAGE_BYTES = 64 * MiB
 #: A sealed batch never holds more rows than this, nor more than BATCH_BYTES of column data, so
 #: every message fits gRPC's default 4 MiB receive limit with room to spare.
 MAX_BATCH_ROWS = 65536
@@ -54,22 +70,6 @@ def _rows_per_batch(kind: Kind, budget_bytes: int = BATCH_BYTES) -> int:
     row_bytes = sum(8 if c.dtype in ("i8", "f8") else 4 for c in SCHEMAS[kind])
     return max(1, min(MAX_BATCH_ROWS, min(BATCH_BYTES, budget_bytes) // row_bytes))
 
-_GAP_COLUMNS = [c.name for c in SCHEMAS[Kind.GAP]]
-
-
-@dataclass
-class _Entry:
-    source_id: str
-    seq: int
-    kind: int
-    n: int
-    nbytes: int
-    batch: pb.ColumnBatch | None  # None when only the spool file holds it
-    spool_path: Path | None
-    own: bool
-    idx: int = 0  # enqueue order; flush() waits for every entry up to an index
-    sent_epoch: int = -1  # the connection it was last sent on
-
 
 @dataclass
 class ShipperStats:
@@ -78,9 +78,10 @@ class ShipperStats:
     batches_sent: int = 0
     batches_acked: int = 0
     rows_acked: int = 0
-    rows_dropped: int = 0
+    rows_dropped: int = 0  # these four: from the ledger, in stats()
     batches_dropped: int = 0
     batches_rejected: int = 0
+    dropped_by_reason: dict[str, int] = field(default_factory=dict)
     gap_rows: int = 0
     spool_full: int = 0
     reconnects: int = 0
@@ -89,54 +90,6 @@ class ShipperStats:
     spool_bytes: int = 0
     connected: bool = False
     last_error: str = ""
-    dropped_by_reason: dict[str, int] = field(default_factory=dict)
-
-
-class MemoryTransport:
-    """An in-process receiver: validates and keeps every batch, acks at once.
-
-    For tests and for tools that want the rows without a collector. ``rows(kind)`` returns the
-    columns of every batch of that kind concatenated (strings decoded)."""
-
-    def __init__(self) -> None:
-        self.batches: list[Any] = []
-        self._lock = threading.Lock()
-
-    def send(self, batch: pb.ColumnBatch) -> None:
-        decoded = decode_batch(batch)
-        with self._lock:
-            self.batches.append(decoded)
-
-    def rows(self, kind: Kind) -> dict[str, np.ndarray]:
-        with self._lock:
-            got = [b for b in self.batches if b.kind == kind]
-        out: dict[str, np.ndarray] = {}
-        for col in SCHEMAS[kind]:
-            parts = []
-            for b in got:
-                v = b.columns[col.name]
-                if isinstance(v, tuple):
-                    codes, dictionary = v
-                    parts.append(np.asarray(dictionary, dtype=object)[codes] if len(dictionary) else np.zeros(0, object))
-                else:
-                    parts.append(v)
-            out[col.name] = np.concatenate(parts) if parts else np.zeros(0)
-        return out
-
-
-def default_channel(target: str):  # -> grpc.Channel
-    import grpc
-
-    return grpc.insecure_channel(
-        target,
-        options=[
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
-        ],
-    )
 
 
 class Shipper:
@@ -151,7 +104,11 @@ class Shipper:
         max_pending_rows: per-kind buffer bound; beyond it the oldest rows are dropped and counted.
         max_unacked_bytes: memory bound on sealed-but-unacked batches.
         spool_dir / spool_max_bytes: durable spool (agent); replayed at start.
-        transport: None for gRPC to ``endpoint``, or an object with ``send(batch)`` (MemoryTransport).
+        transport: None for gRPC to ``endpoint``; or a transport (``stream(batches) -> acks``,
+            see tracetop/wire/transport.py: MemoryTransport); or an object with ``send(batch)``.
+        channel_credentials / call_metadata: for the gRPC link (TLS credentials, e.g.
+            ``grpc.ssl_channel_credentials(...)``; ``(key, value)`` pairs sent with every stream,
+            e.g. ``(("authorization", "Bearer <token>"),)``). Both default to none.
         channel_factory: builds the gRPC channel (tests may inject options).
         clock_ns: wall clock in ns (injectable).
         burst_linger_s: a stream stays open this long after its last batch for more, then
@@ -173,10 +130,12 @@ class Shipper:
         spool_max_bytes: int = 1 << 30,
         spool_fsync: bool = True,
         transport: Any = None,
-        channel_factory: Callable[[str], Any] = default_channel,
+        channel_credentials: Any = None,
+        call_metadata: Sequence[tuple[str, str]] | None = None,
+        channel_factory: Callable[..., Any] = default_channel,
         clock_ns: Callable[[], int] = time.time_ns,
         reconnect_max_s: float = 1.0,
-        burst_linger_s: float = 0.1,
+        burst_linger_s: float | None = 0.1,
     ) -> None:
         if transport is None and not endpoint:
             raise ValueError("Shipper: no endpoint; pass one or set TRACETOP_ENDPOINT (e.g. 127.0.0.1:7000)")
@@ -187,8 +146,17 @@ class Shipper:
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
         self.max_unacked_bytes = max_unacked_bytes
+        self._owns_transport = transport is None
+        if transport is None:
+            transport = GrpcTransport(
+                endpoint,  # type: ignore[arg-type]
+                channel_credentials=channel_credentials,
+                call_metadata=call_metadata,
+                channel_factory=channel_factory,
+            )
+        elif not hasattr(transport, "stream") and hasattr(transport, "send"):
+            transport = SendTransport(transport)
         self._transport = transport
-        self._channel_factory = channel_factory
         self._clock_ns = clock_ns
         self._reconnect_max_s = reconnect_max_s
         self.burst_linger_s = burst_linger_s
@@ -202,18 +170,11 @@ class Shipper:
         self._bulk: list[tuple[Kind, Mapping[str, Any], int]] = []
         self._bulk_rows = 0
 
-        # --- outbox: guarded by _cv ---
+        # --- every loss, and the outbox (guarded by _cv) ---
+        self._ledger = DropLedger()
         self._cv = threading.Condition()
-        self._unacked: collections.OrderedDict[tuple[str, int], _Entry] = collections.OrderedDict()
-        self._by_source: dict[str, collections.deque] = {}
-        self._to_send: collections.deque = collections.deque()
-        self._unacked_bytes = 0
-        self._mem_bytes = 0
-        self._epoch = 0
+        self._outbox = Outbox(self._ledger, max_unacked_bytes)
         self._seq = 0
-        self._enq_counter = 0
-        self._gap_pending: dict[tuple[str, str, str], int] = {}  # (kind, reason, origin) -> count
-        self._limbo: dict[str, dict[int, _Entry]] = {}  # dropped while in flight: source -> seq -> entry
         self.stats_ = ShipperStats()
 
         self._seal_lock = threading.Lock()
@@ -223,11 +184,11 @@ class Shipper:
         self._closing = False
         self._warned: set[str] = set()
 
-        self._spool: _Spool | None = None
+        self._spool: Spool | None = None
         #: source -> highest seq found on the spool at start (what a killed predecessor had accepted).
         self.replayed_high_water: dict[str, int] = {}
         if spool_dir is not None:
-            self._spool = _Spool(Path(spool_dir), spool_max_bytes, spool_fsync)
+            self._spool = Spool(Path(spool_dir), spool_max_bytes, spool_fsync)
             self._replay_spool()
 
         self._flusher = threading.Thread(target=self._run_flusher, name="tracetop-flusher", daemon=True)
@@ -276,8 +237,8 @@ class Shipper:
         self._seal(force=True)
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            target = self._enq_counter
-            while self._unacked and next(iter(self._unacked.values())).idx <= target:
+            target = self._outbox.enqueued
+            while self._outbox.unacked_through(target):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -293,13 +254,13 @@ class Shipper:
         self._stop.set()
         self._wake.set()
         with self._cv:
-            self._epoch += 1
+            self._outbox.interrupt()
             self._cv.notify_all()
         self._flusher.join(timeout=2.0)
         self._sender.join(timeout=2.0)
         if not ok and self._spool is None:
             with self._cv:
-                rows = sum(e.n for e in self._unacked.values())
+                rows = self._outbox.rows()
             if rows:
                 log.warning(
                     "tracetop: %d events of source %s were not acked by %s before close; they are lost",
@@ -309,11 +270,11 @@ class Shipper:
     def stats(self) -> dict[str, Any]:
         with self._cv:
             s = self.stats_
-            s.unacked_batches = len(self._unacked)
-            s.unacked_bytes = self._unacked_bytes
+            s.unacked_batches = len(self._outbox)
+            s.unacked_bytes = self._outbox.unacked_bytes
             s.spool_bytes = self._spool.bytes if self._spool else 0
             d = dict(s.__dict__)
-            d["dropped_by_reason"] = dict(s.dropped_by_reason)
+        d.update(self._ledger.counters())  # every loss from the one ledger
         with self._lock:
             d["pending_rows"] = sum(len(q) for q in self._pending.values()) + sum(
                 len(next(iter(cols.values()))) for _, cols, _ in self._bulk
@@ -322,7 +283,7 @@ class Shipper:
 
     # ------------------------------------------------------------------ sealing
     def _has_pending(self) -> bool:
-        return bool(self._bulk or self._gap_pending or any(self._pending.values()))
+        return bool(self._bulk or self._ledger or any(self._pending.values()))
 
     def _run_flusher(self) -> None:
         busy_tick = max(0.01, self.flush_interval_s / 4)
@@ -363,11 +324,17 @@ class Shipper:
             for kind, count in overflow.items():
                 self._note_drop(kind.name.lower(), "queue_full", self.source_id, count)
             for kind, rows, first_ns in due:
+                if kind == Kind.GAP:
+                    self._fold_gap_rows(rows)
+                    continue
                 step = _rows_per_batch(kind, self.max_unacked_bytes // 8)
                 for i in range(0, len(rows), step):
                     self._seal_rows(kind, rows[i : i + step], first_ns)
             merged: dict[Kind, tuple[list[Mapping[str, Any]], int]] = {}
             for kind, columns, first_ns in bulk:
+                if kind == Kind.GAP:
+                    self._fold_gap_rows(_column_rows(columns))
+                    continue
                 merged.setdefault(kind, ([], first_ns))[0].append(columns)
             for kind, (parts, first_ns) in merged.items():
                 self._seal_bulk(kind, parts, first_ns)
@@ -419,30 +386,31 @@ class Shipper:
             self._enqueue(batch, own=True)
 
     def _note_drop(self, kind: str, reason: str, origin: str, count: int) -> None:
-        with self._cv:
-            key = (kind, reason, origin)
-            self._gap_pending[key] = self._gap_pending.get(key, 0) + count
-            self.stats_.rows_dropped += count if kind != "batch" else 0
-            self.stats_.dropped_by_reason[reason] = self.stats_.dropped_by_reason.get(reason, 0) + count
+        self._ledger.note(kind, reason, origin, count)
+
+    def _fold_gap_rows(self, rows: list) -> None:
+        """GAP rows a producer recorded itself (the agent relay's ``spool_full``) go through the
+        ledger like every other loss: counted, and shipped in this source's next gap batch."""
+        width = len(SCHEMAS[Kind.GAP])
+        bad = 0
+        for row in rows:
+            try:
+                if len(row) != width:
+                    raise ValueError(row)
+                _rank, _step, _start_ns, _duration_ns, kind, dropped, reason, origin = row
+                self._note_drop(str(kind), str(reason), str(origin), int(dropped))
+            except (TypeError, ValueError):
+                bad += 1
+        if bad:
+            self._warn_once("arity-GAP", f"tracetop: {bad} GAP rows do not fit the schema (see tracetop/events.py); dropped")
+            self._note_drop("gap", "bad_row", self.source_id, bad)
 
     def _seal_gaps(self) -> None:
-        with self._cv:
-            gaps, self._gap_pending = self._gap_pending, {}
-        if not gaps:
-            return
         now = self._clock_ns()
-        n = len(gaps)
-        cols = {
-            "rank": np.full(n, self.rank, "<i4"),
-            "step": np.full(n, -1, "<i8"),
-            "start_ns": np.full(n, now, "<i8"),
-            "duration_ns": np.zeros(n, "<i8"),
-            "kind": [k for k, _, _ in gaps],
-            "dropped": np.fromiter(gaps.values(), "<i8", n),
-            "reason": [r for _, r, _ in gaps],
-            "origin_source": [o for _, _, o in gaps],
-        }
-        self.stats_.gap_rows += n
+        cols = self._ledger.columns(now, self.rank)
+        if cols is None:
+            return
+        self.stats_.gap_rows += len(cols["dropped"])
         with self._cv:
             self._seq += 1
             seq = self._seq
@@ -453,8 +421,9 @@ class Shipper:
     def _enqueue(self, batch: pb.ColumnBatch, own: bool) -> bool:
         nbytes = batch.ByteSize()
         spool_path = None
+        key = (batch.source_id, batch.seq)
         with self._cv:
-            if (batch.source_id, batch.seq) in self._unacked:
+            if key in self._outbox:
                 return True  # already held (and spooled): a resend, not new data
         if self._spool is not None:
             spool_path = self._spool.write(batch, nbytes)
@@ -462,117 +431,16 @@ class Shipper:
                 with self._cv:
                     self.stats_.spool_full += 1
                 if not own:
-                    return False
+                    return False  # the caller keeps it (the relay: the hook resends it later)
                 self._warn_once("spool-full", f"tracetop: spool {self._spool.root} is full; keeping batches in memory only")
-        entry = _Entry(batch.source_id, batch.seq, batch.kind, batch.n, nbytes, batch, spool_path, own)
         with self._cv:
-            key = (entry.source_id, entry.seq)
-            if key in self._unacked:
-                return True
-            self._enq_counter += 1
-            entry.idx = self._enq_counter
-            if spool_path is not None and self._mem_bytes + nbytes > self.max_unacked_bytes:
-                entry.batch = None  # the spool holds it; read back when sent
-            else:
-                self._mem_bytes += nbytes
-                if spool_path is None:
-                    self._make_room_locked(nbytes)
-            self._unacked[key] = entry
-            self._by_source.setdefault(entry.source_id, collections.deque()).append(entry.seq)
-            self._to_send.append(key)
-            self._unacked_bytes += nbytes
-            self._cv.notify_all()
+            if self._outbox.add(batch, nbytes, spool_path, own) is not None:
+                self._cv.notify_all()
         return True
 
-    def _make_room_locked(self, nbytes: int) -> None:
-        """Drop the oldest memory-only batches until nbytes more fit (each drop becomes a gap row).
-
-        A batch in flight on the open stream may already be stored by the receiver, so its drop is
-        not counted yet: it waits in limbo (metadata only) until an ack covers it (stored, no gap)
-        or the stream ends without one (counted then: the only case where a gap row can over-count,
-        if the receiver committed it and died before acking)."""
-        if self._mem_bytes <= self.max_unacked_bytes:
-            return
-        for key in list(self._unacked.keys()):
-            if self._mem_bytes <= self.max_unacked_bytes:
-                break
-            e = self._unacked[key]
-            if e.spool_path is not None or e.batch is None:
-                continue
-            self._remove_locked(key)
-            if e.sent_epoch == self._epoch:
-                if e.kind != Kind.GAP:
-                    e.batch = None  # keep only the metadata
-                self._limbo.setdefault(e.source_id, {})[e.seq] = e
-            else:
-                self._count_lost_locked(e)
-
-    def _count_lost_locked(self, e: _Entry) -> None:
-        if e.kind == Kind.GAP and e.own and e.batch is not None:
-            # A gap batch is only counts: fold them back so the next gap row carries them.
-            self._refold_gaps_locked(e.batch)
-            return
-        self.stats_.batches_dropped += 1
-        kind = Kind(e.kind).name.lower() if e.kind in Kind._value2member_map_ else "batch"
-        gk = (kind, "unacked_full", e.source_id)
-        self._gap_pending[gk] = self._gap_pending.get(gk, 0) + e.n
-        self.stats_.rows_dropped += e.n
-        self.stats_.dropped_by_reason["unacked_full"] = self.stats_.dropped_by_reason.get("unacked_full", 0) + e.n
-
-    def _end_limbo_locked(self) -> None:
-        """The stream ended: limbo batches were never acked; count them lost now."""
-        limbo, self._limbo = self._limbo, {}
-        for entries in limbo.values():
-            for e in entries.values():
-                self._count_lost_locked(e)
-
-    def _refold_gaps_locked(self, batch: pb.ColumnBatch) -> None:
-        cols = decode_batch(batch).columns
-
-        def strings(name: str) -> list[str]:
-            codes, dictionary = cols[name]  # type: ignore[misc]
-            return [dictionary[c] for c in codes.tolist()]
-
-        for kind, reason, origin, dropped in zip(
-            strings("kind"), strings("reason"), strings("origin_source"), cols["dropped"].tolist()  # type: ignore[union-attr]
-        ):
-            self._gap_pending[(kind, reason, origin)] = self._gap_pending.get((kind, reason, origin), 0) + dropped
-
-    def _remove_locked(self, key: tuple[str, int]) -> _Entry | None:
-        e = self._unacked.pop(key, None)
-        if e is None:
-            return None
-        self._unacked_bytes -= e.nbytes
-        if e.batch is not None:
-            self._mem_bytes -= e.nbytes
-        dq = self._by_source.get(e.source_id)
-        if dq is not None:
-            try:
-                dq.remove(e.seq)
-            except ValueError:
-                pass
-            if not dq:
-                del self._by_source[e.source_id]
-        return e
-
     def _on_ack(self, source_id: str, seq: int) -> None:
-        done: list[_Entry] = []
         with self._cv:
-            dq = self._by_source.get(source_id)
-            while dq and dq[0] <= seq:
-                s = dq.popleft()
-                e = self._unacked.pop((source_id, s), None)
-                if e is not None:
-                    self._unacked_bytes -= e.nbytes
-                    if e.batch is not None:
-                        self._mem_bytes -= e.nbytes
-                    done.append(e)
-            if dq is not None and not dq:
-                self._by_source.pop(source_id, None)
-            limbo = self._limbo.get(source_id)
-            if limbo:
-                for s in [s for s in limbo if s <= seq]:
-                    del limbo[s]  # it was stored after all: no gap
+            done = self._outbox.ack(source_id, seq)
             self.stats_.batches_acked += len(done)
             self.stats_.rows_acked += sum(e.n for e in done)
             self._cv.notify_all()
@@ -583,48 +451,47 @@ class Shipper:
 
     def _replay_spool(self) -> None:
         assert self._spool is not None
+        high = self.replayed_high_water
         for path, batch in self._spool.load():
-            high = self.replayed_high_water
+            if batch is None:
+                # Unreadable: lost. Its seq still counts as accepted (a resend of it is a duplicate
+                # to the relay), so its loss is recorded exactly once, here.
+                h = self._spool.header(path)
+                if h.seq > 0:
+                    high[h.source_id] = max(high.get(h.source_id, 0), h.seq)
+                if h.kind >= 0 and h.n >= 0:
+                    self._ledger.note_batch(h.kind, "spool_unreadable", h.source_id, h.n)
+                else:
+                    self._ledger.note("batch", "spool_unreadable", h.source_id, 1, batches=1)
+                self._spool.set_aside(path)
+                continue
             high[batch.source_id] = max(high.get(batch.source_id, 0), batch.seq)
-            nbytes = batch.ByteSize()
             with self._cv:
-                key = (batch.source_id, batch.seq)
-                keep = self._mem_bytes + nbytes <= self.max_unacked_bytes
-                self._enq_counter += 1
-                entry = _Entry(
-                    batch.source_id, batch.seq, batch.kind, batch.n, nbytes, batch if keep else None, path, False,
-                    self._enq_counter,
-                )
-                if keep:
-                    self._mem_bytes += nbytes
-                self._unacked[key] = entry
-                self._by_source.setdefault(batch.source_id, collections.deque()).append(batch.seq)
-                self._to_send.append(key)
-                self._unacked_bytes += nbytes
+                self._outbox.add(batch, batch.ByteSize(), path, own=False)
 
     # ------------------------------------------------------------------ sending
     def _next_to_send(self, epoch: int, linger_s: float | None = None) -> pb.ColumnBatch | None:
         """Blocks until a batch is due on this connection; None when the connection is over, or
         when nothing came for ``linger_s`` (the end of a burst)."""
         deadline = None if linger_s is None else time.monotonic() + linger_s
+        outbox = self._outbox
         with self._cv:
             while True:
-                if self._epoch != epoch:
+                if outbox.epoch != epoch:
                     return None
-                while self._to_send:
-                    key = self._to_send.popleft()
-                    e = self._unacked.get(key)
-                    if e is None:
-                        continue
+                e = outbox.next_due(epoch)
+                while e is not None:
                     batch = e.batch
-                    if batch is None and e.spool_path is not None:
-                        batch = self._spool.read(e.spool_path) if self._spool else None
-                        if batch is None:
-                            self._remove_locked(key)
-                            continue
-                    e.sent_epoch = epoch
-                    self.stats_.batches_sent += 1
-                    return batch
+                    if batch is None and e.spool_path is not None and self._spool is not None:
+                        batch = self._spool.read(e.spool_path)
+                        if batch is None:  # the spooled copy cannot be read back: lost, once
+                            self._warn_once("spool-read", f"tracetop: unreadable spool file {e.spool_path} set aside")
+                            outbox.drop(e, "spool_unreadable")
+                            self._spool.set_aside(e.spool_path, e.nbytes)
+                    if batch is not None:
+                        self.stats_.batches_sent += 1
+                        return batch
+                    e = outbox.next_due(epoch)
                 if self._closing:
                     return None
                 if deadline is None:
@@ -635,7 +502,7 @@ class Shipper:
                     return None
                 self._cv.wait(left)
 
-    def _requests(self, epoch: int):
+    def _requests(self, epoch: int) -> Iterator[pb.ColumnBatch]:
         while True:
             batch = self._next_to_send(epoch, self.burst_linger_s)
             if batch is None:
@@ -646,113 +513,78 @@ class Shipper:
         """Sender between bursts: True once a batch waits (between bursts every unacked batch is
         one to send), False when stopping."""
         with self._cv:
-            while not self._unacked and not self._closing and not self._stop.is_set():
+            while not len(self._outbox) and not self._closing and not self._stop.is_set():
                 self._cv.wait(5.0)
-            return bool(self._unacked) and not self._stop.is_set()
-
-    def _new_epoch_locked(self) -> int:
-        """A new connection: everything unacked goes out again, oldest first."""
-        self._epoch += 1
-        self._to_send = collections.deque(self._unacked.keys())
-        return self._epoch
+            return bool(len(self._outbox)) and not self._stop.is_set()
 
     def _run_sender(self) -> None:
-        if self._transport is not None:
-            self._run_transport_sender()
-            return
-        import grpc
+        """The one sender loop, whatever the transport.
 
-        from tracetop.wire import tracetop_pb2_grpc
-
-        channel = self._channel_factory(self.endpoint)  # type: ignore[arg-type]
-        stub = tracetop_pb2_grpc.IngestStub(channel)
+        One stream per burst: it carries what is due plus whatever comes within burst_linger_s,
+        half-closes, and ends once the receiver has acked everything. An open but idle gRPC
+        stream costs the process ~1.5 ms of CPU a second in grpcio's polling threads
+        (trainer_hooks/README.md "Cost"); between bursts there is none."""
         backoff = 0.05
-        while not self._stop.is_set():
-            if not self._wait_for_work():
-                break
-            with self._cv:
-                epoch = self._new_epoch_locked()
-            # One stream per burst: it carries what is due plus whatever comes within
-            # burst_linger_s, half-closes, and ends once the receiver has acked everything. An
-            # open but idle gRPC stream costs the process ~1.5 ms of CPU a second in grpcio's
-            # polling threads (trainer_hooks/README.md "Cost"); between bursts there is none.
-            call = stub.Stream(self._requests(epoch))
-            clean = False
-            try:
-                for ack in call:
-                    if not self.stats_.connected:
-                        self.stats_.connected = True
-                        backoff = 0.05
-                    self._on_ack(ack.source_id, ack.seq)
-                clean = True  # the receiver acked what it took and ended the stream (or we closed ours)
-            except grpc.RpcError as e:
-                self.stats_.connected = False
-                code = e.code() if hasattr(e, "code") else None
-                detail = e.details() if hasattr(e, "details") else str(e)
-                self.stats_.last_error = f"{code}: {detail}"
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
-                    self._drop_rejected(e, detail or "")
+        try:
+            opener = getattr(self._transport, "open", None)
+            if opener is not None:
+                try:
+                    opener()  # the channel now, not at the first burst (it costs ~10 ms of CPU)
+                except Exception as e:  # a bad endpoint: each stream retries it, counted there
+                    self._warn_once("transport-open", f"tracetop: cannot open a channel to {self.endpoint}: {e!r}")
+            while not self._stop.is_set():
+                if not self._wait_for_work():
+                    break
+                with self._cv:
+                    epoch = self._outbox.new_epoch()
+                clean = False
+                acks = None
+                try:
+                    acks = self._transport.stream(self._requests(epoch))
+                    for ack in acks:
+                        if not self.stats_.connected:
+                            self.stats_.connected = True
+                            backoff = 0.05
+                        self._on_ack(ack.source_id, ack.seq)
+                    clean = True  # the receiver acked what it took and ended the stream (or we closed ours)
+                except Rejected as e:
+                    self.stats_.last_error = str(e)
+                    self._on_rejected(e)
                     backoff = 0.05
-                else:
+                except Exception as e:  # Disconnected, or a transport's own failure: resend on the next
+                    self.stats_.connected = False
+                    self.stats_.last_error = str(e)
+                    if not isinstance(e, Disconnected):
+                        self._warn_once("transport-error", f"tracetop: transport failed (retrying): {e!r}")
                     if self.stats_.reconnects == 0:
-                        self._warn_once("connect", f"tracetop: cannot reach {self.endpoint} ({code}); buffering and retrying")
+                        self._warn_once("connect", f"tracetop: cannot reach {self.endpoint or 'the receiver'} ({e}); buffering and retrying")
                     self.stats_.reconnects += 1
-            finally:
-                call.cancel()
-                with self._cv:
-                    if self._epoch == epoch:
-                        self._epoch += 1
-                    self._end_limbo_locked()
-                    self._cv.notify_all()
-            if self._stop.is_set():
-                break
-            if clean:
-                with self._cv:
-                    unacked_sent = any(e.sent_epoch == epoch for e in self._unacked.values())
-                if not unacked_sent:
-                    continue  # a burst like any other; the next opens when a batch is due
-            self._stop.wait(backoff * (0.5 + random.random()))
-            backoff = min(backoff * 2, self._reconnect_max_s)
-        channel.close()
+                finally:
+                    if acks is not None and hasattr(acks, "close"):
+                        acks.close()
+                    with self._cv:
+                        self._outbox.end_stream(epoch)
+                        self._cv.notify_all()
+                if self._stop.is_set():
+                    break
+                if clean:
+                    with self._cv:
+                        unacked_sent = self._outbox.sent_unacked(epoch)
+                    if not unacked_sent:
+                        continue  # a burst like any other; the next opens when a batch is due
+                self._stop.wait(backoff * (0.5 + random.random()))
+                backoff = min(backoff * 2, self._reconnect_max_s)
+        finally:
+            if self._owns_transport:
+                self._transport.close()
 
-    def _drop_rejected(self, err: Any, detail: str) -> None:
-        md = {k: v for k, v in (err.trailing_metadata() or ())} if hasattr(err, "trailing_metadata") else {}
-        source, seq = md.get("tracetop-rejected-source"), md.get("tracetop-rejected-seq")
-        self._warn_once(f"rejected-{detail[:40]}", f"tracetop: {self.endpoint} refused a batch: {detail}")
-        if source is None or seq is None:
-            return
+    def _on_rejected(self, err: Rejected) -> None:
+        """The receiver refused a batch: drop it for good (a gap row says so), resend the rest."""
+        self._warn_once(f"rejected-{err.fault[:40]}", f"tracetop: {self.endpoint or 'the receiver'} refused a batch: {err}")
         with self._cv:
-            e = self._remove_locked((source, int(seq)))
-            self.stats_.batches_rejected += 1
-            if e is not None:
-                fault = md.get("tracetop-fault") or (detail.split(":", 1)[0][:40] if detail else "invalid")
-                gk = (Kind(e.kind).name.lower() if e.kind in Kind._value2member_map_ else "batch", f"rejected:{fault}", e.source_id)
-                self._gap_pending[gk] = self._gap_pending.get(gk, 0) + e.n
-                self.stats_.rows_dropped += e.n
+            e = self._outbox.reject(err.fault, err.source_id, err.seq)
         if e is not None and e.spool_path is not None and self._spool is not None:
             self._spool.remove(e.spool_path, e.nbytes)
-
-    def _run_transport_sender(self) -> None:
-        with self._cv:
-            epoch = self._new_epoch_locked()
-        self.stats_.connected = True
-        while True:
-            batch = self._next_to_send(epoch)
-            if batch is None:
-                with self._cv:
-                    if self._stop.is_set():
-                        return
-                    epoch = self._new_epoch_locked()
-                continue
-            try:
-                self._transport.send(batch)
-            except Exception as e:
-                self._warn_once("transport", f"tracetop: transport refused a batch: {e}")
-                with self._cv:
-                    self._remove_locked((batch.source_id, batch.seq))
-                    self.stats_.batches_rejected += 1
-                continue
-            self._on_ack(batch.source_id, batch.seq)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -788,69 +620,18 @@ class NullShipper:
         return {}
 
 
+def _column_rows(columns: Mapping[str, Any]) -> list[tuple]:
+    """``record_many`` columns back into rows (strings decoded), in schema order."""
+    out = []
+    for col in SCHEMAS[Kind.GAP]:
+        v = columns.get(col.name, ())
+        if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], np.ndarray):
+            v = [v[1][c] for c in v[0].tolist()]
+        out.append(list(v.tolist() if isinstance(v, np.ndarray) else v))
+    return list(zip(*out))
+
+
 def _slice(v: Any, start: int, count: int) -> Any:
     if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], np.ndarray):
         return (v[0][start : start + count], v[1])
     return v[start : start + count]
-
-
-class _Spool:
-    """One file per batch under root/<source_id>/<seq>.batch, written tmp+fsync+rename."""
-
-    def __init__(self, root: Path, max_bytes: int, fsync: bool) -> None:
-        self.root = root
-        self.max_bytes = max_bytes
-        self.fsync = fsync
-        self.bytes = 0
-        self._lock = threading.Lock()
-        self._tmp_counter = itertools.count()
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OSError(f"tracetop: cannot create spool folder {root}: {e}; pass --spool-dir to a writable folder") from e
-
-    def write(self, batch: pb.ColumnBatch, nbytes: int) -> Path | None:
-        with self._lock:
-            if self.bytes + nbytes > self.max_bytes:
-                return None
-            self.bytes += nbytes
-        folder = self.root / batch.source_id
-        folder.mkdir(exist_ok=True)
-        path = folder / f"{batch.seq:020d}.batch"
-        tmp = folder / f".{batch.seq:020d}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
-        data = batch.SerializeToString()
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        return path
-
-    def read(self, path: Path) -> pb.ColumnBatch | None:
-        try:
-            return pb.ColumnBatch.FromString(path.read_bytes())
-        except (OSError, Exception):
-            return None
-
-    def remove(self, path: Path, nbytes: int) -> None:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            return
-        with self._lock:
-            self.bytes = max(0, self.bytes - nbytes)
-
-    def load(self):
-        """Yield (path, batch) for every spooled batch, per source in seq order."""
-        for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            for tmp in folder.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)  # an interrupted write: never acked, the hook resends it
-            for path in sorted(folder.glob("*.batch")):
-                batch = self.read(path)
-                if batch is None:
-                    log.warning("tracetop: unreadable spool file %s skipped", path)
-                    continue
-                with self._lock:
-                    self.bytes += batch.ByteSize()
-                yield path, batch

@@ -1,0 +1,163 @@
+"""The shipper's durable spool: one file per batch, root/<source_id>/<seq:020d>.batch.
+
+Each file is the batch's protobuf bytes, written to a dot-tmp file, fsynced and renamed, so a
+kill -9 leaves either the whole batch or a tmp file (removed at the next start: never acked, its
+producer resends it). A file that cannot be parsed back is renamed to ``<name>.unreadable`` (kept
+for a look, never replayed again) and its loss recorded once; ``header`` recovers its kind and row
+count when the damage lies past them (they are serialised first).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+from tracetop.wire import tracetop_pb2 as pb
+
+log = logging.getLogger("tracetop.shipper")
+
+UNREADABLE_SUFFIX = ".unreadable"
+
+
+class Header(NamedTuple):
+    """What can be told of a spooled batch from its path and its first bytes (-1: unknown)."""
+
+    source_id: str
+    seq: int
+    kind: int
+    n: int
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        b = data[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def scan_header(data: bytes) -> tuple[int, int]:
+    """(kind, n) from a ColumnBatch's bytes, reading fields in order until one is damaged
+    (-1 for what was not reached). Fields 5 (kind) and 6 (n) come before the columns."""
+    kind = n = -1
+    i = 0
+    try:
+        while i < len(data) and (kind < 0 or n < 0):
+            tag, i = _varint(data, i)
+            field, wire = tag >> 3, tag & 7
+            if wire == 0:
+                value, i = _varint(data, i)
+                if field == 5:
+                    kind = value
+                elif field == 6:
+                    n = value
+            elif wire == 2:
+                length, i = _varint(data, i)
+                i += length
+            elif wire == 5:
+                i += 4
+            elif wire == 1:
+                i += 8
+            else:
+                break
+    except ValueError:
+        pass
+    return kind, n
+
+
+class Spool:
+    """Writes, reads back, removes and replays spooled batches; ``bytes`` is what it holds."""
+
+    def __init__(self, root: Path, max_bytes: int, fsync: bool) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._tmp_counter = itertools.count()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(f"tracetop: cannot create spool folder {root}: {e}; pass --spool-dir to a writable folder") from e
+
+    def write(self, batch: pb.ColumnBatch, nbytes: int) -> Path | None:
+        """The batch's file once it is on disk; None when it would not fit under max_bytes."""
+        with self._lock:
+            if self.bytes + nbytes > self.max_bytes:
+                return None
+            self.bytes += nbytes
+        folder = self.root / batch.source_id
+        folder.mkdir(exist_ok=True)
+        path = folder / f"{batch.seq:020d}.batch"
+        tmp = folder / f".{batch.seq:020d}.{os.getpid()}.{next(self._tmp_counter)}.tmp"
+        data = batch.SerializeToString()
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    def read(self, path: Path) -> pb.ColumnBatch | None:
+        try:
+            return pb.ColumnBatch.FromString(path.read_bytes())
+        except Exception:  # OSError, DecodeError: unreadable either way
+            return None
+
+    def remove(self, path: Path, nbytes: int) -> None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        with self._lock:
+            self.bytes = max(0, self.bytes - nbytes)
+
+    def header(self, path: Path) -> Header:
+        """What the path and whatever bytes survive say of an unreadable batch."""
+        try:
+            seq = int(path.name.split(".", 1)[0])
+        except ValueError:
+            seq = -1
+        try:
+            kind, n = scan_header(path.read_bytes())
+        except OSError:
+            kind = n = -1
+        return Header(path.parent.name, seq, kind, n)
+
+    def set_aside(self, path: Path, nbytes: int = 0) -> None:
+        """An unreadable file: renamed so it is never replayed again (and no longer counted)."""
+        try:
+            os.replace(path, path.with_name(path.name + UNREADABLE_SUFFIX))
+        except FileNotFoundError:
+            return
+        except OSError:
+            path.unlink(missing_ok=True)
+        with self._lock:
+            self.bytes = max(0, self.bytes - nbytes)
+
+    def load(self) -> Iterator[tuple[Path, pb.ColumnBatch | None]]:
+        """Yield (path, batch) for every spooled batch, per source in seq order; batch is None
+        for a file that cannot be read back (the caller records the loss and sets it aside)."""
+        for folder in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            for tmp in folder.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)  # an interrupted write: never acked, the hook resends it
+            for path in sorted(folder.glob("*.batch")):
+                batch = self.read(path)
+                if batch is None:
+                    log.warning("tracetop: unreadable spool file %s set aside; its loss is recorded as a gap", path)
+                    yield path, None
+                    continue
+                with self._lock:
+                    self.bytes += batch.ByteSize()
+                yield path, batch
