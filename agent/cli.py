@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fake-gpus", type=int, default=None, metavar="N", help="test/demo aid: N fake GPUs instead of NVML"
     )
     p.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
+    from tracetop.wire.auth import add_client_arguments
+
+    add_client_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +102,15 @@ def run(args: argparse.Namespace) -> int:
         from agent.fake_nvml import FakeNVML
 
         backend = FakeNVML(args.fake_gpus)
+    from tracetop.wire.auth import AuthSetupError, client_auth_from_args
+
+    try:
+        auth = client_auth_from_args(args)
+    except AuthSetupError as e:
+        print(f"tracetop agent: {e}", file=sys.stderr)
+        return 2
     cfg = AgentConfig(
+        auth=auth,
         collector=env.collector(args.collector),
         listen=args.listen or [env.DEFAULT_AGENT_SOCKET],
         interval_s=args.interval_s,

@@ -62,19 +62,21 @@ def measure(
 
 
 def grpc_exchange(
-    endpoint: str, timeout_s: float = 2.0
+    endpoint: str, timeout_s: float = 2.0, auth=None
 ) -> tuple[Callable[[int], tuple[int, int]], Callable[[], None]]:
-    """An `exchange` over Ingest.Clock to `endpoint`, and a function closing its channel."""
-    import grpc
-
+    """An `exchange` over Ingest.Clock to `endpoint`, and a function closing its channel.
+    ``auth``: a tracetop.wire.auth.ClientAuth (TLS, bearer token) for a collector that demands one."""
     from tracetop.wire import tracetop_pb2 as pb
     from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+    from tracetop.wire.auth import ClientAuth
 
-    channel = grpc.insecure_channel(endpoint)
+    auth = auth or ClientAuth()
+    channel = auth.channel(endpoint)
     stub = pb_grpc.IngestStub(channel)
+    metadata = auth.metadata()
 
     def exchange(t0: int) -> tuple[int, int]:
-        r = stub.Clock(pb.ClockRequest(client_send_ns=t0), timeout=timeout_s)
+        r = stub.Clock(pb.ClockRequest(client_send_ns=t0), timeout=timeout_s, metadata=metadata)
         return r.server_recv_ns, r.server_send_ns
 
     return exchange, channel.close

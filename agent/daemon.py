@@ -53,6 +53,15 @@ class AgentConfig:
     #: Sealing interval of the agent's own rows (hook batches are forwarded at once, not sealed
     #: here). 1 s matches 1 Hz sampling and keeps the flusher's wake-ups (4 a second) cheap.
     flush_interval_s: float = 1.0
+    #: how the agent proves itself to a collector that demands it (tracetop.wire.auth.ClientAuth)
+    auth: Any = None
+
+
+def _auth_kwargs(auth: Any) -> dict[str, Any]:
+    """The shipper's TLS credentials and bearer metadata from a ClientAuth (nothing without one)."""
+    if auth is None:
+        return {}
+    return {"channel_credentials": auth.channel_credentials(), "call_metadata": auth.metadata() or None}
 
 
 class PidRanks:
@@ -146,6 +155,7 @@ class Agent:
             spool_max_bytes=cfg.spool_max_bytes,
             spool_fsync=cfg.spool_fsync,
             flush_interval_s=cfg.flush_interval_s,
+            **_auth_kwargs(cfg.auth),
         )
         self.nvml = NVML(self._nvml_backend)
         try:
@@ -173,7 +183,7 @@ class Agent:
             high_water=getattr(self.shipper, "replayed_high_water", {}),
         ).start()
         if cfg.clock_interval_s > 0:
-            exchange, self._close_clock = grpc_exchange(cfg.collector)
+            exchange, self._close_clock = grpc_exchange(cfg.collector, auth=cfg.auth)
             self.clock = ClockProbe(
                 exchange, self._on_clock, interval_s=cfg.clock_interval_s, clock_ns=self.clock_ns
             ).start()

@@ -294,6 +294,8 @@ class Tracer:
             if max_unacked_bytes is not None:
                 kw["max_unacked_bytes"] = max_unacked_bytes
             target = None if transport is not None else tenv.endpoint(endpoint)
+            if transport is None:
+                kw.update(_client_auth())  # TRACETOP_TOKEN_FILE / TRACETOP_TLS_*: a closed collector
             self.shipper = Shipper(target, run_id=self.run_id, rank=self.rank, transport=transport, **kw)
         self.endpoint = getattr(self.shipper, "endpoint", None)
         self._record = self.shipper.record
@@ -767,6 +769,20 @@ INSTRUCTIONS: dict[str, tuple[int, str, bool]] = {
     "ReduceTiedGrads": (4, "comm", False),
 }
 _INSTR_PHASE = {k: v[1] for k, v in INSTRUCTIONS.items()}
+
+
+def _client_auth() -> dict[str, Any]:
+    """The shipper's credentials from TRACETOP_TOKEN_FILE / TRACETOP_TLS_CA (/_CERT/_KEY); a file
+    that cannot be used fails the setup at once, naming it (never at run time)."""
+    from tracetop.wire.auth import AuthSetupError, ClientAuth
+
+    try:
+        auth = ClientAuth.from_options()
+    except AuthSetupError as e:
+        raise SetupError(f"trainer_hooks: {e}") from None
+    if auth.token is None and auth.tls_ca is None:
+        return {}
+    return {"channel_credentials": auth.channel_credentials(), "call_metadata": auth.metadata() or None}
 
 
 def _seconds(value: float | None, var: str, default: float, what: str) -> float:

@@ -228,3 +228,58 @@ def test_non_loopback_without_tls_or_token_refused_at_start(tmp_path: Path) -> N
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--tls-cert" in r.stderr and "--token-file" in r.stderr
     assert "listening" not in r.stdout and not (tmp_path / "x.duckdb").exists()
+
+
+# ---- the clients that ship: hooks (env vars) and the agent (flags) ---------------------------
+_HOOK = """
+import sys
+from trainer_hooks import Tracer
+t = Tracer(rank=0, world_size=1, run_id=sys.argv[2], endpoint=sys.argv[1], wrap_collectives=False, close_timeout_s=5)
+for n in range(5):
+    with t.step(n):
+        pass
+t.close()
+print("stats", t.stats()["shipper"].get("batches_acked", 0))
+"""
+
+
+def _stored_steps(c, run_id: str, token: str) -> int:
+    with grpc.insecure_channel(c.addr) as ch:
+        reply = pb_grpc.QueryStub(ch).Sql(pb.QueryRequest(sql=f"SELECT count(*) AS n FROM step WHERE run_id = '{run_id}'"),
+                                          metadata=_meta(token), timeout=30)
+    from collector.readonly import from_ipc
+
+    return from_ipc(reply.arrow_ipc).to_pylist()[0]["n"]
+
+
+def test_hooks_and_agent_present_their_token(tmp_path: Path) -> None:
+    from tests.agent.agent_procs import start_agent
+
+    tok = _token_file(tmp_path / "token", TOKEN)
+    c = start_collector(tmp_path, "unix", extra_args=["--token-file", str(tok)])
+    try:
+        base = dict(os.environ, TRACETOP_FLUSH_S="0.2")
+        base.pop("TRACETOP_TOKEN_FILE", None)
+        # hooks straight to the collector: refused without the token, stored with it
+        r = subprocess.run([sys.executable, "-c", _HOOK, c.addr, "no-token"], cwd=ROOT, env=base,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]  # telemetry never breaks the trainer
+        r = subprocess.run([sys.executable, "-c", _HOOK, c.addr, "with-token"], cwd=ROOT,
+                           env=dict(base, TRACETOP_TOKEN_FILE=str(tok)), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert _stored_steps(c, "with-token", TOKEN) == 5
+        assert _stored_steps(c, "no-token", TOKEN) == 0
+        # hooks -> agent (a local unix socket, no token) -> collector (the agent presents the token)
+        sock = f"unix://{tmp_path / 'agent.sock'}"
+        agent = start_agent(c.addr, sock, tmp_path / "spool", "--fake-gpus", "1", "--token-file", str(tok))
+        try:
+            r = subprocess.run([sys.executable, "-c", _HOOK, sock, "via-agent"], cwd=ROOT, env=base,
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr[-2000:]
+            agent.wait_drained()
+        finally:
+            agent.service.stop(timeout_s=60)
+        assert _stored_steps(c, "via-agent", TOKEN) == 5
+    finally:
+        assert c.stop() == 0
+    assert TOKEN not in c.text()
