@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
     parser.add_argument("--flush-interval-s", type=float, default=0.5, help="...or once the oldest waited this long")
     parser.add_argument("--verbose", action="store_true", help="log every commit (rows, milliseconds)")
+    parser.add_argument("--rules", default=None, metavar="FILE",
+                        help="judge runs live with these rules (TOML; `tracetop rules defaults` prints the built-in "
+                             "set); alerts go to the file's `alerts` table")
+    parser.add_argument("--no-rules", action="store_true", help="no live judgments (default: the built-in rules)")
+    parser.add_argument("--baseline", default=None, metavar="RUN_ID",
+                        help="a run in this file that the scaling rules compare against")
 
 
 MIN_BATCH_MB = 4
@@ -52,6 +58,16 @@ def run(args: argparse.Namespace) -> int:
               "holds every shipper's batches (they are up to 3 MiB); use the default 64", file=sys.stderr)
         return 2
 
+    rules = None
+    if not args.no_rules:
+        from collector.live.rules import RulesError, defaults, load
+
+        try:
+            rules = load(args.rules) if args.rules else defaults()
+        except RulesError as e:
+            print(f"tracetop collector: refusing to start, the rules file is not usable:\n{e}", file=sys.stderr)
+            return 2
+
     async def main() -> int:
         try:
             c = await start(
@@ -62,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
                 insecure_bind=args.insecure_bind,
                 flush_rows=args.flush_rows,
                 flush_interval_s=args.flush_interval_s,
+                rules=rules,
+                baseline=args.baseline,
             )
         except (ListenError, SchemaError) as e:
             print(f"tracetop collector: {e}", file=sys.stderr)

@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -266,12 +267,15 @@ class Collector:
     metrics: CollectorMetrics
     metrics_port: int | None
     metrics_http: object | None
+    live: object | None = None  # collector.live.engine.LiveEngine when started with rules
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
         self.service.closing = True
         stopped = asyncio.ensure_future(self.server.stop(grace_s))
         await asyncio.to_thread(self.writer.close)
+        if self.live is not None:
+            await asyncio.to_thread(self.live.close)  # type: ignore[attr-defined]
         for sink in list(self.service.sinks):
             sink.deliver(StreamEnd(shutdown=True))
         await stopped
@@ -291,19 +295,34 @@ async def start(
     flush_rows: int = 10_000,
     flush_interval_s: float = 0.5,
     max_query_rows: int = readonly.DEFAULT_MAX_ROWS,
+    rules: Sequence | None = None,
+    sinks: Sequence = (),
+    baseline: str | None = None,
+    live_window: int = 64,
 ) -> Collector:
-    """Open the file, start the writer and the gRPC server. Call inside a running event loop."""
+    """Open the file, start the writer and the gRPC server. Call inside a running event loop.
+
+    rules: the live judgments' rules (collector.live.rules.Rule; None = no live engine); sinks:
+    where alerts go besides the `alerts` table (collector.live.model.AlertSink); baseline: a run
+    id in this file that scaling rules compare against."""
     bind = check_listen(listen, insecure_bind=insecure_bind)
     if bind.startswith("unix:"):
         _clear_stale_socket(_unix_path(bind))
     con = open_store(db_path)
     metrics = CollectorMetrics()
+    live = None
+    if rules is not None:
+        from collector.live.engine import LiveEngine
+
+        live = LiveEngine(rules, con=con.cursor(), sinks=sinks, baseline=baseline, window=live_window)
+        live.start()
     writer = Writer(
         con,
         flush_rows=flush_rows,
         flush_interval_s=flush_interval_s,
         on_flush=metrics.on_flush,
         on_queue=metrics.on_queue,
+        on_commit=live.on_commit if live is not None else None,
     )
     writer.start()
     service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows)
@@ -321,6 +340,8 @@ async def start(
         port = server.add_insecure_port(bind)
     except RuntimeError as e:
         writer.close()
+        if live is not None:
+            live.close()
         con.close()
         raise ListenError(f"cannot listen on {listen}: {e}") from e
     if not bind.startswith("unix:"):
@@ -333,7 +354,7 @@ async def start(
     if metrics_port is not None:
         http, _ = serve_metrics(metrics_port, metrics.registry)
         metrics_port = http.server_port
-    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http)
+    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, live)
 
 
 class Handle:

@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "query": ("collector.query_cli", "read-only SQL on a collector's file, or through a running collector"),
     "agent": ("agent.cli", "run the node agent: NVML/host sampling, local relay with disk spool"),
     "train": ("reference_trainer.cli", "run the reference 3D-parallel trainer through torchrun"),
+    "rules": ("collector.live.rules_cli", "check a rules file, or print the built-in rules (live judgments)"),
+    "alerts": ("collector.live.alerts_cli", "the alerts a collector raised (or --recompute them from a file)"),
     "demo": ("collector.demo", "collector + a 4-rank reference run, then a per-rank summary"),
 }
 
