@@ -160,7 +160,9 @@ def _v5() -> list[str]:
             rank INTEGER, stage INTEGER, node VARCHAR, gpu INTEGER,  -- from the labels, where they apply
             labels VARCHAR NOT NULL,        -- JSON: scope labels and the rule's own
             first_step BIGINT, last_step BIGINT,  -- -1 for time-based rules
-            first_ns BIGINT, last_ns BIGINT,      -- collector clock
+            first_ns BIGINT, last_ns BIGINT,      -- collector clock: breach began / latest evaluation
+            fired_ns BIGINT,                      -- collector clock when it went firing
+            fired_step BIGINT,                    -- the completed step at which it went firing (-1: timer rules)
             value DOUBLE, threshold DOUBLE,       -- in the rule's unit (its key says which)
             message VARCHAR NOT NULL
         )""",
@@ -218,12 +220,17 @@ def _v5() -> list[str]:
         )
         SELECT run_id, step, stage, rank, stage_ranks, compute_ms, wait_ms, others_compute_ms, others_wait_ms,
                compute_ms / others_compute_ms AS compute_ratio, compute_ms - others_compute_ms AS excess_ms,
-               CASE WHEN madc > 0 THEN (compute_ms - mc) / (1.4826 * madc) END AS z_compute,
-               CASE WHEN madw > 0 THEN (wait_ms - mw) / (1.4826 * madw) END AS z_wait,
+               z_compute, z_wait,
                coalesce(compute_ms - others_compute_ms > 50 AND compute_ms / others_compute_ms > 1.5
-                        AND wait_ms < others_wait_ms
-                        AND (stage_ranks < 5 OR (compute_ms - mc) / (1.4826 * nullif(madc, 0)) > 3.5), false) AS is_straggler
-        FROM o""",
+                        AND wait_ms < others_wait_ms AND (stage_ranks < 5 OR z_compute > 3.5), false) AS is_straggler
+        FROM (SELECT *,
+                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madc > 0 THEN (compute_ms - mc) / (1.4826 * madc)
+                          WHEN compute_ms > mc THEN 'infinity'::DOUBLE WHEN compute_ms < mc THEN '-infinity'::DOUBLE
+                          ELSE 0 END AS z_compute,
+                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madw > 0 THEN (wait_ms - mw) / (1.4826 * madw)
+                          WHEN wait_ms > mw THEN 'infinity'::DOUBLE WHEN wait_ms < mw THEN '-infinity'::DOUBLE
+                          ELSE 0 END AS z_wait
+              FROM o)""",
         # grad-sync per step: p50 / p99 across ranks (quantile_cont = numpy's linear quantile).
         """CREATE VIEW grad_sync AS
         SELECT run_id, step, count(*) AS ranks,

@@ -44,6 +44,7 @@ from tracetop.events import Kind
 from trainer_hooks import collectives as colls
 from trainer_hooks import columns as cols
 from trainer_hooks.identity import Identity, SetupError, resolve
+from trainer_hooks.loss import loss_value as _loss_value
 
 log = logging.getLogger("trainer_hooks")
 
@@ -335,6 +336,14 @@ class Tracer:
         if ctx is None:
             ctx = self._phases[name] = _PhaseCtx(self, name)
         return ctx
+
+    def set_loss(self, value: Any) -> None:
+        """The current step's loss (a float or a tensor; a CUDA tensor is left NaN, never synced)."""
+        if self.enabled:
+            try:
+                self._loss = _loss_value(value)
+            except Exception as e:
+                self._hook_error("loss", e)
 
     def begin_step(self, n: int, *, tokens: int | None = None, samples: int | None = None) -> None:
         """For callback-style integrations: the same as entering ``step(n)``."""

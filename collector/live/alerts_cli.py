@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     where = ["state = 'firing'"] if args.firing else []
     if args.run:
         where.append("run_id IN (" + ", ".join("'" + r.replace("'", "''") + "'" for r in args.run) + ")")
-    sql = (f"SELECT {_COLUMNS}, rank, stage, first_ns, last_ns, id FROM alerts"
+    sql = (f"SELECT {_COLUMNS}, rank, stage, first_ns, fired_ns, fired_step, last_ns, id FROM alerts"
            + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY first_ns, rule")
     from collector import query_cli
 

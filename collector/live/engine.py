@@ -84,6 +84,9 @@ class AlertBook:
                               step if not time_based else -1, step if not time_based else -1, now_ns, now_ns, o.value,
                               rule.threshold, o.message.replace("{steps}", "1"))
                     t = self.tracks[key] = _Track(a, 0, 0, rule)
+                    fresh = True
+                else:
+                    fresh = False
                 t.count += 1
                 t.cleared = 0
                 a = t.alert
@@ -92,8 +95,10 @@ class AlertBook:
                 if a.state == PENDING and held:
                     new_state = FIRING
                 t.alert = replace(a, state=new_state, last_step=step if not time_based else a.last_step,
-                                  last_ns=now_ns, value=o.value, message=o.message.replace("{steps}", str(t.count)))
-                if new_state != a.state:
+                                  last_ns=now_ns, value=o.value, message=o.message.replace("{steps}", str(t.count)),
+                                  fired_ns=now_ns if new_state != a.state else a.fired_ns,
+                                  fired_step=(step if not time_based else -1) if new_state != a.state else a.fired_step)
+                if new_state != a.state or fresh:
                     changed.append(t.alert)
             elif t is not None:
                 self._not_breached(key, t, o.value, step, now_ns, changed, time_based)
@@ -137,11 +142,11 @@ def alert_row(a: Alert) -> tuple:
 
     return (alert_id(a), a.rule, a.signal, a.severity, a.state, a.run_id, a.scope, num("rank"), num("stage"),
             a.labels.get("node"), num("gpu"), json.dumps(dict(a.labels), sort_keys=True), a.first_step, a.last_step,
-            a.first_ns, a.last_ns, None if a.value != a.value else a.value, a.threshold, a.message)
+            a.first_ns, a.last_ns, a.fired_ns or None, a.fired_step, None if a.value != a.value else a.value, a.threshold, a.message)
 
 
 ALERT_COLUMNS = ("id", "rule", "signal", "severity", "state", "run_id", "scope", "rank", "stage", "node", "gpu",
-                 "labels", "first_step", "last_step", "first_ns", "last_ns", "value", "threshold", "message")
+                 "labels", "first_step", "last_step", "first_ns", "last_ns", "fired_ns", "fired_step", "value", "threshold", "message")
 
 
 class Evaluator:
@@ -149,7 +154,8 @@ class Evaluator:
 
     def __init__(self, rules: Sequence[Rule], *, window: int = 64, baseline: str | None = None,
                  baseline_lookup: Callable[[str], judge.Baseline | None] | None = None,
-                 step_deadline_s: float = 15.0) -> None:
+                 step_deadline_s: float = 15.0, settle_s: float = 1.0) -> None:
+        self.settle_s = settle_s
         self.rules = [r for r in rules if r.enabled]
         self.state = LiveState(window)
         self.book = AlertBook()
@@ -190,7 +196,10 @@ class Evaluator:
             if slot < 0:
                 continue
             n = int(run.present[slot].sum())
-            if n and (n >= expected or final or (now_ns - int(run.slot_first_ns[slot])) / 1e9 > self.step_deadline_s):
+            # complete, and settled: the other kinds of the ranks' last shipments are in too
+            settled = (now_ns - int(run.slot_last_ns[slot])) / 1e9 >= self.settle_s
+            if n and (final or (n >= expected and settled)
+                      or (now_ns - int(run.slot_first_ns[slot])) / 1e9 > self.step_deadline_s):
                 out.append(s)
                 if n < expected:
                     self.stats.steps_incomplete += 1
@@ -323,12 +332,12 @@ class LiveEngine:
     """The Evaluator on its own thread, fed by the writer's on_commit, writing the alerts table."""
 
     def __init__(self, rules: Sequence[Rule], *, con=None, sinks: Sequence[AlertSink] = (), baseline: str | None = None,
-                 window: int = 64, tick_s: float = 1.0, step_deadline_s: float = 15.0,
+                 window: int = 64, tick_s: float = 0.5, step_deadline_s: float = 15.0, settle_s: float = 1.0,
                  max_inbox_rows: int = 4_000_000, clock_ns: Callable[[], int] = time.time_ns) -> None:
         self._cur = con
         lookup = (lambda run_id: lookup_baseline(self._cur, run_id)) if con is not None else None
         self.ev = Evaluator(rules, window=window, baseline=baseline, baseline_lookup=lookup,
-                            step_deadline_s=step_deadline_s)
+                            step_deadline_s=step_deadline_s, settle_s=settle_s)
         self.sinks = list(sinks)
         self.tick_s = tick_s
         self.clock_ns = clock_ns

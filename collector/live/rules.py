@@ -292,17 +292,14 @@ def _parse_rule(name: str, body: dict, line_of, hline: int, faults: list[Fault])
             params[key] = v
         else:
             thresholds.append((k, v))
-    if len(faults) > n0:
-        return None
-    if not thresholds:
+    key_faults = len(faults) > n0
+    if not thresholds and not key_faults:
         want = " or ".join(k.name for k in spec.threshold_keys)
         faults.append(Fault(hline, "", f"rule '{name}' has no threshold; add {want} = VALUE"))
-        return None
     if len(thresholds) > 1:
         faults.append(Fault(line_of(thresholds[1][0].name), thresholds[1][0].name,
                             f"rule '{name}' has two thresholds; give one (a rule per threshold)"))
-        return None
-    tkey, threshold = thresholds[0]
+    tkey, threshold = thresholds[0] if thresholds else (spec.threshold_keys[0], 0.0)
     scope = body.get("scope", spec.scopes[0])
     if not isinstance(scope, str) or scope not in SCOPES:
         faults.append(Fault(line_of("scope"), "scope", f"unknown scope {scope!r}{_nearest(str(scope), list(SCOPES))}"))
@@ -333,7 +330,7 @@ def _parse_rule(name: str, body: dict, line_of, hline: int, faults: list[Fault])
     if clear is not None:
         if not _number(clear):
             faults.append(Fault(line_of(clear_key), clear_key, f"must be a number, got {clear!r}"))
-        elif (tkey.op == "above" and clear > threshold) or (tkey.op == "below" and clear < threshold):
+        elif thresholds and ((tkey.op == "above" and clear > threshold) or (tkey.op == "below" and clear < threshold)):
             faults.append(Fault(line_of(clear_key), clear_key, f"{clear!r} is on the wrong side of the threshold "
                                                                f"{threshold:g}: hysteresis clears "
                                                                f"{'below' if tkey.op == 'above' else 'above'} it"))

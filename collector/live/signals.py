@@ -62,10 +62,13 @@ def _median(v: np.ndarray) -> float:
 
 
 def _robust_z(v: np.ndarray) -> np.ndarray:
+    """(v - median) / (1.4826 MAD); with MAD 0 (most ranks equal) +-inf off the median, 0 on it."""
+    if len(v) < 2:
+        return np.full(len(v), np.nan)
     med = np.median(v)
     mad = np.median(np.abs(v - med))
-    if len(v) < 2 or mad == 0:
-        return np.full(len(v), np.nan)
+    if mad == 0:
+        return np.where(v > med, np.inf, np.where(v < med, -np.inf, 0.0))
     return (v - med) / (MAD_SCALE * mad)
 
 
@@ -118,8 +121,11 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
     """From each rank's latest heartbeat: silent ranks (no heartbeat for silent_s) and ranks stuck
     in one collective for stuck_s. Of the stuck ranks, the culprits are those whose pending
     collective is not one they ran in their last complete step (they left the program every rank
-    runs: e.g. an all-reduce on a group nobody else joins), or whose peers moved on to a later
-    step; the other stuck ranks are named as waiting. With a silent rank every stuck rank waits.
+    runs: e.g. an all-reduce on a group nobody else joins); failing that, those the other ranks
+    left behind (they moved on to a later step); failing that, with every rank stuck, one alone in
+    its (op, role). The other stuck ranks are named as waiting; no one is named while a stuck rank's
+    culprit may still be computing (its next heartbeat says). With a silent rank every stuck rank
+    waits.
     `usual[i]`: the (op, role) pairs rank i ran in its last complete step (empty when unknown)."""
     silent_for = (now_ns - hb_ns) / 1e9
     stuck_for = np.where(since_ns > 0, (now_ns - since_ns) / 1e9, 0.0)
@@ -129,24 +135,28 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
     stuck_idx = np.nonzero(is_stuck)[0]
     culprit = np.zeros(len(ranks), dtype=bool)
     if len(stuck_idx):
-        newest = steps[~is_stuck & ~is_silent].max() if (~is_stuck & ~is_silent).any() else -1
+        free = ~is_stuck & ~is_silent
+        newest = steps[free].max() if free.any() else -1
         for i in stuck_idx:
-            deviant = bool(usual[i]) and (ops[i], roles[i]) not in usual[i]
-            if deviant or newest > steps[i]:
-                culprit[i] = True
-        if not culprit[stuck_idx].any() and not is_silent.any():
-            # nobody left the program: a rank alone in its (op, role) is the odd one out
+            culprit[i] = bool(usual[i]) and (ops[i], roles[i]) not in usual[i]
+        if not culprit.any():  # nobody left the program: the ones the others left behind
+            for i in stuck_idx:
+                culprit[i] = newest > steps[i]
+        if not culprit.any() and not is_silent.any() and not free.any():
+            # every rank is stuck and none left the program: one alone in its (op, role) is the odd one
             sigs = [(ops[i], roles[i]) for i in stuck_idx]
             for j, i in enumerate(stuck_idx):
-                if sigs.count(sigs[j]) == 1 and len(set(sigs)) > 1:
+                if sigs.count(sigs[j]) == 1 and len(set(sigs)) > 1 and len(stuck_idx) > 2:
                     culprit[i] = True
+        # otherwise a stuck rank whose peers are not (yet) seen stuck or gone is not named: its
+        # culprit may be a rank still computing, whose next heartbeat will say
     waiting = tuple(int(ranks[i]) for i in stuck_idx if not culprit[i])
     for i in np.nonzero(is_silent)[0]:
         found.append(HangFinding(int(ranks[i]), "silent", float(silent_for[i]), int(steps[i]), waiting=waiting))
     for i in stuck_idx:
-        if culprit[i] or (not culprit[stuck_idx].any() and not is_silent.any()):
+        if culprit[i]:
             found.append(HangFinding(int(ranks[i]), "stuck", float(stuck_for[i]), int(steps[i]), ops[i], roles[i],
-                                     waiting=tuple(w for w in waiting if w != int(ranks[i]))))
+                                     waiting=waiting))
     return found
 
 

@@ -57,6 +57,7 @@ class RunState:
     sigmask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
     slot_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     slot_first_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    slot_last_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # latest row into the slot
     best_p2p: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per slot: max bytes/ns of a p2p call
     sigs: dict[tuple[str, str], int] = field(default_factory=dict)
     # heartbeats: latest per rank
@@ -78,6 +79,7 @@ class RunState:
         self.sigmask = np.zeros((w, 0), np.int64)
         self.slot_step = np.full(w, -1, np.int64)
         self.slot_first_ns = np.zeros(w, np.int64)
+        self.slot_last_ns = np.zeros(w, np.int64)
         self.best_p2p = np.zeros(w)
 
     # -- sizing ---------------------------------------------------------------------------
@@ -131,6 +133,7 @@ class RunState:
                 self.slot_step[slot] = s
                 self.slot_first_ns[slot] = now_ns
             slots[steps == s] = slot
+            self.slot_last_ns[slot] = now_ns
         return slots
 
     def slot_of(self, step: int) -> int:
