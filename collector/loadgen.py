@@ -89,12 +89,13 @@ class CollectorProcess:
     listen: str
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    args: tuple[str, ...] = ()  # more `tracetop collector` flags (e.g. --no-rules)
 
     def start(self, timeout_s: float = 60.0) -> None:
         self.log_path = self.db.with_suffix(".collector.log")
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tracetop.cli", "collector", "--db", str(self.db), "--listen", self.listen],
+            [sys.executable, "-m", "tracetop.cli", "collector", "--db", str(self.db), "--listen", self.listen, *self.args],
             stdout=log,
             stderr=subprocess.STDOUT,
         )

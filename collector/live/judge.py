@@ -44,14 +44,20 @@ def step_view(run: RunState, step: int) -> StepView | None:
         return None
     expected = run.expected_ranks()
     missing = tuple(int(r) for r in range(expected) if r >= run.ranks or not run.present[slot, r])
-    cols = {name: run.data[slot, i, idx].copy() for name, i in F.items()}
+    # one copy of the slot (a view when every rank up to the last reported: the common case)
+    block = run.data[slot, :, : len(idx)].copy() if idx[-1] == len(idx) - 1 else run.data[slot][:, idx]
+    cols = {name: block[i] for name, i in F.items()}
     hist = []
+    loss_row = F["loss"]
     for s in range(step - run.window + 1, step):
         sl = run.slot_of(s) if s >= 0 else -1
-        if sl >= 0 and run.present[sl].any():
-            losses = run.data[sl, F["loss"], run.present[sl]]
-            losses = losses[~np.isnan(losses)]
-            hist.append(float(losses[0]) if len(losses) else NAN)
+        if sl >= 0:
+            losses = run.data[sl, loss_row]
+            hit = np.nonzero(run.present[sl] & ~np.isnan(losses))[0]
+            if len(hit):
+                hist.append(float(losses[hit[0]]))
+            elif run.present[sl].any():
+                hist.append(NAN)
     return StepView(run.run_id, step, idx, run.stage[idx].copy(), missing, cols, float(run.best_p2p[slot]),
                     max(1, run.dp), max(run.world_size, len(idx)), np.array(hist))
 
@@ -143,6 +149,19 @@ def _rank_labels(rank: int, stage: int) -> dict[str, str]:
     return out
 
 
+def _worth(rule: Rule, vals: np.ndarray) -> np.ndarray:
+    """Indices worth an observation: breached, or inside the hysteresis band (still firing there).
+    Ranks back to normal need none: the alert book resolves what it does not see."""
+    with np.errstate(invalid="ignore"):
+        if rule.op == "above":
+            lim = rule.clear if rule.clear is not None else rule.threshold
+            m = (vals > rule.threshold) | (vals >= lim)
+        else:
+            lim = rule.clear if rule.clear is not None else rule.threshold
+            m = (vals < rule.threshold) | (vals <= lim)
+    return np.nonzero(m & ~np.isnan(vals))[0]
+
+
 def observe(rule: Rule, f: Figures, baseline: Baseline | None = None) -> list[Obs]:
     """The rule's observations at this step (empty when the signal has nothing to say)."""
     v = f.view
@@ -168,7 +187,7 @@ def observe(rule: Rule, f: Figures, baseline: Baseline | None = None) -> list[Ob
         return [Obs("run", {}, val, rule.breached(val), msg)]
     if s == "comm_share":
         if rule.scope == "rank":
-            for i in range(len(v.rank)):
+            for i in _worth(rule, f.comm_share_rank):
                 val = float(f.comm_share_rank[i])
                 msg = (f"rank {int(v.rank[i])} spends {val:.0%} of its step in exposed communication "
                        f"(above {rule.threshold:.0%}) for {{steps}} steps")
@@ -229,22 +248,19 @@ def observe(rule: Rule, f: Figures, baseline: Baseline | None = None) -> list[Ob
         declared = rule.params.get("budget_mb")
         budget = np.where(f.memory_budget > 0, f.memory_budget, declared * 2**20 if declared else np.nan)
         frac = sg.memory_used_of_budget(f.memory_used, budget)
-        for i in range(len(v.rank)):
+        for i in _worth(rule, frac):
             val = float(frac[i])
-            if val != val:
-                continue
             msg = (f"rank {int(v.rank[i])} uses {f.memory_used[i] / 2**20:.0f} MiB of its {budget[i] / 2**20:.0f} MiB "
                    f"budget ({val:.0%}, above {rule.threshold:.0%}) at step {v.step}")
             out.append(Obs("rank", _rank_labels(int(v.rank[i]), int(v.stage[i])), val, rule.breached(val), msg))
         return out
     if s == "offload_bandwidth":
         c = v.cols
-        for i in range(len(v.rank)):
-            for d in ("d2h", "h2d"):
-                ns = c[d + "_ns"][i]
-                if ns <= 0:
-                    continue
-                val = float(c[d + "_bytes"][i] / ns)
+        for d in ("d2h", "h2d"):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rates = np.where(c[d + "_ns"] > 0, c[d + "_bytes"] / c[d + "_ns"], np.nan)
+            for i in _worth(rule, rates):
+                val = float(rates[i])
                 msg = (f"rank {int(v.rank[i])} offloads {d} at {val:.2f} GB/s over its copy time (below "
                        f"{rule.threshold:g} GB/s) for {{steps}} steps")
                 out.append(Obs("rank", {**_rank_labels(int(v.rank[i]), int(v.stage[i])), "direction": d}, val,
@@ -261,10 +277,10 @@ def observe(rule: Rule, f: Figures, baseline: Baseline | None = None) -> list[Ob
     if s == "throughput_per_gpu":
         c = v.cols
         dur = c["duration_ns"] / 1e9
-        for i in range(len(v.rank)):
-            if c["tokens"][i] < 0 or dur[i] <= 0:
-                continue
-            val = float(c["tokens"][i] / dur[i] * v.dp / v.world)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tps = np.where((c["tokens"] >= 0) & (dur > 0), c["tokens"] / dur * v.dp / v.world, np.nan)
+        for i in _worth(rule, tps):
+            val = float(tps[i])
             msg = f"rank {int(v.rank[i])} trains {val:.0f} tokens/s, below the SLA {rule.threshold:g} for {{steps}} steps"
             out.append(Obs("rank", _rank_labels(int(v.rank[i]), int(v.stage[i])), val, rule.breached(val), msg))
         return out

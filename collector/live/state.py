@@ -31,7 +31,8 @@ FIELDS = (
 F = {name: i for i, name in enumerate(FIELDS)}
 _STEP_COLS = FIELDS[:10]
 _REDUCE_INSTR = ("ReduceGrads", "ReduceTiedGrads")
-MAX_SIGS = 63  # distinct (op, role) pairs a run may have in its signature bitmask
+MAX_SIGS = 63
+MAX_RANKS = 1 << 16  # rows naming a larger rank are dropped (counted): memory stays bounded  # distinct (op, role) pairs a run may have in its signature bitmask
 
 
 def _strings(col) -> np.ndarray:
@@ -109,31 +110,32 @@ class RunState:
 
     # -- slots ----------------------------------------------------------------------------
     def _slots_for(self, steps: np.ndarray, now_ns: int) -> np.ndarray:
-        """Slot index per row, or -1 for rows of steps outside the window (too old / negative)."""
-        slots = np.full(len(steps), -1, np.int64)
+        """Slot index per row, or -1 for rows of steps outside the window (too old / negative).
+        Vectorised: the window's W consecutive steps map to W distinct slots, so a row's slot
+        (step % W) names its step; a slot holding an older step is reset for the new one."""
         if not len(steps):
-            return slots
+            return np.full(0, -1, np.int64)
         top = int(steps.max())
         if top > self.newest_step:
             self.newest_step = top
-        for s in np.unique(steps):
-            s = int(s)
-            if s < 0 or s <= self.newest_step - self.window:
-                continue
-            slot = s % self.window
-            cur = int(self.slot_step[slot])
-            if cur != s:
-                if cur > s:
-                    continue
-                self.data[slot] = 0.0
-                self.data[slot, F["loss"]] = np.nan
-                self.present[slot] = False
-                self.sigmask[slot] = 0
-                self.best_p2p[slot] = 0.0
-                self.slot_step[slot] = s
-                self.slot_first_ns[slot] = now_ns
-            slots[steps == s] = slot
-            self.slot_last_ns[slot] = now_ns
+        w = self.window
+        valid = (steps >= 0) & (steps > self.newest_step - w)
+        slots = np.where(valid, steps % w, -1)
+        if not valid.any():
+            return slots
+        us, first = np.unique(slots[valid], return_index=True)
+        ustep = steps[valid][first]
+        fresh = self.slot_step[us] != ustep
+        if fresh.any():
+            r = us[fresh]
+            self.data[r] = 0.0
+            self.data[r, F["loss"]] = np.nan
+            self.present[r] = False
+            self.sigmask[r] = 0
+            self.best_p2p[r] = 0.0
+            self.slot_step[r] = ustep[fresh]
+            self.slot_first_ns[r] = now_ns
+        self.slot_last_ns[us] = now_ns
         return slots
 
     def slot_of(self, step: int) -> int:
@@ -149,6 +151,10 @@ class RunState:
         if kind == Kind.RUN_START:
             self._run_start(rank, cols)
             return
+        if rank.max() >= MAX_RANKS:
+            self.rows_too_old += int((rank >= MAX_RANKS).sum())
+            rank = np.where(rank >= MAX_RANKS, -1, rank)
+            cols = {**cols, "rank": rank}
         if rank.max() >= 0:
             self.ensure_ranks(int(rank.max()) + 1)
         self.last_row_ns = now_ns
@@ -189,16 +195,18 @@ class RunState:
                 np.add.at(d, (slots[m], F[prefix + "_ns"], rank[m]), dur[m])
 
     def _collectives(self, slots: np.ndarray, rank: np.ndarray, cols: dict, keep: np.ndarray) -> None:
+        """Per-row flags computed once per dictionary entry (few), then indexed by the codes."""
         d = self.data
-        ops = _strings(cols["op"])[keep]
-        roles = _strings(cols["role"])[keep]
+        op_codes, op_dict = cols["op"]
+        role_codes, role_dict = cols["role"]
+        op_codes, role_codes = np.asarray(op_codes)[keep], np.asarray(role_codes)[keep]
+        p2p_d = np.array([r.startswith("p2p") for r in role_dict] or [False], bool)
+        dp_d = np.array([("dp" in r.split("|")) for r in role_dict] or [False], bool)
+        grad_d = np.array([o.lstrip("_").startswith(GRAD_OPS) for o in op_dict] or [False], bool)
         dur = np.asarray(cols["duration_ns"], np.float64)[keep]
         nb = np.asarray(cols["bytes"], np.int64)[keep]
-        p2p = np.array([r.startswith("p2p") for r in roles], bool) if len(roles) else np.zeros(0, bool)
-        uniq_roles = {r: ("dp" in r.split("|")) for r in set(roles)}
-        dp_role = np.array([uniq_roles[r] for r in roles], bool)
-        grad_op = np.array([o.lstrip("_").startswith(GRAD_OPS) for o in ops], bool)
-        grad = dp_role & grad_op & (nb >= GRAD_MIN_BYTES)
+        p2p = p2p_d[role_codes]
+        grad = dp_d[role_codes] & grad_d[op_codes] & (nb >= GRAD_MIN_BYTES)
         np.add.at(d, (slots[~p2p], F["coll_wait_ns"], rank[~p2p]), dur[~p2p])
         np.add.at(d, (slots[grad], F["grad_sync_ns"], rank[grad]), dur[grad])
         np.add.at(d, (slots[p2p], F["p2p_ns"], rank[p2p]), dur[p2p])
@@ -208,18 +216,25 @@ class RunState:
                 rate = np.where(dur[p2p] > 0, nb[p2p] / dur[p2p], 0.0)
             np.maximum.at(self.best_p2p, slots[p2p], rate)
         # (op, role) signatures of non-p2p collectives, for the hang culprit test
-        keys = list(zip(ops[~p2p], roles[~p2p]))
-        if keys:
-            bits = np.zeros(len(keys), np.int64)
-            for j, k in enumerate(keys):
-                b = self.sigs.get(k)
-                if b is None and len(self.sigs) < MAX_SIGS:
-                    b = self.sigs[k] = len(self.sigs)
-                bits[j] = (1 << b) if b is not None else 0
-            np.bitwise_or.at(self.sigmask, (slots[~p2p], rank[~p2p]), bits)
+        if (~p2p).any():
+            pair = op_codes[~p2p].astype(np.int64) * max(1, len(role_dict)) + role_codes[~p2p]
+            upair, inv = np.unique(pair, return_inverse=True)
+            ubits = np.zeros(len(upair), np.int64)
+            for j, code in enumerate(upair):
+                key = (str(op_dict[code // max(1, len(role_dict))]), str(role_dict[code % max(1, len(role_dict))]))
+                bit = self.sigs.get(key)
+                if bit is None and len(self.sigs) < MAX_SIGS:
+                    bit = self.sigs[key] = len(self.sigs)
+                ubits[j] = (1 << bit) if bit is not None else 0
+            np.bitwise_or.at(self.sigmask, (slots[~p2p], rank[~p2p]), ubits[inv])
 
     def _run_start(self, rank: np.ndarray, cols: dict) -> None:
-        self.ensure_ranks(int(max(rank.max(), np.max(cols["world_size"]) - 1)) + 1)
+        ok = (rank >= 0) & (rank < MAX_RANKS)
+        rank = rank[ok]
+        cols = {k: (v[0][ok], v[1]) if isinstance(v, tuple) else np.asarray(v)[ok] for k, v in cols.items()}
+        if not len(rank):
+            return
+        self.ensure_ranks(int(min(MAX_RANKS - 1, max(rank.max(), np.max(cols["world_size"]) - 1))) + 1)
         self.world_size = max(self.world_size, int(np.max(cols["world_size"])))
         self.dp = int(np.max(cols["dp"])) or 1
         self.pp = int(np.max(cols["pp"])) or 1

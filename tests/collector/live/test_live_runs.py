@@ -140,7 +140,9 @@ def _view_vs_live(con, run_id: str) -> int:
     st = LiveState(window=256)
     st.ingest(Kind.RUN_START, run_id, _columns(con, Kind.RUN_START, "run_id = ?", [run_id]), 0)
     for kind in _STEP_KINDS:
-        st.ingest(kind, run_id, _columns(con, kind, "run_id = ?", [run_id]), 1)
+        cols = _columns(con, kind, "run_id = ?", [run_id])
+        if cols is not None:
+            st.ingest(kind, run_id, cols, 1)
     run = st.runs[run_id]
     strag = {(r[0], r[1]): r[2:] for r in con.execute(
         "SELECT step, rank, others_compute_ms, others_wait_ms, compute_ratio, excess_ms, z_compute FROM stragglers "
