@@ -14,6 +14,9 @@ FORBIDDEN = {
     "trainer_hooks": ("duckdb", "textual", "collector", "agent", "tui"),
     "agent": ("duckdb", "textual", "collector", "tui", "trainer_hooks", "torch"),
     "collector": ("textual", "agent", "tui", "trainer_hooks", "torch"),
+    # the live engine, what the collector's server loads with rules
+    "collector.live.engine": ("textual", "agent", "tui", "trainer_hooks", "torch", "grpc"),
+    "collector.live.rules_cli": ("duckdb", "textual", "agent", "tui", "trainer_hooks", "torch", "grpc"),
 }
 
 

@@ -161,3 +161,39 @@ def test_engine_thread_writes_the_alerts_table_and_never_queues_unbounded(tmp_pa
     eng.close()
     assert eng.errors == 0
     con.close()
+
+
+def test_gpu_health_from_agent_rows():
+    rules = parse('[rule.x]\nsignal = "xid"\nxid_count_above = 0\n'
+                  '[rule.t]\nsignal = "thermal_throttle"\nthrottled_share_above = 0.5\nfor_s = 30\n'
+                  '[rule.e]\nsignal = "ecc"\necc_errors_above = 0\n')
+    ev = Evaluator(rules)
+    n = 2
+
+    def sample(t_s: float, reasons: list[float], ecc: list[float]) -> dict:
+        f = np.full(n, np.nan)
+        return {"rank": np.full(n, -1, np.int32), "step": np.full(n, -1, np.int64),
+                "start_ns": np.full(n, int(t_s * 1e9), np.int64), "duration_ns": np.zeros(n, np.int64),
+                "node": (np.zeros(n, np.int32), ("node-a",)), "gpu": np.arange(n, dtype=np.int32),
+                "uuid": (np.zeros(n, np.int32), ("",)), "util_pct": f, "mem_util_pct": f, "mem_used_bytes": f,
+                "mem_total_bytes": np.full(n, 80e9), "power_mw": f, "energy_mj": f, "temp_c": f, "sm_clock_mhz": f,
+                "clock_event_reasons": np.array(reasons, float), "pcie_tx_bytes": f, "pcie_rx_bytes": f,
+                "nvlink_tx_bytes": f, "nvlink_rx_bytes": f, "ecc_uncorrected": np.array(ecc, float), "remapped_rows": f}
+
+    # GPU 1 throttles thermally (HW thermal slowdown 0x40) from t = 0 on; GPU 0 is fine
+    ev.ingest(Kind.GPU_SAMPLE, "", sample(0, [0, 0x40], [0, 0]), 0)
+    assert [a.state for a in ev.evaluate_timer(1 * 10**9)] == ["pending"]
+    ev.ingest(Kind.GPU_SAMPLE, "", sample(31, [0, 0x40], [0, 0]), 0)
+    fired = ev.evaluate_timer(31 * 10**9)
+    assert [(a.rule, a.state, a.labels["gpu"]) for a in fired] == [("t", "firing", "1")]
+    assert "throttled for 31 s" in fired[0].message
+    # an XID and an uncorrected ECC error on GPU 0
+    ev.ingest(Kind.XID, "", {"rank": np.array([-1], np.int32), "step": np.array([-1], np.int64),
+                             "start_ns": np.array([32 * 10**9]), "duration_ns": np.array([0]),
+                             "node": (np.array([0], np.int32), ("node-a",)), "gpu": np.array([0], np.int32),
+                             "xid": np.array([79]), "description": (np.array([0], np.int32), ("GPU has fallen off the bus",))}, 0)
+    ev.ingest(Kind.GPU_SAMPLE, "", sample(33, [0, 0], [2, 0]), 0)
+    got = {(a.rule, a.state, a.labels["gpu"]) for a in ev.evaluate_timer(33 * 10**9)}
+    # with no hold, pending and firing come in one evaluation; the throttled GPU recovered
+    assert {("x", "firing", "0"), ("e", "firing", "0"), ("t", "resolved", "1")} <= got
+    assert any("XID 79" in a.message for a in ev.book.firing())

@@ -48,7 +48,7 @@ def test_balanced_delay_on_every_rank_flags_nobody():
 def test_z_score_needed_with_many_ranks():
     stage = np.zeros(16, int)
     compute = np.full(16, 100.0)
-    compute[:8] += np.linspace(-30, 30, 8)  # wide spread: 160 ms is 2.x MADs out at most? no: compute
+    compute[:8] += np.linspace(-30, 30, 8)  # a spread, so the MAD is not 0
     compute[5] = 170.0
     wait = np.full(16, 50.0)
     wait[5] = 5.0
