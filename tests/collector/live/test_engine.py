@@ -197,3 +197,19 @@ def test_gpu_health_from_agent_rows():
     # with no hold, pending and firing come in one evaluation; the throttled GPU recovered
     assert {("x", "firing", "0"), ("e", "firing", "0"), ("t", "resolved", "1")} <= got
     assert any("XID 79" in a.message for a in ev.book.firing())
+
+
+def test_bench_live_json_keys():
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "live", "--ranks", "512", "--window", "16",
+                          "--steps", "5", "--ingest-events", "0", "--json"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["ranks"] == 512 and r["steps_evaluated"] == 16 + 5
+    assert r["eval_ms_p99"] > 0 and 0 < r["live_state_mb"] < 16 * 512 * 23 * 8 * 1.5 / 2**20

@@ -125,6 +125,11 @@ def test_live_alerts_equal_recompute(live):
     again = {(a.rule, a.run_id, json.dumps(dict(a.labels), sort_keys=True), a.first_step)
              for a in found if a.state != "pending" and a.first_step >= 0}
     assert {(r["rule"], r["run_id"], r["labels"], r["first_step"]) for r in stored} == again
+    # the timer rules replayed on the heartbeats' clock name the same hung rank and collective
+    live_stuck = {(a["rank"], a["labels"]) for a in live["hang_alerts"] if a["signal"] == "stuck_collective"}
+    re_stuck = {(int(a.labels["rank"]), json.dumps(dict(a.labels), sort_keys=True))
+                for a in found if a.signal == "stuck_collective" and a.state != "pending"}
+    assert live_stuck == re_stuck
     cli = subprocess.run([sys.executable, "-m", "tracetop.cli", "alerts", str(db), "--recompute", "--rules", str(rules),
                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
