@@ -28,10 +28,11 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
         assert r.rc == 0, r.output[-3000:]
         rank_steps = sql(c.addr, "SELECT count(*) FROM step WHERE run_id IN ('clean', 'balanced')").column(0)[0].as_py()
         assert rank_steps == 2000
-        # the delay was real: every rank's exposed communication grew by about 100 ms
-        grew = sql(c.addr, "SELECT min(b) - max(a) FROM (SELECT rank, median(comm_exposed_ms) FILTER (WHERE run_id = "
-                           "'balanced') AS b, median(comm_exposed_ms) FILTER (WHERE run_id = 'clean') AS a FROM "
-                           "step_ranks GROUP BY rank)").column(0)[0].as_py()
+        # the delay was real: every rank's step grew by about 100 ms (slept outside compute and
+        # outside the collectives, on every rank alike: nobody waits longer, nobody straggles)
+        grew = sql(c.addr, "SELECT min(b - a) FROM (SELECT rank, median(step_ms) FILTER (WHERE run_id = 'balanced') AS b,"
+                           " median(step_ms) FILTER (WHERE run_id = 'clean') AS a FROM step_ranks GROUP BY rank)"
+                   ).column(0)[0].as_py()
         assert grew > 50
         time.sleep(2.5)  # the last steps settle and are judged
         strag = sql(c.addr, "SELECT run_id, rank, first_step, message FROM alerts WHERE signal = 'straggler'").to_pylist()
