@@ -123,6 +123,18 @@ class AlertBook:
                 del self.done[:-1000]
                 changed.append(done)
 
+    def end_run(self, run_id: str, now_ns: int) -> list[Alert]:
+        """The run is over (every rank silent): its alerts resolve, nothing is left firing."""
+        changed = []
+        for key in [k for k in self.tracks if k[1] == run_id]:
+            a = self.tracks.pop(key).alert
+            if a.state == FIRING:
+                done = replace(a, state=RESOLVED, last_ns=now_ns)
+                self.done.append(done)
+                changed.append(done)
+        del self.done[:-1000]
+        return changed
+
     def firing(self) -> list[Alert]:
         return [t.alert for t in self.tracks.values() if t.alert.state == FIRING]
 
@@ -154,8 +166,9 @@ class Evaluator:
 
     def __init__(self, rules: Sequence[Rule], *, window: int = 64, baseline: str | None = None,
                  baseline_lookup: Callable[[str], judge.Baseline | None] | None = None,
-                 step_deadline_s: float = 15.0, settle_s: float = 1.0) -> None:
+                 step_deadline_s: float = 15.0, settle_s: float = 1.0, run_end_s: float = 60.0) -> None:
         self.settle_s = settle_s
+        self.run_end_s = run_end_s
         self.rules = [r for r in rules if r.enabled]
         self.state = LiveState(window)
         self.book = AlertBook()
@@ -253,6 +266,14 @@ class Evaluator:
 
     def evaluate_timer(self, now_ns: int) -> list[Alert]:
         changed: list[Alert] = []
+        for run in list(self.state.runs.values()):
+            # a run whose every rank fell silent for run_end_s has ended: resolve what it left firing
+            last = int(run.hb_ns.max()) if run.ranks else 0
+            if last and not run.ended and (now_ns - last) / 1e9 > self.run_end_s:
+                run.ended = True
+                changed += self.book.end_run(run.run_id, now_ns)
+            elif last and (now_ns - last) / 1e9 <= self.run_end_s:
+                run.ended = False
         for rule in self.timer_rules:
             if rule.signal in ("silent_rank", "stuck_collective"):
                 for run in list(self.state.runs.values()):

@@ -70,6 +70,7 @@ class RunState:
     hb_phase: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
     newest_step: int = -1
     last_evaluated: int = -1
+    ended: bool = False                 # every rank silent for the engine's run_end_s
     rows_too_old: int = 0
     last_row_ns: int = 0
 

@@ -213,3 +213,22 @@ def test_bench_live_json_keys():
     r = json.loads(out.stdout)
     assert r["ranks"] == 512 and r["steps_evaluated"] == 16 + 5
     assert r["eval_ms_p99"] > 0 and 0 < r["live_state_mb"] < 16 * 512 * 23 * 8 * 1.5 / 2**20
+
+
+def test_alerts_of_an_ended_run_resolve():
+    ev = Evaluator([STRAG], window=8, settle_s=0.0, run_end_s=60.0)
+    ev.ingest(Kind.RUN_START, "r", _run_start(2), 0)
+    for s in range(4):
+        ev.ingest(Kind.COLLECTIVE, "r", _coll_cols(s, np.array([150.0, 1.0])), 10**9)
+        ev.ingest(Kind.STEP, "r", _step_cols(s, 2, np.array([20.0, 170.0])), 10**9)
+    hb = {"rank": np.arange(2, dtype=np.int32), "step": np.full(2, 3, np.int64), "start_ns": np.full(2, 10**9),
+          "duration_ns": np.zeros(2, np.int64), "phase": (np.zeros(2, np.int32), ("idle",)),
+          "pending_op": (np.zeros(2, np.int32), ("",)), "pending_role": (np.zeros(2, np.int32), ("",)),
+          "pending_since_ns": np.full(2, -1, np.int64), "hostname": (np.zeros(2, np.int32), ("h",)),
+          "pid": np.zeros(2, np.int32)}
+    ev.ingest(Kind.HEARTBEAT, "r", hb, 10**9)
+    ev.evaluate_ready(2 * 10**9, 0.0)
+    assert [a.labels["rank"] for a in ev.book.firing()] == ["1"]
+    assert ev.evaluate_timer(30 * 10**9) == [] and ev.book.firing()
+    done = ev.evaluate_timer(62 * 10**9)
+    assert [(a.state, a.labels["rank"]) for a in done] == [("resolved", "1")] and not ev.book.firing()

@@ -157,6 +157,12 @@ def _view_vs_live(con, run_id: str) -> int:
     bub = {(r[0], r[1]): r[2:] for r in con.execute(
         "SELECT step, stage, bubble, compute, waiting, transfer, tail, overhead, stage_imbalance FROM bubble_budget "
         "WHERE run_id = ?", [run_id]).fetchall()}
+    tput = {r[0]: r[1] for r in con.execute(
+        "SELECT step, per_gpu_tokens_per_s FROM step_throughput WHERE run_id = ?", [run_id]).fetchall()}
+    mem = {(r[0], r[1]): r[2:] for r in con.execute(
+        "SELECT step, rank, used_bytes, budget_bytes FROM memory_headroom WHERE run_id = ?", [run_id]).fetchall()}
+    spikes = {r[0]: r[1] for r in con.execute("SELECT step, spike_share FROM loss_spikes WHERE run_id = ?",
+                                              [run_id]).fetchall()}
     n = 0
     for step in range(run.newest_step + 1):
         v = judge.step_view(run, step)
@@ -171,6 +177,11 @@ def _view_vs_live(con, run_id: str) -> int:
                                        rtol=1e-9, atol=1e-9)
             n += 1
         np.testing.assert_allclose([f.grad_sync_p50_ms, f.grad_sync_p99_ms, f.comm_share], grad[step], rtol=1e-9)
+        assert f.per_gpu_tokens_per_s == pytest.approx(tput[step], rel=1e-9)
+        for i, rank in enumerate(v.rank):
+            assert (f.memory_used[i], f.memory_budget[i]) == mem[(step, int(rank))]
+        want = spikes.get(step)
+        assert (f.loss_spike != f.loss_spike and want is None) or f.loss_spike == pytest.approx(want, rel=1e-9)
         for b in f.budgets:
             want = bub[(step, b.stage)]
             np.testing.assert_allclose([b.bubble, b.compute, b.waiting, b.transfer, b.tail, b.overhead, f.imbalance[0]],
