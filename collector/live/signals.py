@@ -136,12 +136,14 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
     culprit = np.zeros(len(ranks), dtype=bool)
     if len(stuck_idx):
         free = ~is_stuck & ~is_silent
-        newest = steps[free].max() if free.any() else -1
+        # "the others moved on": every rank not stuck is at a later step (one still at the same
+        # step may be the culprit, computing: its next heartbeat will say)
+        others_min = steps[free].min() if free.any() else -1
         for i in stuck_idx:
             culprit[i] = bool(usual[i]) and (ops[i], roles[i]) not in usual[i]
         if not culprit.any():  # nobody left the program: the ones the others left behind
             for i in stuck_idx:
-                culprit[i] = newest > steps[i]
+                culprit[i] = others_min > steps[i]
         if not culprit.any() and not is_silent.any() and not free.any():
             # every rank is stuck and none left the program: one alone in its (op, role) is the odd one
             sigs = [(ops[i], roles[i]) for i in stuck_idx]

@@ -261,12 +261,14 @@ class RunState:
 
     # -- reading --------------------------------------------------------------------------
     def usual_sigs(self, rank_idx: np.ndarray) -> list[frozenset[tuple[str, str]]]:
-        """(op, role) pairs each rank ran in the newest step it completed (in the window)."""
+        """(op, role) pairs each rank ran in the newest step it completed before the step its
+        heartbeat is in (in the window): what it does every step, not what it is stuck in now."""
         names = {b: k for k, b in self.sigs.items()}
         out = []
         for r in rank_idx:
             mask = 0
-            for s in range(self.newest_step, self.newest_step - self.window, -1):
+            top = min(self.newest_step, int(self.hb_step[r]) - 1) if self.hb_step[r] >= 0 else self.newest_step
+            for s in range(top, self.newest_step - self.window, -1):
                 slot = self.slot_of(s) if s >= 0 else -1
                 if slot >= 0 and self.present[slot, r]:
                     mask = int(self.sigmask[slot, r])

@@ -127,3 +127,13 @@ def test_loss_spike_and_memory():
     assert math.isnan(sg.loss_spike(hist[:10], 2.4, 16)[0])
     frac = sg.memory_used_of_budget(np.array([90.0, 50.0]), np.array([100.0, -1.0]))
     assert frac[0] == pytest.approx(0.9) and math.isnan(frac[1])
+
+
+def test_no_culprit_while_a_peer_at_the_same_step_is_not_seen_stuck():
+    # rank 0 waits in its DP all-reduce; rank 1 (its DP peer) has not reported being stuck yet;
+    # ranks 2, 3 (the other stage) went on to step 13: rank 0 is not the culprit
+    now = 100 * 10**9
+    usual = [frozenset({("all_reduce", "dp")})] * 4
+    hb = _hb(now, ["all_reduce", "", "recv", "recv"], ["dp", "", "p2p:pp", "p2p:pp"],
+             [now - 12 * 10**9, -1, now - 2 * 10**9, now - 2 * 10**9], steps=(12, 12, 13, 13))
+    assert sg.hangs(**hb, usual=usual, silent_s=15, stuck_s=8) == []
