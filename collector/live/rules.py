@@ -26,8 +26,6 @@ import tomllib
 
 from collector.live.model import SCOPES, SEVERITIES
 
-UNITS = ("ms", "s", "gbps", "share", "ratio", "count", "steps", "tokens_per_s", "samples_per_s")
-
 
 @dataclass(frozen=True)
 class Key:
