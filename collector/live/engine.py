@@ -420,13 +420,16 @@ class LiveEngine:
                             self.ev.ingest(b.kind, b.run_id, b.columns, now)
                             self.ev.stats.batches += 1
                             self.ev.stats.rows += b.n
+                    judged = self.ev.stats.steps_evaluated
                     changed = self.ev.evaluate_ready(now, time.monotonic())
                     if time.monotonic() >= next_tick or stop:
                         next_tick = time.monotonic() + self.tick_s
                         changed += self.ev.evaluate_timer(now)
-                    if changed:
-                        self._store(changed)
-                        firing = self.ev.book.firing()
+                    firing = self.ev.book.firing()
+                    if changed or self.ev.stats.steps_evaluated > judged:
+                        # state changes, and the firing alerts' latest step / value / message
+                        ids = {alert_id(a) for a in changed}
+                        self._store(changed + [a for a in firing if alert_id(a) not in ids and a.first_step >= 0])
                 if changed:
                     self._publish(changed, firing)
             except Exception:  # the engine never takes the collector down

@@ -147,8 +147,14 @@ def test_engine_thread_writes_the_alerts_table_and_never_queues_unbounded(tmp_pa
     firing = eng.alerts(firing_only=True)
     assert [(a.labels["rank"], a.first_step, a.fired_step) for a in firing] == [("3", 2, 4)]
     assert any(f for _, f in sink.calls)
-    rows = con.execute("SELECT rule, rank, state, first_step, fired_step, message FROM alerts").fetchall()
-    assert rows[0][:5] == ("s", 3, "firing", 2, 4) and "rank 3 computes 150 ms longer" in rows[0][5]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the firing row follows the alert's latest step
+        rows = con.execute("SELECT rule, rank, state, first_step, fired_step, last_step, message FROM alerts").fetchall()
+        if rows and rows[0][5] == 5:
+            break
+        time.sleep(0.05)
+    assert rows[0][:6] == ("s", 3, "firing", 2, 4, 5) and "rank 3 computes 150 ms longer" in rows[0][6]
+    assert "for 4 steps" in rows[0][6]
     g = eng.gauges()
     assert g and g[0].run_id == "r" and g[0].firing_alerts == 1
     # a burst larger than the inbox: the oldest batches are dropped and counted, never queued
