@@ -271,6 +271,11 @@ def _v5() -> list[str]:
                (SELECT median(per_gpu_tokens_per_s) FROM step_throughput t WHERE t.run_id = r.run_id) AS per_gpu_tokens_per_s,
                (SELECT median(grad_sync_ms_p50) FROM grad_sync g WHERE g.run_id = r.run_id) AS grad_sync_ms_p50
         FROM runs r""",
+        # DESIGN §6's name: per step, the within-run efficiency and per-rank throughput (divide by a
+        # baseline run's run_scaling.per_gpu_tokens_per_s for the across-runs figure).
+        """CREATE VIEW scaling_efficiency AS
+        SELECT g.run_id, g.step, g.within_run_efficiency, t.per_gpu_tokens_per_s
+        FROM grad_sync g JOIN step_throughput t ON t.run_id = g.run_id AND t.step = g.step""",
         # Memory used (device allocated, else RSS) over the budget the hooks declared.
         """CREATE VIEW memory_headroom AS
         SELECT run_id, step, rank, CASE WHEN allocated_bytes > 0 THEN allocated_bytes ELSE rss_bytes END AS used_bytes,
