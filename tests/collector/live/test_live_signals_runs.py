@@ -2,7 +2,7 @@
 
 Runs: `base` (DP1), `dp2delay` (DP2, rank 0 enters its gradient reduction 1.5 s late from step
 3), `dp2` (DP2, clean), `imbal` (PP2, stage 1 three times slower from step 4), `mem` (DP1, rank 0
-grows 8 MB a step, memory sampled every 0.5 s), and `loss` (a plain loop with a Tracer that gives
+grows 4 MB a step, memory sampled every 0.5 s), and `loss` (a plain loop with a Tracer that gives
 its loss, one spike at step 20). The thresholds are the built-in ones, except where this 2-core
 machine needs looser ones; each is said below."""
 
@@ -29,7 +29,7 @@ DELAY_MS = 1500
 RULES = (DEFAULTS_TOML
          .replace("efficiency_below = 0.75", "efficiency_below = 0.2")
          .replace("sqrt_k_ratio_above = 1.0", "sqrt_k_ratio_above = 1.0\nbaseline_floor_ms = 150")
-         .replace("used_of_budget_above = 0.90", "used_of_budget_above = 0.90\nbudget_mb = 900"))
+         .replace("used_of_budget_above = 0.90", "used_of_budget_above = 0.80\nbudget_mb = 900"))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
         ("dp2", 2, ["--steps", "14"]),
         ("imbal", 2, ["--pp", "2", "--steps", "16", "--micro-batch", "64", "--micro-batches", "2",
                       "--inject-stage-imbalance", "1:3@4"]),
-        ("mem", 1, ["--steps", "70", "--inject-mem-growth", "0:8@2"]),
+        ("mem", 1, ["--steps", "100", "--inject-mem-growth", "0:4@2"]),
     ]
     try:
         for run_id, nproc, args in plans:
@@ -112,9 +112,12 @@ def test_memory_alert_before_the_budget_is_reached(runs):
     mem = _of(runs, "mem", "memory")
     assert mem, [a for a in runs["alerts"] if a["run_id"] == "mem"]
     a = mem[0]
-    assert a["rank"] == 0 and 0.9 < a["value"] < 1.0, a
-    peak = max(r["rss_bytes"] for r in runs["memory"])
-    assert peak > 900 * 2**20  # the budget was reached later: the alert came before
+    assert a["rank"] == 0, a
+    # at the step it fired, rank 0 used between 80% and 100% of the 900 MB budget: before reaching it
+    # (memory is sampled every 0.5 s, every ~6-19 steps here: 4 MB a step keeps a sample in that band)
+    rss = {r["step"]: r["rss_bytes"] for r in runs["memory"]}
+    assert 0.8 * 900 * 2**20 < rss[a["fired_step"]] < 900 * 2**20, (a["fired_step"], rss)
+    assert max(rss.values()) > 900 * 2**20  # the budget was reached later
 
 
 def test_loss_recorded_and_spike_alert(runs):
