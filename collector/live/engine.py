@@ -203,6 +203,7 @@ class Evaluator:
         lo = max(run.last_evaluated + 1, run.newest_step - run.window + 1)
         if lo > run.last_evaluated + 1 and run.last_evaluated >= 0:
             self.stats.steps_skipped += lo - run.last_evaluated - 1
+            run.last_evaluated = lo - 1  # counted once
         expected = run.expected_ranks()
         for s in range(lo, run.newest_step + 1):
             slot = run.slot_of(s)

@@ -99,6 +99,12 @@ def test_falling_behind_skips_to_the_newest_steps_and_counts():
         ev.ingest(Kind.STEP, "r", _step_cols(s, 2, np.array([50.0, 50.0])), 3 * 10**9)
     ev.evaluate_ready(4 * 10**9, 0.0)
     assert ev.stats.steps_evaluated == 16 and ev.stats.steps_skipped == 22
+    for s in range(60, 90):  # the last step's rows have not settled yet: nothing ready, skips counted once
+        ev.ingest(Kind.STEP, "r", _step_cols(s, 2, np.array([50.0, 50.0])), 5 * 10**9)
+    ev.settle_s = 10.0
+    ev.evaluate_ready(6 * 10**9, 0.0)
+    ev.evaluate_ready(7 * 10**9, 0.0)
+    assert ev.stats.steps_evaluated == 16 and ev.stats.steps_skipped == 22 + 22
     assert ev.state.runs["r"].rows_too_old == 0
 
 
