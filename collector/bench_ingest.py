@@ -52,7 +52,8 @@ def _peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def ingest(sources: int, events: int, workdir: Path, listen: str | None = None) -> dict:
+def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
+           collector_args: tuple[str, ...] = ()) -> dict:
     import duckdb
     import numpy as np
     import psutil
@@ -60,8 +61,9 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None) 
     from collector.loadgen import CollectorProcess, collect_sources, count_stored, release, start_sources
 
     db = workdir / "ingest.duckdb"
+    db.unlink(missing_ok=True)
     listen = listen or f"127.0.0.1:{_free_port()}"
-    collector = CollectorProcess(db, listen)
+    collector = CollectorProcess(db, listen, extra_args=tuple(collector_args))
     collector.start()
     assert collector.proc is not None
     ps = psutil.Process(collector.proc.pid)

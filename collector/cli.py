@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--otlp", metavar="ENDPOINT", default=None,
                      help=f"export gauges and alert counts over OTLP/gRPC: HOST:PORT or https://HOST:PORT (or ${env.TRACETOP_OTLP})")
     out.add_argument("--otlp-interval-s", type=float, default=None, help="seconds between OTLP exports (default 10)")
+    parser.add_argument("--rules", default=None, metavar="FILE",
+                        help="judge runs live with these rules (TOML; `tracetop rules defaults` prints the built-in "
+                             "set); alerts go to the file's `alerts` table")
+    parser.add_argument("--no-rules", action="store_true", help="no live judgments (default: the built-in rules)")
+    parser.add_argument("--baseline", default=None, metavar="RUN_ID",
+                        help="a run in this file that the scaling rules compare against")
 
 
 MIN_BATCH_MB = 4
@@ -95,6 +101,15 @@ def run(args: argparse.Namespace) -> int:
     except ExportConfigError as e:
         print(f"tracetop collector: {e}", file=sys.stderr)
         return 2
+    rules = None
+    if not args.no_rules:
+        from collector.live.rules import RulesError, defaults, load
+
+        try:
+            rules = load(args.rules) if args.rules else defaults()
+        except RulesError as e:
+            print(f"tracetop collector: refusing to start, the rules file is not usable:\n{e}", file=sys.stderr)
+            return 2
 
     async def main() -> int:
         try:
@@ -110,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
                 flush_rows=args.flush_rows,
                 flush_interval_s=args.flush_interval_s,
                 exports=exports,
+                rules=rules,
+                baseline=args.baseline,
             )
         except (ListenError, SchemaError) as e:
             exports.close()

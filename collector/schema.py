@@ -141,6 +141,197 @@ def _v4() -> list[str]:
     ]
 
 
+def _v5() -> list[str]:
+    """Live judgments (issue 10): the `alerts` table and one view per live signal, each giving the
+    same numbers as collector/live/signals.py over the stored rows (tests hold them equal), plus
+    collective_stats with size buckets (the 4-byte loss all-reduces apart from the gradients).
+
+    step_ranks: one row per rank and step with what the signals read: compute, collective wait
+    (non-p2p collectives, waits included), grad-sync (DP all_reduce / reduce_scatter / all_gather
+    of 1024+ bytes), p2p time and bytes, the reduce tail (ReduceGrads, ReduceTiedGrads)."""
+    grad = ("list_contains(string_split(role, '|'), 'dp') AND (ltrim(op, '_') LIKE 'all_reduce%' OR "
+            "ltrim(op, '_') LIKE 'reduce_scatter%' OR ltrim(op, '_') LIKE 'all_gather%') AND bytes >= 1024")
+    return [
+        """CREATE TABLE alerts (
+            id VARCHAR PRIMARY KEY,         -- rule|run|labels|first step (or first ns for timer rules)
+            rule VARCHAR NOT NULL, signal VARCHAR NOT NULL, severity VARCHAR NOT NULL,
+            state VARCHAR NOT NULL,         -- firing | resolved (pending alerts are not stored)
+            run_id VARCHAR NOT NULL, scope VARCHAR NOT NULL,
+            rank INTEGER, stage INTEGER, node VARCHAR, gpu INTEGER,  -- from the labels, where they apply
+            labels VARCHAR NOT NULL,        -- JSON: scope labels and the rule's own
+            first_step BIGINT, last_step BIGINT,  -- -1 for time-based rules
+            first_ns BIGINT, last_ns BIGINT,      -- collector clock: breach began / latest evaluation
+            fired_ns BIGINT,                      -- collector clock when it went firing
+            fired_step BIGINT,                    -- the completed step at which it went firing (-1: timer rules)
+            value DOUBLE, threshold DOUBLE,       -- in the rule's unit (its key says which)
+            message VARCHAR NOT NULL
+        )""",
+        f"""CREATE VIEW step_ranks AS
+        WITH c AS (
+            SELECT run_id, step, rank,
+                   sum(duration_ns) FILTER (WHERE role NOT LIKE 'p2p%') AS coll_wait_ns,
+                   sum(duration_ns) FILTER (WHERE {grad}) AS grad_sync_ns,
+                   sum(duration_ns) FILTER (WHERE role LIKE 'p2p%') AS p2p_ns,
+                   sum(bytes) FILTER (WHERE role LIKE 'p2p%') AS p2p_bytes,
+                   max(bytes / duration_ns) FILTER (WHERE role LIKE 'p2p%' AND duration_ns > 0) AS best_p2p_bytes_per_ns
+            FROM collective WHERE step >= 0 GROUP BY run_id, step, rank
+        ), i AS (
+            SELECT run_id, step, rank, sum(duration_ns) AS reduce_ns
+            FROM pipe_instr WHERE step >= 0 AND instr IN ('ReduceGrads', 'ReduceTiedGrads') GROUP BY run_id, step, rank
+        ), r AS (
+            SELECT run_id, rank, max(stage) AS stage FROM run_start GROUP BY run_id, rank
+        )
+        SELECT s.run_id, s.step, s.rank, coalesce(r.stage, -1) AS stage,
+               s.duration_ns / 1e6 AS step_ms, s.compute_ns / 1e6 AS compute_ms,
+               coalesce(c.coll_wait_ns, 0) / 1e6 AS wait_ms, coalesce(c.grad_sync_ns, 0) / 1e6 AS grad_sync_ms,
+               coalesce(c.p2p_ns, 0) / 1e6 AS p2p_ms, coalesce(c.p2p_bytes, 0) AS p2p_bytes,
+               coalesce(c.best_p2p_bytes_per_ns, 0) AS best_p2p_bytes_per_ns,
+               coalesce(i.reduce_ns, 0) / 1e6 AS reduce_ms, s.optimizer_ns / 1e6 AS optimizer_ms,
+               (s.forward_ns + s.backward_ns) / 1e6 AS fwd_bwd_ms, s.comm_exposed_ns / 1e6 AS comm_exposed_ms,
+               s.tokens, s.samples, s.loss
+        FROM step s
+        LEFT JOIN r ON r.run_id = s.run_id AND r.rank = s.rank
+        LEFT JOIN c ON c.run_id = s.run_id AND c.step = s.step AND c.rank = s.rank
+        LEFT JOIN i ON i.run_id = s.run_id AND i.step = s.step AND i.rank = s.rank
+        WHERE s.step >= 0""",
+        # Straggler scores: per step and stage, each rank against the median of the stage's other
+        # ranks (list positions: the median of a sorted list with one element removed), and robust
+        # z-scores (median / 1.4826 MAD). is_straggler applies the built-in rule's thresholds.
+        """CREATE VIEW stragglers AS
+        WITH g AS (
+            SELECT run_id, step, stage, rank, compute_ms, wait_ms,
+                   count(*) OVER w AS stage_ranks,
+                   list_sort(list(compute_ms) OVER w) AS cl, list_sort(list(wait_ms) OVER w) AS wl,
+                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY compute_ms) - 1 AS pc,
+                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY wait_ms) - 1 AS pw,
+                   median(compute_ms) OVER w AS mc, median(wait_ms) OVER w AS mw
+            FROM step_ranks WINDOW w AS (PARTITION BY run_id, step, stage)
+        ), m AS (
+            SELECT *, median(abs(compute_ms - mc)) OVER w AS madc, median(abs(wait_ms - mw)) OVER w AS madw,
+                   (stage_ranks - 2) // 2 AS ia, (stage_ranks - 1) // 2 AS ib
+            FROM g WINDOW w AS (PARTITION BY run_id, step, stage)
+        ), o AS (
+            SELECT *,
+                   CASE WHEN stage_ranks > 1 THEN (cl[ia + CAST(ia >= pc AS INTEGER) + 1]
+                                                   + cl[ib + CAST(ib >= pc AS INTEGER) + 1]) / 2 END AS others_compute_ms,
+                   CASE WHEN stage_ranks > 1 THEN (wl[ia + CAST(ia >= pw AS INTEGER) + 1]
+                                                   + wl[ib + CAST(ib >= pw AS INTEGER) + 1]) / 2 END AS others_wait_ms
+            FROM m
+        )
+        SELECT run_id, step, stage, rank, stage_ranks, compute_ms, wait_ms, others_compute_ms, others_wait_ms,
+               compute_ms / others_compute_ms AS compute_ratio, compute_ms - others_compute_ms AS excess_ms,
+               z_compute, z_wait,
+               coalesce(compute_ms - others_compute_ms > 50 AND compute_ms / others_compute_ms > 1.5
+                        AND wait_ms < others_wait_ms AND (stage_ranks < 5 OR z_compute > 3.5), false) AS is_straggler
+        FROM (SELECT *,
+                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madc > 0 THEN (compute_ms - mc) / (1.4826 * madc)
+                          WHEN compute_ms > mc THEN 'infinity'::DOUBLE WHEN compute_ms < mc THEN '-infinity'::DOUBLE
+                          ELSE 0 END AS z_compute,
+                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madw > 0 THEN (wait_ms - mw) / (1.4826 * madw)
+                          WHEN wait_ms > mw THEN 'infinity'::DOUBLE WHEN wait_ms < mw THEN '-infinity'::DOUBLE
+                          ELSE 0 END AS z_wait
+              FROM o)""",
+        # grad-sync per step: p50 / p99 across ranks (quantile_cont = numpy's linear quantile).
+        """CREATE VIEW grad_sync AS
+        SELECT run_id, step, count(*) AS ranks,
+               quantile_cont(grad_sync_ms, 0.5) AS grad_sync_ms_p50, quantile_cont(grad_sync_ms, 0.99) AS grad_sync_ms_p99,
+               sum(comm_exposed_ms) / nullif(sum(step_ms), 0) AS comm_share,
+               sum(compute_ms) / nullif(sum(compute_ms) + sum(comm_exposed_ms), 0) AS within_run_efficiency
+        FROM step_ranks GROUP BY run_id, step""",
+        # The bubble's time budget per stage and step, as shares of the stage's summed step time:
+        # compute (forward + backward), waiting on the neighbour (p2p time beyond the transfer at the
+        # step's best p2p rate), p2p transfer, the reduce/optimizer tail, framework overhead (the rest).
+        """CREATE VIEW bubble_budget AS
+        WITH b AS (
+            SELECT *, max(best_p2p_bytes_per_ns) OVER (PARTITION BY run_id, step) AS best
+            FROM step_ranks WHERE stage >= 0
+        ), t AS (
+            SELECT *, CASE WHEN best > 0 THEN least(p2p_bytes / (best * 1e6), p2p_ms) ELSE 0 END AS transfer_ms FROM b
+        ), s AS (
+            SELECT run_id, step, stage, count(*) AS ranks, sum(step_ms) AS d, sum(fwd_bwd_ms) AS comp,
+                   sum(transfer_ms) AS tr, sum(p2p_ms) AS p2p, sum(reduce_ms + optimizer_ms) AS tail,
+                   median(fwd_bwd_ms) AS compute_ms
+            FROM t GROUP BY run_id, step, stage HAVING sum(step_ms) > 0
+        )
+        SELECT run_id, step, stage, ranks, 1 - comp / d AS bubble, comp / d AS compute, p2p / d - tr / d AS waiting,
+               tr / d AS transfer, tail / d AS tail, 1 - comp / d - (p2p / d - tr / d) - tr / d - tail / d AS overhead,
+               compute_ms,
+               max(compute_ms) OVER w / nullif(min(compute_ms) OVER w, 0) AS stage_imbalance,
+               arg_max(stage, compute_ms) OVER w AS slow_stage
+        FROM s WINDOW w AS (PARTITION BY run_id, step)""",
+        # Per-rank throughput per step (tokens/s per rank: each rank's replica rate, median over the
+        # ranks, x DP / world), and per run the medians over its steps: what a baseline offers.
+        """CREATE VIEW step_throughput AS
+        SELECT sr.run_id, sr.step,
+               median(sr.tokens / ((sr.step_ms) / 1e3)) FILTER (WHERE sr.tokens >= 0 AND sr.step_ms > 0)
+                   * max(r.dp) / greatest(max(r.world_size), count(*)) AS per_gpu_tokens_per_s
+        FROM step_ranks sr JOIN runs r ON r.run_id = sr.run_id GROUP BY sr.run_id, sr.step""",
+        """CREATE VIEW run_scaling AS
+        SELECT r.run_id, r.dp, r.world_size,
+               (SELECT median(per_gpu_tokens_per_s) FROM step_throughput t WHERE t.run_id = r.run_id) AS per_gpu_tokens_per_s,
+               (SELECT median(grad_sync_ms_p50) FROM grad_sync g WHERE g.run_id = r.run_id) AS grad_sync_ms_p50
+        FROM runs r""",
+        # DESIGN §6's name: per step, the within-run efficiency and per-rank throughput (divide by a
+        # baseline run's run_scaling.per_gpu_tokens_per_s for the across-runs figure).
+        """CREATE VIEW scaling_efficiency AS
+        SELECT g.run_id, g.step, g.within_run_efficiency, t.per_gpu_tokens_per_s
+        FROM grad_sync g JOIN step_throughput t ON t.run_id = g.run_id AND t.step = g.step""",
+        # Memory used (device allocated, else RSS) over the budget the hooks declared.
+        """CREATE VIEW memory_headroom AS
+        SELECT run_id, step, rank, CASE WHEN allocated_bytes > 0 THEN allocated_bytes ELSE rss_bytes END AS used_bytes,
+               budget_bytes,
+               CASE WHEN budget_bytes > 0 THEN (CASE WHEN allocated_bytes > 0 THEN allocated_bytes ELSE rss_bytes END)
+                    / budget_bytes END AS used_of_budget
+        FROM memory WHERE step >= 0""",
+        # The loss per step (the lowest rank's that gives one) against the median of the 16 before.
+        """CREATE VIEW loss_spikes AS
+        WITH l AS (
+            SELECT run_id, step, arg_min(loss, rank) AS loss FROM step_ranks WHERE loss IS NOT NULL GROUP BY run_id, step
+        ), m AS (
+            SELECT *, median(loss) OVER w AS rolling_median, count(*) OVER w AS n
+            FROM l WINDOW w AS (PARTITION BY run_id ORDER BY step ROWS BETWEEN 16 PRECEDING AND 1 PRECEDING)
+        )
+        SELECT run_id, step, loss, rolling_median, CASE WHEN n = 16 THEN (loss - rolling_median) / abs(rolling_median) END
+               AS spike_share
+        FROM m""",
+        # The latest heartbeat of each rank, and how long it has been inside its pending collective,
+        # measured against the run's newest heartbeat (post-mortem there is no "now").
+        """CREATE VIEW rank_liveness AS
+        WITH h AS (
+            SELECT run_id, rank, arg_max(step, start_ns) AS step, arg_max(phase, start_ns) AS phase,
+                   arg_max(pending_op, start_ns) AS pending_op, arg_max(pending_role, start_ns) AS pending_role,
+                   arg_max(pending_since_ns, start_ns) AS pending_since_ns, max(start_ns) AS last_heartbeat_ns
+            FROM heartbeat GROUP BY run_id, rank
+        )
+        SELECT *, (max(last_heartbeat_ns) OVER (PARTITION BY run_id) - last_heartbeat_ns) / 1e9 AS silent_s,
+               CASE WHEN pending_op <> '' AND pending_since_ns > 0
+                    THEN (max(last_heartbeat_ns) OVER (PARTITION BY run_id) - pending_since_ns) / 1e9 END AS stuck_s
+        FROM h""",
+        # collective_stats with size buckets: <1 KiB (loss / overflow flags), <1 MiB, <64 MiB, larger.
+        """CREATE OR REPLACE VIEW collective_stats AS
+        WITH c AS (
+            SELECT run_id, op, role, group_size, bytes, duration_ns,
+                   CASE WHEN bytes < 1024 THEN '<1KiB' WHEN bytes < 1048576 THEN '1KiB-1MiB'
+                        WHEN bytes < 67108864 THEN '1MiB-64MiB' ELSE '>=64MiB' END AS size_bucket,
+                   bytes / nullif(duration_ns, 0) AS algbw_gbps,
+                   CASE WHEN op LIKE 'all_reduce%' THEN 2.0 * (group_size - 1) / group_size
+                        WHEN op LIKE '%all_gather%' OR op LIKE '%reduce_scatter%' OR op LIKE 'all_to_all%'
+                             THEN 1.0 * (group_size - 1) / group_size
+                        ELSE 1.0 END AS bus_factor
+            FROM collective WHERE group_size > 0
+        )
+        SELECT run_id, op, role, group_size, size_bucket,
+               count(*) AS calls,
+               sum(bytes) AS total_bytes,
+               quantile_cont(bytes, 0.5) AS bytes_p50,
+               quantile_cont(duration_ns, 0.5) / 1e6 AS duration_ms_p50,
+               quantile_cont(duration_ns, 0.99) / 1e6 AS duration_ms_p99,
+               quantile_cont(algbw_gbps, 0.5) AS algbw_gbps,
+               quantile_cont(algbw_gbps * bus_factor, 0.5) AS busbw_gbps
+        FROM c GROUP BY run_id, op, role, group_size, size_bucket""",
+    ]
+
+
 def _v7() -> list[str]:
     """rank_step: one row per run, rank and step with its stage and host, phases in ms, and how far
     its compute sits from the median compute of all ranks at that step (a straggler's is large and
@@ -162,7 +353,8 @@ def _v7() -> list[str]:
 
 
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v7]
+#: _v7 (post's rank_step) is the 6th migration: it was written beside _v5 and merged after it.
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7]
 STORE_VERSION = len(MIGRATIONS)
 
 

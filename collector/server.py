@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -281,12 +282,15 @@ class Collector:
     metrics_port: int | None
     metrics_http: object | None
     exports: Exports | None = None
+    live: object | None = None  # collector.live.engine.LiveEngine when started with rules
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
         self.service.closing = True
         stopped = asyncio.ensure_future(self.server.stop(grace_s))
         await asyncio.to_thread(self.writer.close)
+        if self.live is not None:
+            await asyncio.to_thread(self.live.close)  # type: ignore[attr-defined]
         for sink in list(self.service.sinks):
             sink.deliver(StreamEnd(shutdown=True))
         await stopped
@@ -313,15 +317,22 @@ async def start(
     exports: Exports | None = None,
     gauges_fn: GaugesFn | None = None,
     alerts_fn: AlertsFn | None = None,
+    rules: Sequence | None = None,
+    sinks: Sequence = (),
+    baseline: str | None = None,
+    live_window: int = 64,
 ) -> Collector:
     """Open the file, start the writer and the gRPC server. Call inside a running event loop.
 
     ``auth`` (tracetop.wire.auth.ServerAuth) is checked on every RPC and on /metrics; without TLS
     or a token only loopback and unix-socket addresses are accepted.
 
+    rules: the live judgments' rules (collector.live.rules.Rule; None = no live engine); sinks:
+    where alerts go besides the `alerts` table (collector.live.model.AlertSink; the exports' sinks
+    are added); baseline: a run id in this file that scaling rules compare against.
+
     exports (collector.export.build): its metrics go on /metrics and its OTLP export starts, fed by
-    gauges_fn / alerts_fn (the live engine's; until one exists they return nothing). Closed at
-    shutdown, bounded. The engine publishes to exports.sinks itself."""
+    gauges_fn / alerts_fn (default: the live engine's gauges() / alerts()). Closed at shutdown, bounded."""
     auth = auth or ServerAuth()
     bind = check_listen(listen, closed=auth.closed)
     if bind.startswith("unix:"):
@@ -329,6 +340,14 @@ async def start(
     con = open_store(db_path, memory_limit_mb=memory_limit_mb)
     metrics = CollectorMetrics()
     exports = exports if exports is not None else Exports()
+    live = None
+    if rules is not None:
+        from collector.live.engine import LiveEngine
+
+        live = LiveEngine(rules, con=con.cursor(), sinks=[*sinks, exports], baseline=baseline, window=live_window)
+        live.start()
+        gauges_fn = gauges_fn or live.gauges
+        alerts_fn = alerts_fn or live.alerts
     exports.attach_metrics(metrics.registry, gauges_fn or no_gauges, alerts_fn or no_alerts)
     writer = Writer(
         con,
@@ -336,6 +355,7 @@ async def start(
         flush_interval_s=flush_interval_s,
         on_flush=metrics.on_flush,
         on_queue=metrics.on_queue,
+        on_commit=live.on_commit if live is not None else None,
     )
     writer.start()
     service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows, query_timeout_s=query_timeout_s)
@@ -355,6 +375,8 @@ async def start(
         port = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
     except RuntimeError as e:
         writer.close()
+        if live is not None:
+            live.close()
         con.close()
         raise ListenError(f"cannot listen on {listen}: {e}") from e
     if not bind.startswith("unix:"):
@@ -368,7 +390,7 @@ async def start(
         http, _ = serve_metrics(metrics_port, metrics.registry, auth=auth)
         metrics_port = http.server_port
     exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
-    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports)
+    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports, live)
 
 
 class Handle:

@@ -118,6 +118,7 @@ class Writer:
         clock_ns: Callable[[], int] = time.time_ns,
         on_flush: Callable[[FlushStats], None] | None = None,
         on_queue: Callable[[int, int], None] | None = None,
+        on_commit: Callable[[list[DecodedBatch]], None] | None = None,
     ) -> None:
         self.con = con
         self.flush_rows = flush_rows
@@ -126,6 +127,9 @@ class Writer:
         self.clock_ns = clock_ns
         self.on_flush = on_flush
         self.on_queue = on_queue
+        # after each commit, the committed batches (decoded columns): the live path. Must return
+        # at once (the live engine only appends them to its bounded inbox).
+        self.on_commit = on_commit
         self.hwm: dict[str, int] = dict(
             (s, int(h)) for s, h in con.execute("SELECT source_id, hwm FROM sources").fetchall()
         )
@@ -247,6 +251,11 @@ class Writer:
                 item.sink.deliver(item.end)
         if self.on_flush:
             self.on_flush(stats)
+        if self.on_commit and accepted:
+            try:
+                self.on_commit([i.batch for i in accepted])
+            except Exception:  # the live path never fails a commit
+                log.exception("collector: on_commit failed")
         return stats
 
     def _commit(self, accepted: list[Pending], hwm: dict[str, int]) -> int:

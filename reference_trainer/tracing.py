@@ -26,6 +26,9 @@ class Tracing:
         """Context manager around one training step (one ``engine.train_batch``)."""
         return contextlib.nullcontext()
 
+    def set_loss(self, loss: float) -> None:
+        """The current step's loss (call inside ``step(n)``)."""
+
     def close(self) -> None:
         """Flush and stop; safe to call more than once."""
 
@@ -36,6 +39,9 @@ class _Traced(Tracing):
 
     def step(self, n: int) -> Any:
         return self.tracer.step(n)
+
+    def set_loss(self, loss: float) -> None:
+        self.tracer.set_loss(loss)
 
     def close(self) -> None:
         self.tracer.close()

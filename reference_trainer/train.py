@@ -284,6 +284,8 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
                     loss = float(engine.train_batch(data_iter=iter(batches)))
                 else:
                     loss = _zero_step(engine, batches, loss_fn, run)
+                if hasattr(run.tracing, "set_loss"):  # optional, like adjustments()
+                    run.tracing.set_loss(loss)
             step_time_s = time.perf_counter() - t0
             adjust_mod.offload_now(run)
             tokens_per_s = run.global_batch * preset.seq_len / step_time_s

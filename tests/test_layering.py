@@ -29,6 +29,9 @@ FORBIDDEN = {
                           "trainer_hooks", "reference_trainer"),
     # the report's plotting library loads only when a report is drawn
     "collector.report_html": ("matplotlib", "textual", "agent", "tui", "trainer_hooks", "torch"),
+    # the live engine, what the collector's server loads with rules
+    "collector.live.engine": ("textual", "agent", "tui", "trainer_hooks", "torch", "grpc"),
+    "collector.live.rules_cli": ("duckdb", "textual", "agent", "tui", "trainer_hooks", "torch", "grpc"),
 }
 
 

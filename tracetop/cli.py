@@ -17,6 +17,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "query": ("collector.query_cli", "read-only SQL on a collector's file, or through a running collector"),
     "agent": ("agent.cli", "run the node agent: NVML/host sampling, local relay with disk spool"),
     "train": ("reference_trainer.cli", "run the reference 3D-parallel trainer through torchrun"),
+    "rules": ("collector.live.rules_cli", "check a rules file, or print the built-in rules (live judgments)"),
+    "alerts": ("collector.live.alerts_cli", "the alerts a collector raised (or --recompute them from a file)"),
     "demo": ("collector.demo", "collector + a 4-rank reference run, then a per-rank summary"),
     "report": ("collector.report_html", "one self-contained HTML report with plots of a run in a collector's file"),
     "export": ("collector.export.timeline", "the file as a Perfetto/chrome://tracing timeline (--perfetto) or Parquet (--parquet)"),
@@ -31,6 +33,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "agent": ("agent.bench", "agent CPU cost: sampling 8 fake GPUs, relaying 10k events/s"),
     "gpu": ("reference_trainer.bench_gpu", "the GPU path in one call: syncs, overhead, CUDA timing, NVML, offload"),
     "views": ("collector.bench_views", "every view over a generated file of --rows rows: seconds each"),
+    "live": ("collector.bench_live", "live judgments: eval ms per step at 16,384 ranks, state MB, ingest on/off"),
 }
 
 

@@ -96,6 +96,8 @@ class _Switching:
         optimizer = getattr(engine, "optimizer", None)
         for name in getattr(optimizer, offload._WRAPPED, None) or []:
             swaps.append((optimizer, name, optimizer.__dict__[name], getattr(type(optimizer), name).__get__(optimizer)))
+        if "train_batch" in engine.__dict__:  # the loss wrapper (trainer_hooks.deepspeed._wrap_train_batch)
+            swaps.append((engine, "train_batch", engine.__dict__["train_batch"], type(engine).train_batch.__get__(engine)))
         self._swaps = swaps
 
     def state_for(self, n: int) -> bool:
@@ -124,6 +126,10 @@ class _Switching:
 
     def step(self, n: int) -> Any:
         return self.traced.step(n) if self.on and not self.aa else contextlib.nullcontext()
+
+    def set_loss(self, loss: float) -> None:
+        if self.on and not self.aa:
+            self.traced.set_loss(loss)
 
     def control(self) -> None:
         """A/A: take every hook off for good; blocks keep their on/off labels (checks the estimator)."""

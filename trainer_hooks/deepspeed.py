@@ -102,6 +102,7 @@ def instrument(
         wrapped_offload = offload_mod.wrap(getattr(engine, "optimizer", None), tracer)
         if phases and not pipelined:
             _wrap_phases(engine, tracer)
+        _wrap_train_batch(engine, tracer)
         tracer.describe(
             tp=tp, pp=pp, dp=dp, zero_stage=zero_stage, stage=stage,
             model_name=str(meta.pop("model_name", type(getattr(engine, "module", engine)).__name__)),
@@ -124,10 +125,25 @@ def instrument(
         if phases:
             for name in ("forward", "backward", "step"):
                 engine.__dict__.pop(name, None)
+        engine.__dict__.pop("train_batch", None)
         original_close()
 
     tracer.close = close  # type: ignore[method-assign]
     return tracer
+
+
+def _wrap_train_batch(engine: Any, tracer: Tracer) -> None:
+    """What ``train_batch`` returns (the step's loss) goes to ``tracer.set_loss``."""
+    original = getattr(engine, "train_batch", None)
+    if not callable(original):
+        return
+
+    def train_batch(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        tracer.set_loss(out)
+        return out
+
+    engine.train_batch = train_batch
 
 
 def _call(obj: Any, name: str, default: Any) -> Any:

@@ -45,6 +45,8 @@ from trainer_hooks import collectives as colls
 from trainer_hooks import columns as cols
 from trainer_hooks import ddp
 from trainer_hooks.identity import Identity, SetupError, resolve
+from trainer_hooks.loss import loss_value as _loss_value
+from trainer_hooks.loss import resolve as _resolve_loss
 
 log = logging.getLogger("trainer_hooks")
 
@@ -339,6 +341,15 @@ class Tracer:
             ctx = self._phases[name] = _PhaseCtx(self, name)
         return ctx
 
+    def set_loss(self, value: Any) -> None:
+        """The current step's loss (a float or a tensor; a CUDA tensor is read by the emitter once
+        the step's end event is done, never synced here: trainer_hooks/loss.py)."""
+        if self.enabled:
+            try:
+                self._loss = _loss_value(value, deferred=self._cuda is not None)
+            except Exception as e:
+                self._hook_error("loss", e)
+
     def begin_step(self, n: int, *, tokens: int | None = None, samples: int | None = None) -> None:
         """For callback-style integrations: the same as entering ``step(n)``."""
         if self.enabled and not self.in_step:
@@ -501,6 +512,8 @@ class Tracer:
     def _finish_step(self, n: int, wall0: int, dur: int, tokens: int, samples: int, acc: _Acc,
                      shape: tuple[float, int, int]) -> None:
         s = acc.sums
+        if not isinstance(shape[0], float):  # a device loss: its copy is done (GPU path: the emitter, event ready)
+            shape = (_resolve_loss(shape[0]), shape[1], shape[2])
         secs = dur / 1e9 if dur > 0 else _NAN
         tps = tokens / secs if tokens >= 0 else _NAN
         sps = samples / secs if samples >= 0 else _NAN

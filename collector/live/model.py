@@ -38,6 +38,8 @@ class Alert:
     value: float                    # the signal's value at last_step, in the rule's unit
     threshold: float
     message: str                    # what, where and why, with numbers, for a person
+    fired_ns: int = 0               # (added by the live engine) collector clock when it went firing; 0 = never
+    fired_step: int = -1            # (added by the live engine) the completed step at which it went firing
 
     @property
     def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:

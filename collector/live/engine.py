@@ -1,0 +1,486 @@
+"""The live engine: committed batches in (from the writer, after commit), alerts and gauges out.
+
+    engine = LiveEngine(rules, con=cursor, sinks=[...], baseline="dp1")
+    writer = Writer(con, on_commit=engine.on_commit); engine.start()
+
+The writer thread only appends the committed batches to a bounded inbox and returns (O(1)); the
+engine's own thread ingests them into the live state, evaluates each step as it completes (every
+rank's STEP row in, or `step_deadline_s` after its first row; the missing ranks are named) and
+the time-based rules on a timer (`tick_s`). An inbox over `max_inbox_rows` drops its oldest
+batches (counted: `batches_dropped`); a step pushed out of the window before it was evaluated is
+counted in `steps_skipped`. Nothing queues without bound.
+
+Alerts go pending -> firing (held `for_steps` completed steps, or `for_s` seconds) -> resolved
+(past `clear_below`/`clear_above`, else back under the threshold). Each firing or resolved alert
+is one row of the `alerts` table (written here, through the engine's own cursor, never the
+writer's), and every state change is handed to the sinks.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from collector.live import judge
+from collector.live import signals as sg
+from collector.live.model import FIRING, PENDING, RESOLVED, Alert, AlertSink, RunGauges
+from collector.live.rules import Rule
+from collector.live.state import LiveState, RunState
+from tracetop.events import Kind
+
+log = logging.getLogger("tracetop.collector.live")
+
+_LIVE_KINDS = frozenset({Kind.RUN_START, Kind.STEP, Kind.COLLECTIVE, Kind.PIPE_INSTR, Kind.MEMORY, Kind.OFFLOAD,
+                         Kind.THROUGHPUT, Kind.HEARTBEAT, Kind.GPU_SAMPLE, Kind.XID})
+
+
+@dataclass
+class _Track:
+    alert: Alert
+    count: int = 0          # consecutive breached evaluations
+    cleared: int = 0
+    rule: Rule | None = None
+
+
+@dataclass
+class EngineStats:
+    batches: int = 0
+    rows: int = 0
+    batches_dropped: int = 0
+    steps_evaluated: int = 0
+    steps_skipped: int = 0
+    steps_incomplete: int = 0
+    eval_s: list[float] | None = None
+
+
+class AlertBook:
+    """Hold, hysteresis and state per (rule, run, labels). Pure: time and step come in."""
+
+    def __init__(self) -> None:
+        self.tracks: dict[tuple, _Track] = {}
+        self.done: list[Alert] = []  # resolved alerts (latest 1000)
+
+    def update(self, rule: Rule, run_id: str, obs: list[judge.Obs], step: int, now_ns: int,
+               time_based: bool = False) -> list[Alert]:
+        """One evaluation of `rule` on `run_id`: returns the alerts whose state changed."""
+        changed: list[Alert] = []
+        seen = set()
+        for o in obs:
+            labels = {**o.labels, **rule.labels}
+            key = (rule.name, run_id, tuple(sorted(labels.items())))
+            seen.add(key)
+            t = self.tracks.get(key)
+            if o.breached:
+                if t is None:
+                    a = Alert(rule.name, rule.signal, rule.severity, PENDING, run_id, o.scope, labels,
+                              step if not time_based else -1, step if not time_based else -1, now_ns, now_ns, o.value,
+                              rule.threshold, o.message.replace("{steps}", "1"))
+                    t = self.tracks[key] = _Track(a, 0, 0, rule)
+                    fresh = True
+                else:
+                    fresh = False
+                t.count += 1
+                t.cleared = 0
+                a = t.alert
+                new_state = a.state
+                held = (now_ns - a.first_ns) / 1e9 >= rule.for_s if rule.for_s else t.count >= rule.for_steps
+                if a.state == PENDING and held:
+                    new_state = FIRING
+                t.alert = replace(a, state=new_state, last_step=step if not time_based else a.last_step,
+                                  last_ns=now_ns, value=o.value, message=o.message.replace("{steps}", str(t.count)),
+                                  fired_ns=now_ns if new_state != a.state else a.fired_ns,
+                                  fired_step=(step if not time_based else -1) if new_state != a.state else a.fired_step)
+                if new_state != a.state or fresh:
+                    changed.append(t.alert)
+            elif t is not None:
+                self._not_breached(key, t, o.value, step, now_ns, changed, time_based)
+        for key in [k for k in self.tracks if k[0] == rule.name and k[1] == run_id and k not in seen]:
+            self._not_breached(key, self.tracks[key], math.nan, step, now_ns, changed, time_based)
+        return changed
+
+    def _not_breached(self, key, t: _Track, value: float, step: int, now_ns: int, changed: list, time_based: bool) -> None:
+        a = t.alert
+        if a.state == PENDING:
+            del self.tracks[key]
+            return
+        rule = t.rule
+        assert rule is not None
+        t.count = 0
+        if rule.cleared(value):
+            t.cleared += 1
+            if t.cleared >= 1:
+                done = replace(a, state=RESOLVED, last_ns=now_ns)
+                del self.tracks[key]
+                self.done.append(done)
+                del self.done[:-1000]
+                changed.append(done)
+
+    def end_run(self, run_id: str, now_ns: int) -> list[Alert]:
+        """The run is over (every rank silent): its alerts resolve, nothing is left firing."""
+        changed = []
+        for key in [k for k in self.tracks if k[1] == run_id]:
+            a = self.tracks.pop(key).alert
+            if a.state == FIRING:
+                done = replace(a, state=RESOLVED, last_ns=now_ns)
+                self.done.append(done)
+                changed.append(done)
+        del self.done[:-1000]
+        return changed
+
+    def firing(self) -> list[Alert]:
+        return [t.alert for t in self.tracks.values() if t.alert.state == FIRING]
+
+    def all(self) -> list[Alert]:
+        return [t.alert for t in self.tracks.values()] + list(self.done)
+
+
+def alert_id(a: Alert) -> str:
+    labels = ",".join(f"{k}={v}" for k, v in sorted(a.labels.items()))
+    return f"{a.rule}|{a.run_id}|{labels}|{a.first_ns if a.first_step < 0 else a.first_step}"
+
+
+def alert_row(a: Alert) -> tuple:
+    def num(key: str) -> int | None:
+        v = a.labels.get(key)
+        return int(v) if v is not None and str(v).lstrip("-").isdigit() else None
+
+    return (alert_id(a), a.rule, a.signal, a.severity, a.state, a.run_id, a.scope, num("rank"), num("stage"),
+            a.labels.get("node"), num("gpu"), json.dumps(dict(a.labels), sort_keys=True), a.first_step, a.last_step,
+            a.first_ns, a.last_ns, a.fired_ns or None, a.fired_step, None if a.value != a.value else a.value, a.threshold, a.message)
+
+
+ALERT_COLUMNS = ("id", "rule", "signal", "severity", "state", "run_id", "scope", "rank", "stage", "node", "gpu",
+                 "labels", "first_step", "last_step", "first_ns", "last_ns", "fired_ns", "fired_step", "value", "threshold", "message")
+
+
+class Evaluator:
+    """Live state + rules + alert book, without threads (the engine's thread, and --recompute)."""
+
+    def __init__(self, rules: Sequence[Rule], *, window: int = 64, baseline: str | None = None,
+                 baseline_lookup: Callable[[str], judge.Baseline | None] | None = None,
+                 step_deadline_s: float = 15.0, settle_s: float = 1.0, run_end_s: float = 60.0) -> None:
+        self.settle_s = settle_s
+        self.run_end_s = run_end_s
+        self.rules = [r for r in rules if r.enabled]
+        self.state = LiveState(window)
+        self.book = AlertBook()
+        self.baseline_id = baseline
+        self.baseline_lookup = baseline_lookup
+        self._baseline: judge.Baseline | None = None
+        self._baseline_at = 0.0
+        self.step_deadline_s = step_deadline_s
+        self.stats = EngineStats(eval_s=[])
+        self.gauges_by_run: dict[str, RunGauges] = {}
+        self.step_rules = [r for r in self.rules if not _time_based(r)]
+        self.timer_rules = [r for r in self.rules if _time_based(r)]
+
+    def baseline(self, mono_s: float) -> judge.Baseline | None:
+        if self.baseline_id is None or self.baseline_lookup is None:
+            return None
+        if self._baseline is None and mono_s - self._baseline_at > 5.0:
+            self._baseline_at = mono_s
+            try:
+                self._baseline = self.baseline_lookup(self.baseline_id)
+            except Exception:
+                log.exception("live: baseline lookup failed")
+        return self._baseline
+
+    def ingest(self, kind: Kind, run_id: str, cols: dict, now_ns: int) -> None:
+        if kind in _LIVE_KINDS:
+            self.state.ingest(kind, run_id, cols, now_ns)
+
+    def ready_steps(self, run: RunState, now_ns: int, *, final: bool = False) -> list[int]:
+        """Steps to evaluate now, in order; counts the ones pushed out of the window unevaluated."""
+        out = []
+        lo = max(run.last_evaluated + 1, run.newest_step - run.window + 1)
+        if lo > run.last_evaluated + 1 and run.last_evaluated >= 0:
+            self.stats.steps_skipped += lo - run.last_evaluated - 1
+            run.last_evaluated = lo - 1  # counted once
+        expected = run.expected_ranks()
+        for s in range(lo, run.newest_step + 1):
+            slot = run.slot_of(s)
+            if slot < 0:
+                continue
+            n = int(run.present[slot].sum())
+            # complete, and settled: the other kinds of the ranks' last shipments are in too
+            settled = (now_ns - int(run.slot_last_ns[slot])) / 1e9 >= self.settle_s
+            if n and (final or (n >= expected and settled)
+                      or (now_ns - int(run.slot_first_ns[slot])) / 1e9 > self.step_deadline_s):
+                out.append(s)
+                if n < expected:
+                    self.stats.steps_incomplete += 1
+            elif n == 0 and (now_ns - int(run.slot_first_ns[slot])) / 1e9 > self.step_deadline_s:
+                continue  # rows of other kinds only: nothing to judge
+            else:
+                break
+        return out
+
+    def evaluate_ready(self, now_ns: int, mono_s: float, *, final: bool = False) -> list[Alert]:
+        changed: list[Alert] = []
+        for run in list(self.state.runs.values()):
+            for s in self.ready_steps(run, now_ns, final=final):
+                t0 = time.perf_counter()
+                changed += self.evaluate_step(run, s, now_ns, mono_s)
+                run.last_evaluated = s
+                self.stats.steps_evaluated += 1
+                ev = self.stats.eval_s
+                assert ev is not None
+                ev.append(time.perf_counter() - t0)
+                del ev[:-4096]
+        return changed
+
+    def evaluate_step(self, run: RunState, step: int, now_ns: int, mono_s: float) -> list[Alert]:
+        view = judge.step_view(run, step)
+        if view is None:
+            return []
+        fig = judge.step_figures(view)
+        base = self.baseline(mono_s) if run.run_id != self.baseline_id else None
+        changed: list[Alert] = []
+        for rule in self.step_rules:
+            changed += self.book.update(rule, run.run_id, judge.observe(rule, fig, base), step, now_ns)
+        self._gauges(run, fig, base)
+        return changed
+
+    def _gauges(self, run: RunState, f: judge.Figures, base: judge.Baseline | None) -> None:
+        eff = f.per_gpu_tokens_per_s / base.per_gpu_tokens_per_s if base and base.per_gpu_tokens_per_s > 0 \
+            else f.within_efficiency
+        used = judge.sg.memory_used_of_budget(f.memory_used, f.memory_budget)
+        mfu = f.view.cols["mfu"]
+        self.gauges_by_run[run.run_id] = RunGauges(
+            run_id=run.run_id, step=f.view.step, ranks=len(f.view.rank), step_ms_p50=f.step_ms_p50,
+            grad_sync_ms_p99=f.grad_sync_p99_ms, comm_share=f.comm_share, scaling_efficiency=eff,
+            tokens_per_s=f.per_gpu_tokens_per_s * f.view.world, samples_per_s_per_gpu=_per_gpu_samples(f),
+            mfu=float(np.nanmedian(mfu)) if (~np.isnan(mfu)).any() else math.nan,
+            bubble_by_stage={b.stage: b.bubble for b in f.budgets},
+            memory_used_of_budget_max=float(np.nanmax(used)) if (~np.isnan(used)).any() else math.nan,
+            firing_alerts=sum(1 for a in self.book.firing() if a.run_id == run.run_id),
+            steps_skipped=self.stats.steps_skipped,
+        )
+
+    def evaluate_timer(self, now_ns: int) -> list[Alert]:
+        changed: list[Alert] = []
+        for run in list(self.state.runs.values()):
+            # a run whose every rank fell silent for run_end_s has ended: resolve what it left firing
+            last = int(run.hb_ns.max()) if run.ranks else 0
+            if last and not run.ended and (now_ns - last) / 1e9 > self.run_end_s:
+                run.ended = True
+                changed += self.book.end_run(run.run_id, now_ns)
+            elif last and (now_ns - last) / 1e9 <= self.run_end_s:
+                run.ended = False
+        for rule in self.timer_rules:
+            if rule.signal in ("silent_rank", "stuck_collective"):
+                for run in list(self.state.runs.values()):
+                    changed += self.book.update(rule, run.run_id, self._hang_obs(rule, run, now_ns), -1, now_ns, True)
+            else:
+                changed += self._gpu_rule(rule, now_ns)
+        return changed
+
+    def _hang_obs(self, rule: Rule, run: RunState, now_ns: int) -> list[judge.Obs]:
+        heard = np.nonzero(run.hb_ns > 0)[0]
+        if len(heard) == 0:
+            return []
+        # a run whose every rank fell silent has ended (or died whole): nothing to single out
+        if (now_ns - run.hb_ns[heard]).min() / 1e9 > rule.threshold and rule.signal == "silent_rank":
+            return []
+        big = 1e18
+        silent_s = rule.threshold if rule.signal == "silent_rank" else big
+        stuck_s = rule.threshold if rule.signal == "stuck_collective" else big
+        # the culprit logic needs both views: a silent rank makes the stuck ones waiters
+        findings = sg.hangs(heard, run.hb_ns[heard], run.hb_step[heard], list(run.hb_op[heard]),
+                            list(run.hb_role[heard]), run.hb_since[heard], run.usual_sigs(heard), now_ns,
+                            silent_s=silent_s, stuck_s=stuck_s)
+        out = []
+        for h in findings:
+            wait = f"; ranks {', '.join(map(str, h.waiting))} wait on it (blocked in their own collectives, not " \
+                   f"culprits)" if h.waiting else ""
+            stage = int(run.stage[h.rank]) if h.rank < run.ranks else -1
+            labels = {"rank": str(h.rank)}
+            if stage >= 0:
+                labels["stage"] = str(stage)
+            if h.kind == "silent" and rule.signal == "silent_rank":
+                out.append(judge.Obs("rank", labels, h.seconds, True,
+                                     f"rank {h.rank} sent no heartbeat for {h.seconds:.0f} s (last at step {h.step}) "
+                                     f"while the others still beat{wait}"))
+            elif h.kind == "stuck" and rule.signal == "stuck_collective":
+                labels.update(op=h.op, role=h.role)
+                out.append(judge.Obs("rank", labels, h.seconds, True,
+                                     f"rank {h.rank} is stuck in {h.op} (role {h.role}) for {h.seconds:.0f} s at step "
+                                     f"{h.step}{wait}"))
+        return out
+
+    def _gpu_rule(self, rule: Rule, now_ns: int) -> list[Alert]:
+        obs = []
+        for g in self.state.gpus.values():
+            labels = {"node": g.node, "gpu": str(g.gpu)}
+            if rule.signal == "xid":
+                n = len(g.xids)
+                last = f" (latest XID {g.xids[-1][1]}: {g.xids[-1][2]})" if n else ""
+                obs.append(judge.Obs("gpu", labels, float(n), rule.breached(float(n)),
+                                     f"GPU {g.gpu} on {g.node} reported {n} XID event(s){last}"))
+            elif rule.signal == "thermal_throttle":
+                val = 1.0 if g.throttled else 0.0
+                held = (now_ns - g.throttled_since_ns) / 1e9 if g.throttled else 0.0
+                obs.append(judge.Obs("gpu", labels, val, rule.breached(val),
+                                     f"GPU {g.gpu} on {g.node} is thermal/power throttled for {held:.0f} s"))
+            elif rule.signal == "ecc":
+                obs.append(judge.Obs("gpu", labels, g.ecc_uncorrected, rule.breached(g.ecc_uncorrected),
+                                     f"GPU {g.gpu} on {g.node} has {g.ecc_uncorrected:.0f} uncorrected ECC errors"))
+        return self.book.update(rule, "", obs, -1, now_ns, True)
+
+
+def _per_gpu_samples(f: judge.Figures) -> float:
+    c = f.view.cols
+    ok = (c["samples"] >= 0) & (c["duration_ns"] > 0)
+    if not ok.any():
+        return math.nan
+    return float(np.median(c["samples"][ok] / (c["duration_ns"][ok] / 1e9))) * f.view.dp / f.view.world
+
+
+def _time_based(rule: Rule) -> bool:
+    from collector.live.rules import SIGNALS
+
+    return SIGNALS[rule.signal].time_based
+
+
+class LiveEngine:
+    """The Evaluator on its own thread, fed by the writer's on_commit, writing the alerts table."""
+
+    def __init__(self, rules: Sequence[Rule], *, con=None, sinks: Sequence[AlertSink] = (), baseline: str | None = None,
+                 window: int = 64, tick_s: float = 0.5, step_deadline_s: float = 15.0, settle_s: float = 1.0,
+                 max_inbox_rows: int = 4_000_000, clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self._cur = con
+        lookup = (lambda run_id: lookup_baseline(self._cur, run_id)) if con is not None else None
+        self.ev = Evaluator(rules, window=window, baseline=baseline, baseline_lookup=lookup,
+                            step_deadline_s=step_deadline_s, settle_s=settle_s)
+        self.sinks = list(sinks)
+        self.tick_s = tick_s
+        self.clock_ns = clock_ns
+        self.max_inbox_rows = max_inbox_rows
+        self._inbox: collections.deque = collections.deque()
+        self._inbox_rows = 0
+        self._cv = threading.Condition()
+        self._stop = False
+        self._lock = threading.Lock()  # guards the evaluator against readers (gauges/alerts)
+        self._thread = threading.Thread(target=self._run, name="tracetop-live", daemon=True)
+        self.errors = 0
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.ev.stats
+
+    # -- the writer's side: O(1), never blocks on evaluation ----------------------------------
+    def on_commit(self, batches: Sequence) -> None:
+        rows = sum(b.n for b in batches)
+        with self._cv:
+            self._inbox.append(batches)
+            self._inbox_rows += rows
+            while self._inbox_rows > self.max_inbox_rows and len(self._inbox) > 1:
+                dropped = self._inbox.popleft()
+                self._inbox_rows -= sum(b.n for b in dropped)
+                self.ev.stats.batches_dropped += len(dropped)
+            self._cv.notify()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Ingest what is queued, evaluate the steps that are in, stop."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+        for s in self.sinks:
+            try:
+                s.close()
+            except Exception:
+                log.exception("live: a sink failed to close")
+
+    def _run(self) -> None:
+        next_tick = time.monotonic() + self.tick_s
+        while True:
+            with self._cv:
+                if not self._inbox and not self._stop:
+                    self._cv.wait(max(0.0, next_tick - time.monotonic()))
+                items = list(self._inbox)
+                self._inbox.clear()
+                self._inbox_rows = 0
+                stop = self._stop
+            try:
+                with self._lock:
+                    now = self.clock_ns()
+                    for batches in items:
+                        for b in batches:
+                            self.ev.ingest(b.kind, b.run_id, b.columns, now)
+                            self.ev.stats.batches += 1
+                            self.ev.stats.rows += b.n
+                    judged = self.ev.stats.steps_evaluated
+                    changed = self.ev.evaluate_ready(now, time.monotonic())
+                    if time.monotonic() >= next_tick or stop:
+                        next_tick = time.monotonic() + self.tick_s
+                        changed += self.ev.evaluate_timer(now)
+                    firing = self.ev.book.firing()
+                    if changed or self.ev.stats.steps_evaluated > judged:
+                        # state changes, and the firing alerts' latest step / value / message
+                        ids = {alert_id(a) for a in changed}
+                        self._store(changed + [a for a in firing if alert_id(a) not in ids and a.first_step >= 0])
+                if changed:
+                    self._publish(changed, firing)
+            except Exception:  # the engine never takes the collector down
+                self.errors += 1
+                log.exception("live: evaluation failed")
+            if stop:
+                return
+
+    def _store(self, changed: list[Alert]) -> None:
+        if self._cur is None:
+            return
+        rows = [alert_row(a) for a in changed if a.state != PENDING]
+        if not rows:
+            return
+        marks = ", ".join("?" * len(ALERT_COLUMNS))
+        try:
+            self._cur.executemany(f"INSERT OR REPLACE INTO alerts VALUES ({marks})", rows)
+        except Exception:
+            self.errors += 1
+            log.exception("live: could not store %d alert rows", len(rows))
+
+    def _publish(self, changed: list[Alert], firing: list[Alert]) -> None:
+        for s in self.sinks:
+            try:
+                s.publish(changed, firing)
+            except Exception:
+                self.errors += 1
+                log.exception("live: sink %r failed", s)
+
+    # -- readers (exporters, the TUI's Watch) --------------------------------------------------
+    def gauges(self) -> list[RunGauges]:
+        with self._lock:
+            firing = self.ev.book.firing()
+            return [replace(g, firing_alerts=sum(1 for a in firing if a.run_id == g.run_id),
+                            steps_skipped=self.ev.stats.steps_skipped) for g in self.ev.gauges_by_run.values()]
+
+    def alerts(self, firing_only: bool = False) -> list[Alert]:
+        with self._lock:
+            return self.ev.book.firing() if firing_only else self.ev.book.all()
+
+    def live_state_bytes(self) -> int:
+        with self._lock:
+            return self.ev.state.nbytes
+
+
+def lookup_baseline(cur, run_id: str) -> judge.Baseline | None:
+    """A stored run's figures from the `run_scaling` view (None while it has no steps)."""
+    rows = cur.cursor().execute(
+        "SELECT dp, per_gpu_tokens_per_s, grad_sync_ms_p50 FROM run_scaling WHERE run_id = ?", [run_id]).fetchall()
+    row = rows[0] if rows else None
+    if row is None or row[1] is None:
+        return None
+    return judge.Baseline(run_id, int(row[0] or 1), float(row[1]), float(row[2]) if row[2] is not None else math.nan)

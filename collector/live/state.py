@@ -1,0 +1,351 @@
+"""Live state: per run, the last W steps of per-rank figures, the latest heartbeat of each rank,
+the agents' latest GPU samples. Fed with committed batches (decoded columns), vectorised.
+
+Memory is fixed by W and the ranks: one float64 matrix `data[W, FIELDS, ranks]` (23 figures a
+rank-step: 16,384 ranks x 64 steps = 193 MB) plus a presence mask and a collective-signature
+bitmask. A row for a step older than the window is dropped (counted in `rows_too_old`); a newer
+step reuses the oldest slot, and the steps it pushes out unevaluated are counted as skipped by
+the engine. Nothing here queues.
+
+One thread touches it (the engine's); ingest and evaluation take turns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from collector.live.signals import GRAD_MIN_BYTES, GRAD_OPS
+from tracetop.events import Kind
+
+FIELDS = (
+    "duration_ns", "compute_ns", "comm_exposed_ns", "forward_ns", "backward_ns", "optimizer_ns", "data_wait_ns",
+    "tokens", "samples", "loss",                       # STEP
+    "coll_wait_ns", "grad_sync_ns", "p2p_ns", "p2p_bytes",  # COLLECTIVE
+    "reduce_ns",                                        # PIPE_INSTR ReduceGrads + ReduceTiedGrads
+    "rss_bytes", "allocated_bytes", "budget_bytes",     # MEMORY
+    "d2h_bytes", "d2h_ns", "h2d_bytes", "h2d_ns",       # OFFLOAD
+    "mfu",                                              # THROUGHPUT
+)
+F = {name: i for i, name in enumerate(FIELDS)}
+_STEP_COLS = FIELDS[:10]
+_REDUCE_INSTR = ("ReduceGrads", "ReduceTiedGrads")
+MAX_SIGS = 63
+MAX_RANKS = 1 << 16  # rows naming a larger rank are dropped (counted): memory stays bounded  # distinct (op, role) pairs a run may have in its signature bitmask
+
+
+def _strings(col) -> np.ndarray:
+    """A decoded string column as an object array."""
+    codes, dictionary = col
+    return np.asarray(dictionary, dtype=object)[codes] if len(dictionary) else np.full(len(codes), "", object)
+
+
+@dataclass
+class RunState:
+    run_id: str
+    window: int
+    ranks: int = 0
+    world_size: int = 0
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    micro_batches: int = -1
+    flops_per_token: float = float("nan")
+    stage: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    data: np.ndarray = field(default_factory=lambda: np.zeros((0, len(FIELDS), 0)))
+    present: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))
+    sigmask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    slot_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    slot_first_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    slot_last_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # latest row into the slot
+    best_p2p: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per slot: max bytes/ns of a p2p call
+    sigs: dict[tuple[str, str], int] = field(default_factory=dict)
+    # heartbeats: latest per rank
+    hb_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    hb_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    hb_since: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    hb_op: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
+    hb_role: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
+    hb_phase: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
+    newest_step: int = -1
+    last_evaluated: int = -1
+    ended: bool = False                 # every rank silent for the engine's run_end_s
+    rows_too_old: int = 0
+    last_row_ns: int = 0
+
+    def __post_init__(self) -> None:
+        w = self.window
+        self.data = np.zeros((w, len(FIELDS), 0))
+        self.present = np.zeros((w, 0), bool)
+        self.sigmask = np.zeros((w, 0), np.int64)
+        self.slot_step = np.full(w, -1, np.int64)
+        self.slot_first_ns = np.zeros(w, np.int64)
+        self.slot_last_ns = np.zeros(w, np.int64)
+        self.best_p2p = np.zeros(w)
+
+    # -- sizing ---------------------------------------------------------------------------
+    def ensure_ranks(self, n: int) -> None:
+        if n <= self.ranks:
+            return
+        n = max(n, self.ranks * 2 if self.ranks else n)
+        extra = n - self.ranks
+        self.data = np.concatenate([self.data, np.zeros((self.window, len(FIELDS), extra))], axis=2)
+        self.present = np.concatenate([self.present, np.zeros((self.window, extra), bool)], axis=1)
+        self.sigmask = np.concatenate([self.sigmask, np.zeros((self.window, extra), np.int64)], axis=1)
+        self.stage = np.concatenate([self.stage, np.full(extra, -1, np.int32)])
+        self.hb_ns = np.concatenate([self.hb_ns, np.zeros(extra, np.int64)])
+        self.hb_step = np.concatenate([self.hb_step, np.full(extra, -1, np.int64)])
+        self.hb_since = np.concatenate([self.hb_since, np.full(extra, -1, np.int64)])
+        for name in ("hb_op", "hb_role", "hb_phase"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.full(extra, "", object)]))
+        self.ranks = n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.data, self.present, self.sigmask, self.stage, self.hb_ns, self.hb_step,
+                                      self.hb_since, self.hb_op, self.hb_role, self.hb_phase))
+
+    def expected_ranks(self) -> int:
+        return self.world_size if self.world_size > 0 else self.ranks
+
+    # -- slots ----------------------------------------------------------------------------
+    def _slots_for(self, steps: np.ndarray, now_ns: int) -> np.ndarray:
+        """Slot index per row, or -1 for rows of steps outside the window (too old / negative).
+        Vectorised: the window's W consecutive steps map to W distinct slots, so a row's slot
+        (step % W) names its step; a slot holding an older step is reset for the new one."""
+        if not len(steps):
+            return np.full(0, -1, np.int64)
+        top = int(steps.max())
+        if top > self.newest_step:
+            self.newest_step = top
+        w = self.window
+        valid = (steps >= 0) & (steps > self.newest_step - w)
+        slots = np.where(valid, steps % w, -1)
+        if not valid.any():
+            return slots
+        us, first = np.unique(slots[valid], return_index=True)
+        ustep = steps[valid][first]
+        fresh = self.slot_step[us] != ustep
+        if fresh.any():
+            r = us[fresh]
+            self.data[r] = 0.0
+            self.data[r, F["loss"]] = np.nan
+            self.present[r] = False
+            self.sigmask[r] = 0
+            self.best_p2p[r] = 0.0
+            self.slot_step[r] = ustep[fresh]
+            self.slot_first_ns[r] = now_ns
+        self.slot_last_ns[us] = now_ns
+        return slots
+
+    def slot_of(self, step: int) -> int:
+        slot = step % self.window
+        return slot if int(self.slot_step[slot]) == step else -1
+
+    # -- ingest ---------------------------------------------------------------------------
+    def ingest(self, kind: Kind, cols: dict, now_ns: int) -> None:
+        n = len(cols["rank"])
+        if n == 0:
+            return
+        rank = np.asarray(cols["rank"], np.int64)
+        if kind == Kind.RUN_START:
+            self._run_start(rank, cols)
+            return
+        if rank.max() >= MAX_RANKS:
+            self.rows_too_old += int((rank >= MAX_RANKS).sum())
+            rank = np.where(rank >= MAX_RANKS, -1, rank)
+            cols = {**cols, "rank": rank}
+        if rank.max() >= 0:
+            self.ensure_ranks(int(rank.max()) + 1)
+        self.last_row_ns = now_ns
+        if kind == Kind.HEARTBEAT:
+            self._heartbeat(rank, cols)
+            return
+        if kind not in (Kind.STEP, Kind.COLLECTIVE, Kind.PIPE_INSTR, Kind.MEMORY, Kind.OFFLOAD, Kind.THROUGHPUT):
+            return
+        slots = self._slots_for(np.asarray(cols["step"], np.int64), now_ns)
+        keep = (slots >= 0) & (rank >= 0)
+        self.rows_too_old += int((~keep).sum())
+        if not keep.any():
+            return
+        slots, rank = slots[keep], rank[keep]
+        d = self.data
+        if kind == Kind.STEP:
+            for name in _STEP_COLS:
+                d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
+            self.present[slots, rank] = True
+        elif kind == Kind.COLLECTIVE:
+            self._collectives(slots, rank, cols, keep)
+        elif kind == Kind.PIPE_INSTR:
+            instr = _strings(cols["instr"])[keep]
+            red = np.isin(instr, _REDUCE_INSTR)
+            np.add.at(d, (slots[red], F["reduce_ns"], rank[red]), np.asarray(cols["duration_ns"], np.float64)[keep][red])
+        elif kind == Kind.MEMORY:
+            for name in ("rss_bytes", "allocated_bytes", "budget_bytes"):
+                d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
+        elif kind == Kind.THROUGHPUT:
+            d[slots, F["mfu"], rank] = np.asarray(cols["mfu"], np.float64)[keep]
+        elif kind == Kind.OFFLOAD:
+            direction = _strings(cols["direction"])[keep]
+            nb = np.asarray(cols["bytes"], np.float64)[keep]
+            dur = np.asarray(cols["duration_ns"], np.float64)[keep]
+            for dname, prefix in (("d2h", "d2h"), ("h2d", "h2d")):
+                m = direction == dname
+                np.add.at(d, (slots[m], F[prefix + "_bytes"], rank[m]), nb[m])
+                np.add.at(d, (slots[m], F[prefix + "_ns"], rank[m]), dur[m])
+
+    def _collectives(self, slots: np.ndarray, rank: np.ndarray, cols: dict, keep: np.ndarray) -> None:
+        """Per-row flags computed once per dictionary entry (few), then indexed by the codes."""
+        d = self.data
+        op_codes, op_dict = cols["op"]
+        role_codes, role_dict = cols["role"]
+        op_codes, role_codes = np.asarray(op_codes)[keep], np.asarray(role_codes)[keep]
+        p2p_d = np.array([r.startswith("p2p") for r in role_dict] or [False], bool)
+        dp_d = np.array([("dp" in r.split("|")) for r in role_dict] or [False], bool)
+        grad_d = np.array([o.lstrip("_").startswith(GRAD_OPS) for o in op_dict] or [False], bool)
+        dur = np.asarray(cols["duration_ns"], np.float64)[keep]
+        nb = np.asarray(cols["bytes"], np.int64)[keep]
+        p2p = p2p_d[role_codes]
+        grad = dp_d[role_codes] & grad_d[op_codes] & (nb >= GRAD_MIN_BYTES)
+        np.add.at(d, (slots[~p2p], F["coll_wait_ns"], rank[~p2p]), dur[~p2p])
+        np.add.at(d, (slots[grad], F["grad_sync_ns"], rank[grad]), dur[grad])
+        np.add.at(d, (slots[p2p], F["p2p_ns"], rank[p2p]), dur[p2p])
+        np.add.at(d, (slots[p2p], F["p2p_bytes"], rank[p2p]), nb[p2p].astype(np.float64))
+        if p2p.any():
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rate = np.where(dur[p2p] > 0, nb[p2p] / dur[p2p], 0.0)
+            np.maximum.at(self.best_p2p, slots[p2p], rate)
+        # (op, role) signatures of non-p2p collectives, for the hang culprit test
+        if (~p2p).any():
+            pair = op_codes[~p2p].astype(np.int64) * max(1, len(role_dict)) + role_codes[~p2p]
+            upair, inv = np.unique(pair, return_inverse=True)
+            ubits = np.zeros(len(upair), np.int64)
+            for j, code in enumerate(upair):
+                key = (str(op_dict[code // max(1, len(role_dict))]), str(role_dict[code % max(1, len(role_dict))]))
+                bit = self.sigs.get(key)
+                if bit is None and len(self.sigs) < MAX_SIGS:
+                    bit = self.sigs[key] = len(self.sigs)
+                ubits[j] = (1 << bit) if bit is not None else 0
+            np.bitwise_or.at(self.sigmask, (slots[~p2p], rank[~p2p]), ubits[inv])
+
+    def _run_start(self, rank: np.ndarray, cols: dict) -> None:
+        ok = (rank >= 0) & (rank < MAX_RANKS)
+        rank = rank[ok]
+        cols = {k: (v[0][ok], v[1]) if isinstance(v, tuple) else np.asarray(v)[ok] for k, v in cols.items()}
+        if not len(rank):
+            return
+        self.ensure_ranks(int(min(MAX_RANKS - 1, max(rank.max(), np.max(cols["world_size"]) - 1))) + 1)
+        self.world_size = max(self.world_size, int(np.max(cols["world_size"])))
+        self.dp = int(np.max(cols["dp"])) or 1
+        self.pp = int(np.max(cols["pp"])) or 1
+        self.tp = int(np.max(cols["tp"])) or 1
+        self.micro_batches = int(np.max(cols["micro_batches"]))
+        fpt = np.asarray(cols["flops_per_token"], np.float64)
+        if (~np.isnan(fpt)).any():
+            self.flops_per_token = float(np.nanmax(fpt))
+        self.stage[rank] = np.asarray(cols["stage"], np.int32)
+
+    def _heartbeat(self, rank: np.ndarray, cols: dict) -> None:
+        order = np.argsort(np.asarray(cols["start_ns"]), kind="stable")  # the latest wins
+        rank = rank[order]
+        ns = np.asarray(cols["start_ns"], np.int64)[order]
+        newer = ns >= self.hb_ns[rank]
+        rank, ns, order = rank[newer], ns[newer], order[newer]
+        self.hb_ns[rank] = ns
+        self.hb_step[rank] = np.asarray(cols["step"], np.int64)[order]
+        self.hb_since[rank] = np.asarray(cols["pending_since_ns"], np.int64)[order]
+        self.hb_op[rank] = _strings(cols["pending_op"])[order]
+        self.hb_role[rank] = _strings(cols["pending_role"])[order]
+        self.hb_phase[rank] = _strings(cols["phase"])[order]
+
+    # -- reading --------------------------------------------------------------------------
+    def usual_sigs(self, rank_idx: np.ndarray) -> list[frozenset[tuple[str, str]]]:
+        """(op, role) pairs each rank ran in the newest step it completed before the step its
+        heartbeat is in (in the window): what it does every step, not what it is stuck in now."""
+        names = {b: k for k, b in self.sigs.items()}
+        out = []
+        for r in rank_idx:
+            mask = 0
+            top = min(self.newest_step, int(self.hb_step[r]) - 1) if self.hb_step[r] >= 0 else self.newest_step
+            for s in range(top, self.newest_step - self.window, -1):
+                slot = self.slot_of(s) if s >= 0 else -1
+                if slot >= 0 and self.present[slot, r]:
+                    mask = int(self.sigmask[slot, r])
+                    break
+            out.append(frozenset(names[b] for b in names if mask >> b & 1))
+        return out
+
+
+@dataclass
+class GpuState:
+    node: str
+    gpu: int
+    last_ns: int = 0
+    throttled: bool = False
+    throttled_since_ns: int = 0
+    ecc_uncorrected: float = 0.0
+    mem_total_bytes: float = float("nan")
+    xids: list[tuple[int, int, str]] = field(default_factory=list)  # (ns, xid, description), bounded
+
+
+#: NVML clocks-event reasons counted as thermal/power throttling: HW slowdown (0x8), SW power cap
+#: (0x4), SW thermal (0x20), HW thermal (0x40), HW power brake (0x80).
+THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
+MAX_XIDS = 64
+
+
+class LiveState:
+    """All runs' state, plus the agents' GPUs (node-level rows carry the run of the agent's batch)."""
+
+    def __init__(self, window: int = 64) -> None:
+        if window < 2:
+            raise ValueError("the live window must hold at least 2 steps")
+        self.window = window
+        self.runs: dict[str, RunState] = {}
+        self.gpus: dict[tuple[str, int], GpuState] = {}
+
+    def run(self, run_id: str) -> RunState:
+        r = self.runs.get(run_id)
+        if r is None:
+            r = self.runs[run_id] = RunState(run_id, self.window)
+        return r
+
+    def ingest(self, kind: Kind, run_id: str, cols: dict, now_ns: int) -> None:
+        if kind == Kind.GPU_SAMPLE:
+            self._gpu(cols)
+        elif kind == Kind.XID:
+            self._xid(cols)
+        else:
+            self.run(run_id).ingest(kind, cols, now_ns)
+
+    def _gpu(self, cols: dict) -> None:
+        nodes = _strings(cols["node"])
+        for i in np.argsort(np.asarray(cols["start_ns"]), kind="stable"):
+            key = (str(nodes[i]), int(cols["gpu"][i]))
+            g = self.gpus.get(key) or self.gpus.setdefault(key, GpuState(*key))
+            ns = int(cols["start_ns"][i])
+            reasons = cols["clock_event_reasons"][i]
+            throttled = bool(reasons == reasons and int(reasons) & THROTTLE_MASK)
+            if throttled and not g.throttled:
+                g.throttled_since_ns = ns
+            g.throttled = throttled
+            g.last_ns = ns
+            ecc = cols["ecc_uncorrected"][i]
+            if ecc == ecc:
+                g.ecc_uncorrected = float(ecc)
+            total = cols["mem_total_bytes"][i]
+            if total == total:
+                g.mem_total_bytes = float(total)
+
+    def _xid(self, cols: dict) -> None:
+        nodes, desc = _strings(cols["node"]), _strings(cols["description"])
+        for i in range(len(nodes)):
+            key = (str(nodes[i]), int(cols["gpu"][i]))
+            g = self.gpus.get(key) or self.gpus.setdefault(key, GpuState(*key))
+            g.xids.append((int(cols["start_ns"][i]), int(cols["xid"][i]), str(desc[i])))
+            del g.xids[:-MAX_XIDS]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.runs.values())

@@ -1,0 +1,41 @@
+"""The step's loss, without ever synchronizing the device on the training thread.
+
+A float (or an int) is taken as it is; a CPU tensor is read at once (no device involved). A CUDA
+tensor is never read here (`.item()` waits for the device): with the tracer's device clock the
+value is copied to pinned host memory asynchronously (`to("cpu", non_blocking=True)` on the
+current stream) and the copy is read by the emitter once the step's end event, recorded after
+it on the same stream, says the device got there (`resolve`). Without a device clock (CPU timers
+on a GPU tensor) it stays NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+def loss_value(value: Any, *, deferred: bool = False) -> Any:
+    """A float, or (deferred, a device tensor) a pending host copy for `resolve` to read later."""
+    if value is None:
+        return math.nan
+    if isinstance(value, (int, float)):
+        return float(value)
+    on_device = getattr(value, "is_cuda", False) or getattr(getattr(value, "device", None), "type", "cpu") != "cpu"
+    if on_device:
+        if not deferred:
+            return math.nan
+        return value.detach().reshape(-1)[:1].to("cpu", non_blocking=True)
+    numel = getattr(value, "numel", None)
+    if callable(numel):
+        return float(value.detach().reshape(-1)[0]) if numel() else math.nan
+    return float(value)
+
+
+def resolve(loss: Any) -> float:
+    """The float of what loss_value returned; a pending copy only once its step's end event is done."""
+    if isinstance(loss, float):
+        return loss
+    try:
+        return float(loss[0]) if len(loss) else math.nan
+    except Exception:
+        return math.nan
