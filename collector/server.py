@@ -1,4 +1,4 @@
-"""The collector's gRPC edge: Ingest (Stream, Clock), Query (Sql; Watch not yet), Control (not yet).
+"""The collector's gRPC edge: Ingest (Stream, Clock), Query (Sql, Watch), Control (not yet).
 
 Runs on grpc.aio: one event-loop thread reads every stream, decodes and validates batches
 (tracetop.wire.codec.decode_batch) and converts them to Arrow; the writer thread (writer.py)
@@ -214,8 +214,35 @@ class CollectorService:
             raise
         return pb.QueryReply(arrow_ipc=readonly.to_ipc(table), truncated=truncated)
 
-    async def watch(self, request, context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Query.Watch arrives with the TUI issue")
+    # ---- Query.Watch ----------------------------------------------------------------------
+    async def watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext):
+        """Snapshots of one run (the newest when run_id is empty) every interval_s, built off the
+        event loop on a cursor of this stream's own (collector/watch.py)."""
+        from collector import watch
+        from tracetop import snapshot as snap
+
+        interval_s = watch.clamp_interval(request.interval_s)
+        with self._query_lock:
+            cur = self._query_root.cursor()
+        try:
+            run_id = request.run_id
+            state = snap.Cursor(run_id)
+            while not self.closing:
+                t0 = time.monotonic()
+                if not run_id:
+                    run_id = await asyncio.to_thread(watch.newest_run, cur) or ""
+                    state = snap.Cursor(run_id)
+                if not run_id:  # nothing started yet: say so, keep the stream
+                    data = snap.encode(snap.Snapshot({"run_id": "", "waiting": True, "source": "collector"}))
+                else:
+                    try:
+                        data = await asyncio.to_thread(watch.snapshot, cur, run_id, cursor=state)
+                    except watch.UnknownRun as e:
+                        await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+                await context.write(pb.Snapshot(taken_ns=time.time_ns(), arrow_ipc=data))
+                await asyncio.sleep(max(interval_s - (time.monotonic() - t0), 0.0))
+        finally:
+            cur.close()
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         ingest = grpc.method_handlers_generic_handler(
