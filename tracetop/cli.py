@@ -13,6 +13,7 @@ import sys
 
 #: name -> (module, one-line help). Module paths are imported only when that command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "ui": ("tui.cli", "the terminal UI: live through a collector, or a finished run's FILE.duckdb"),
     "collector": ("collector.cli", "run a collector: gRPC ingest into one DuckDB file"),
     "query": ("collector.query_cli", "read-only SQL on a collector's file, or through a running collector"),
     "agent": ("agent.cli", "run the node agent: NVML/host sampling, local relay with disk spool"),
@@ -26,6 +27,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "chaos": ("collector.bench_chaos", "kill -9 the collector repeatedly while shipping: lost/duplicates"),
     "hooks": ("trainer_hooks.bench", "interleaved reference runs with hooks on/off: overhead"),
     "agent": ("agent.bench", "agent CPU cost: sampling 8 fake GPUs, relaying 10k events/s"),
+    "tui": ("tui.bench", "the TUI's CPU share at 2 Hz and the Ranks screen's refresh time at 16,384 ranks"),
+    "e2e": ("tui.bench_e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
 }
 
 
@@ -67,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _dispatch(BENCHES, "tracetop bench", argv[1:])
+    if not argv:  # `tracetop` alone is the live TUI (DESIGN §11)
+        argv = ["ui"]
     return _dispatch(COMMANDS, "tracetop", argv)
 
 
