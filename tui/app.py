@@ -513,7 +513,7 @@ class TracetopApp(App[int]):
             return "rank"
         if self.ranks.level != "auto":
             return self.ranks.level
-        n_cells = len({(int(a), int(b)) for a, b in zip(rt.stage[mask], rt.replica[mask])}) if mask.sum() <= 100_000 else 0
+        n_cells = int(np.unique(rt.stage[mask] * (int(rt.replica.max(initial=0)) + 1) + rt.replica[mask]).size)
         return core.auto_level(int(mask.sum()), n_cells)
 
     def draw_ranks(self) -> None:

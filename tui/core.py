@@ -75,7 +75,7 @@ def col(table, name: str, dtype: Any = float) -> np.ndarray:
     if dtype is float:
         return np.asarray(c.to_numpy(zero_copy_only=False), dtype=float)
     if dtype is str:
-        return np.asarray(c.to_pylist(), dtype=object)
+        return np.asarray(c.to_numpy(zero_copy_only=False), dtype=object)
     return np.asarray(c.fill_null(-1).to_numpy(zero_copy_only=False), dtype=dtype)
 
 
@@ -253,7 +253,6 @@ def heatmap(rt: RankTable, level: str, *, mask: np.ndarray | None = None) -> Hea
     level a cell is a node (one group). A cell's z is its worst rank's."""
     sel = np.flatnonzero(mask) if mask is not None else np.arange(rt.n)
     bad = rt.badness()
-    sign = METRICS[rt.metric][2]
     if sel.size == 0:
         return Heatmap(level, rt.metric, [])
     if level == "rank":
@@ -279,32 +278,36 @@ def heatmap(rt: RankTable, level: str, *, mask: np.ndarray | None = None) -> Hea
         title = "nodes"
     else:
         raise ValueError(f"level {level!r}: one of {', '.join(LEVELS)}")
-    order = np.lexsort((rt.rank[sel], keys[:, 1], keys[:, 0]))
+    # Vectorised per cell (16,384 ranks → 2,048 cells in a few ms): sort by (cell, badness desc),
+    # so each cell's first row is its worst rank; the value is the cell's mean (NaN ignored).
+    s_bad_all = bad[sel]
+    order = np.lexsort((-s_bad_all, keys[:, 1], keys[:, 0]))
     s_sel, s_keys = sel[order], keys[order]
     change = np.flatnonzero(np.any(np.diff(s_keys, axis=0) != 0, axis=1)) + 1
-    starts = np.concatenate([[0], change])
-    ends = np.concatenate([change, [s_sel.size]])
-    s_bad = bad[s_sel]
+    starts = np.concatenate([[0], change]).astype(np.int64)
+    ends = np.concatenate([change, [s_sel.size]]).astype(np.int64)
+    vals = rt.value[s_sel]
+    ok = ~np.isnan(vals)
+    sums = np.add.reduceat(np.where(ok, vals, 0.0), starts)
+    cnts = np.add.reduceat(ok.astype(np.int64), starts)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.where(cnts > 0, sums / np.maximum(cnts, 1), np.nan)
+    worst = s_sel[starts]
     groups_d: dict[int, list[Cell]] = {}
-    for a, e in zip(starts, ends):
-        idx = s_sel[a:e]
-        j = int(np.argmax(s_bad[a:e]))
-        worst = idx[j]
-        b = float(s_bad[a + j])
+    names = rt.node
+    for j in range(starts.size):
+        w = int(worst[j])
+        b = float(bad[w])
         st = z_status(b)
-        vals = rt.value[idx]
-        med = float(np.nanmedian(vals)) if np.any(~np.isnan(vals)) else float("nan")
+        g0, g1 = int(s_keys[starts[j], 0]), int(s_keys[starts[j], 1])
         if level == "replica":
-            key: tuple = ("replica", int(s_keys[a, 0]), int(s_keys[a, 1]))
-            label = f"d{int(s_keys[a, 1])}"
+            key: tuple = ("replica", g0, g1)
+            label = f"d{g1}"
         else:
-            name = str(rt.node[worst])
+            name = str(names[w])
             key, label = ("node", name), name
-        z_worst = float(rt.z[worst]) if not math.isnan(float(rt.z[worst])) else float("nan")
-        if sign and math.isnan(b):
-            z_worst = float("nan")
-        groups_d.setdefault(int(s_keys[a, 0]), []).append(
-            Cell(key, label, med, z_worst, int(e - a), int(rt.rank[worst]), st, st == BAD))
+        groups_d.setdefault(g0, []).append(
+            Cell(key, label, float(means[j]), float(rt.z[w]), int(ends[j] - starts[j]), int(rt.rank[w]), st, st == BAD))
     return Heatmap(level, rt.metric, [(title.format(g), cells) for g, cells in groups_d.items()])
 
 
@@ -338,9 +341,10 @@ def worst_rows(rt: RankTable, *, sort: str = "z", limit: int = 20, mask: np.ndar
     else:
         order = idx[np.argsort(-bad, kind="stable")]
     unit = METRICS[rt.metric][1]
+    all_bad = rt.badness()
     out = []
     for i in order[:limit]:
-        st = z_status(float(rt.badness()[i]))
+        st = z_status(float(all_bad[i]))
         out.append((int(rt.rank[i]), int(rt.stage[i]), int(rt.replica[i]), int(rt.tp_rank[i]), str(rt.node[i]),
                     fmt_num(float(rt.value[i]), unit), "–" if math.isnan(rt.z[i]) else f"{rt.z[i]:+.1f}",
                     ("STRAGGLER" if st == BAD else STATUS_WORD[st]), st))
