@@ -113,8 +113,12 @@ class CollectorService:
         # another thread; each query gets its own (DuckDB connections are not shared across threads).
         self._query_root = con.cursor()
         self._query_lock = threading.Lock()
+        self._watch_cursors: dict[int, tuple[threading.Lock, object]] = {}  # Query.Watch streams' cursors
 
     def close(self) -> None:
+        for lock, cur in list(self._watch_cursors.values()):
+            with lock, contextlib.suppress(Exception):
+                cur.close()  # type: ignore[attr-defined]
         with self._query_lock:
             self._query_root.close()
 
@@ -224,25 +228,40 @@ class CollectorService:
         interval_s = watch.clamp_interval(request.interval_s)
         with self._query_lock:
             cur = self._query_root.cursor()
+        # The cursor is used by one worker thread at a time; a cancelled stream (the client went
+        # away mid-query) closes it only once that query is done, never under it.
+        lock = threading.Lock()
+        self._watch_cursors[id(cur)] = (lock, cur)
+
+        def build(fn, *args, **kw):
+            with lock:
+                return fn(cur, *args, **kw)
+
         try:
             run_id = request.run_id
             state = snap.Cursor(run_id)
             while not self.closing:
                 t0 = time.monotonic()
                 if not run_id:
-                    run_id = await asyncio.to_thread(watch.newest_run, cur) or ""
+                    run_id = await asyncio.to_thread(build, watch.newest_run) or ""
                     state = snap.Cursor(run_id)
                 if not run_id:  # nothing started yet: say so, keep the stream
                     data = snap.encode(snap.Snapshot({"run_id": "", "waiting": True, "source": "collector"}))
                 else:
                     try:
-                        data = await asyncio.to_thread(watch.snapshot, cur, run_id, cursor=state)
+                        data = await asyncio.to_thread(build, watch.snapshot, run_id, cursor=state)
                     except watch.UnknownRun as e:
                         await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
                 await context.write(pb.Snapshot(taken_ns=time.time_ns(), arrow_ipc=data))
                 await asyncio.sleep(max(interval_s - (time.monotonic() - t0), 0.0))
         finally:
-            cur.close()
+
+            def close() -> None:
+                with lock, contextlib.suppress(Exception):
+                    cur.close()
+                self._watch_cursors.pop(id(cur), None)
+
+            asyncio.get_running_loop().run_in_executor(None, close)
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         ingest = grpc.method_handlers_generic_handler(

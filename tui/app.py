@@ -187,6 +187,15 @@ class HeatmapView(ScrollView, can_focus=True):
             self.post_message(self.Highlighted(self.cells[k]))
 
 
+class ScrubBar(Static):
+    """The replay bar: a click on it moves to that step."""
+
+    def on_click(self, event: events.Click) -> None:
+        off = event.get_content_offset(self)
+        if off is not None:
+            self.app.scrub_click(off.x)  # type: ignore[attr-defined]
+
+
 # ---- help -------------------------------------------------------------------------------------------
 
 class HelpScreen(ModalScreen[None]):
@@ -284,7 +293,7 @@ class TracetopApp(App[int]):
     def compose(self) -> ComposeResult:
         yield Static("", id="head")
         yield Tabs(*[Tab(title, id=f"tab-{sid}") for sid, title in SCREENS], id="tabs")
-        yield Static("", id="scrub")
+        yield ScrubBar("", id="scrub")
         with ContentSwitcher(initial="overview", id="body"):
             with VerticalScroll(id="overview", classes="pane"):
                 yield Static("", id="ov-figures")
@@ -834,17 +843,13 @@ class TracetopApp(App[int]):
             return
         self.load_step(self.snap.header["first_step" if where == "first" else "last_step"])
 
-    def on_click(self, event: events.Click) -> None:
-        scrub = self.query_one("#scrub", Static)
-        if event.widget is scrub and self.snap is not None and self.source is not None and not self.source.live:
-            off = event.get_content_offset(scrub)
-            if off is None:
-                return
-            h = self.snap.header
-            prefix = len(f"step {self.snap.step:>5}  {h['first_step']} ")
-            x = off.x - prefix
-            if 0 <= x < 50:
-                self.load_step(int(round(h["first_step"] + x / 49 * (h["last_step"] - h["first_step"]))))
+    def scrub_click(self, x: int) -> None:
+        if self.snap is None or self.source is None or self.source.live:
+            return
+        h = self.snap.header
+        x -= len(f"step {self.snap.step:>5}  {h['first_step']} ")
+        if 0 <= x < 50:
+            self.load_step(int(round(h["first_step"] + x / 49 * (h["last_step"] - h["first_step"]))))
 
     def action_decide(self, what: str) -> None:
         if self.current != "alerts":
