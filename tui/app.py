@@ -358,9 +358,12 @@ class TracetopApp(App[int]):
                     self.call_from_thread(self.on_snapshot, s)
                     if self.stop.is_set():
                         return
-            except SourceError as e:
+            except Exception as e:  # a worker never takes the app down: every failure becomes a screen
                 if self.stop.is_set():
                     return
+                if not isinstance(e, SourceError):
+                    e = SourceError("unexpected error", f"{type(e).__name__}: {e}",
+                                    "retrying; if it persists, report it with the collector's log")
                 self.call_from_thread(self.show_error, e)
                 if e.title in ("unknown run", "collector too old"):
                     return
@@ -376,7 +379,9 @@ class TracetopApp(App[int]):
             if getattr(src, "con", None) is None:
                 src.open()
             s = src.snapshot_at(step)
-        except SourceError as e:
+        except Exception as e:
+            if not isinstance(e, SourceError):
+                e = SourceError("unexpected error", f"{type(e).__name__}: {e}", "report it with the file's path")
             self.call_from_thread(self.show_error, e)
             return
         self.call_from_thread(self.on_snapshot, s)
@@ -385,8 +390,9 @@ class TracetopApp(App[int]):
     def load_detail(self, rank: int, step: int) -> None:
         try:
             d = self.source.rank_detail(rank, step)  # type: ignore[union-attr]
-        except SourceError as e:
-            self.call_from_thread(self.notify, f"{e.title}: {e.message}", severity="error")
+        except Exception as e:
+            msg = f"{e.title}: {e.message}" if isinstance(e, SourceError) else f"{type(e).__name__}: {e}"
+            self.call_from_thread(self.notify, msg, severity="error")
             return
         self.call_from_thread(self.on_detail, rank, d)
 

@@ -205,7 +205,7 @@ async def test_pipeline_collectives_offload_gpus_alerts_screens() -> None:
         await opened(pilot)
         await pilot.press("3")
         bubbles = text_of(app, "#pipe-bubbles")
-        for stage, rate in raw("SELECT stage, bubble_rate FROM bubble_by_stage WHERE step = ?", [last_step()]):
+        for _stage, rate in raw("SELECT stage, bubble_rate FROM bubble_by_stage WHERE step = ?", [last_step()]):
             assert f"{rate * 100:.1f}%" in bubbles
         assert "stage 0" in text_of(app, "#pipe-gantt")
         await pilot.press("4")
