@@ -346,6 +346,17 @@ class TracetopApp(App[int]):
         else:
             self.load_step(None)
 
+    def _post(self, fn, *args) -> bool:
+        """Run fn on the UI thread from a worker; False (and stop) once the app has gone."""
+        if self.stop.is_set():
+            return False
+        try:
+            self.call_from_thread(fn, *args)
+        except RuntimeError:  # the app's loop has closed under us
+            self.stop.set()
+            return False
+        return True
+
     @work(thread=True, exclusive=True, group="source")
     def run_live(self) -> None:
         src = self.source
@@ -355,8 +366,7 @@ class TracetopApp(App[int]):
                 if getattr(src, "channel", None) is None:
                     src.open()
                 for s in src.watch(self.interval_s, self.stop):
-                    self.call_from_thread(self.on_snapshot, s)
-                    if self.stop.is_set():
+                    if not self._post(self.on_snapshot, s):
                         return
             except Exception as e:  # a worker never takes the app down: every failure becomes a screen
                 if self.stop.is_set():
@@ -364,7 +374,8 @@ class TracetopApp(App[int]):
                 if not isinstance(e, SourceError):
                     e = SourceError("unexpected error", f"{type(e).__name__}: {e}",
                                     "retrying; if it persists, report it with the collector's log")
-                self.call_from_thread(self.show_error, e)
+                if not self._post(self.show_error, e):
+                    return
                 if e.title in ("unknown run", "collector too old"):
                     return
                 src.close()
@@ -382,9 +393,9 @@ class TracetopApp(App[int]):
         except Exception as e:
             if not isinstance(e, SourceError):
                 e = SourceError("unexpected error", f"{type(e).__name__}: {e}", "report it with the file's path")
-            self.call_from_thread(self.show_error, e)
+            self._post(self.show_error, e)
             return
-        self.call_from_thread(self.on_snapshot, s)
+        self._post(self.on_snapshot, s)
 
     @work(thread=True, exclusive=True, group="detail")
     def load_detail(self, rank: int, step: int) -> None:
@@ -392,9 +403,9 @@ class TracetopApp(App[int]):
             d = self.source.rank_detail(rank, step)  # type: ignore[union-attr]
         except Exception as e:
             msg = f"{e.title}: {e.message}" if isinstance(e, SourceError) else f"{type(e).__name__}: {e}"
-            self.call_from_thread(self.notify, msg, severity="error")
+            self._post(self.notify, msg)
             return
-        self.call_from_thread(self.on_detail, rank, d)
+        self._post(self.on_detail, rank, d)
 
     def on_unmount(self) -> None:
         self.stop.set()

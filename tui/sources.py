@@ -58,7 +58,7 @@ class FileSource:
     def __init__(self, path: str | Path, run_id: str | None = None) -> None:
         self.path = Path(path)
         self.run_id = run_id or ""
-        self.description = str(self.path)
+        self.description = self.path.name  # the name, not the full path: screenshots stay the same anywhere
         self.con = None
         self._lock = threading.Lock()
 
