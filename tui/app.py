@@ -269,7 +269,7 @@ class TracetopApp(App[int]):
     ]
 
     def __init__(self, source: Source | None, *, interval_s: float = 0.5, error: SourceError | None = None,
-                 retry_s: float = 2.0) -> None:
+                 retry_s: float = 2.0, initial: str = "overview", show_no_source: bool = True) -> None:
         super().__init__()
         self.source = source
         self.interval_s = interval_s
@@ -277,7 +277,8 @@ class TracetopApp(App[int]):
         self.snap: snapmod.Snapshot | None = None
         self.pending: snapmod.Snapshot | None = None
         self.paused = False
-        self.current = "overview"
+        self.current = initial
+        self.show_no_source = show_no_source
         self.filters: dict[str, str] = {}
         self.coll_sort = "p99"
         self.ranks = RanksState()
@@ -292,9 +293,10 @@ class TracetopApp(App[int]):
     # -- layout --
     def compose(self) -> ComposeResult:
         yield Static("", id="head")
-        yield Tabs(*[Tab(title, id=f"tab-{sid}") for sid, title in SCREENS], id="tabs")
+        yield Tabs(*[Tab(title, id=f"tab-{sid}") for sid, title in SCREENS], id="tabs",
+                   active=f"tab-{'ranks' if self.current == 'rank-detail' else self.current}")
         yield ScrubBar("", id="scrub")
-        with ContentSwitcher(initial="overview", id="body"):
+        with ContentSwitcher(initial=self.current, id="body"):
             with VerticalScroll(id="overview", classes="pane"):
                 yield Static("", id="ov-figures")
                 yield Static("", id="ov-phases")
@@ -334,9 +336,11 @@ class TracetopApp(App[int]):
         self.query_one("#off-table", DataTable).add_columns("time (UTC)", "rank", "size", "source", "target", "what", "took")
         self.query_one("#al-table", DataTable).add_columns("state", "severity", "rule", "where", "message")
         self.query_one("#ac-table", DataTable).add_columns("action", "state", "what", "why")
-        if self.error is not None or self.source is None:
+        if self.current != "overview":
+            self.switch_to(self.current)
+        if self.error is not None or (self.source is None and self.show_no_source):
             self.show_error(self.error or SourceError("no source", "nothing to show", "tracetop ui --help"))
-        else:
+        elif self.source is not None:
             self.start_source()
 
     # -- sources (workers) --
@@ -750,6 +754,8 @@ class TracetopApp(App[int]):
             self.query_one("#heatmap", HeatmapView).focus()
 
     def on_tabs_tab_activated(self, event: Tabs.TabActivated) -> None:
+        if not self.query("#body"):  # shutting down
+            return
         sid = event.tab.id.removeprefix("tab-") if event.tab and event.tab.id else "overview"
         if sid == "ranks" and self.current == "rank-detail":
             return
