@@ -399,6 +399,8 @@ class TracetopApp(App[int]):
                 e = SourceError("unexpected error", f"{type(e).__name__}: {e}", "report it with the file's path")
             self._post(self.show_error, e)
             return
+        if step is not None and step != self.replay_step:
+            return  # a later key asked for another step: this one is stale (keys outrun loads)
         self._post(self.on_snapshot, s)
 
     @work(thread=True, exclusive=True, group="detail")
@@ -859,12 +861,18 @@ class TracetopApp(App[int]):
                 self.notify("stepping replays a file (tracetop ui FILE); live, p pauses")
             return
         h = self.snap.header
-        self.load_step(min(max(self.snap.step + d, h["first_step"]), h["last_step"]))
+        base = self.replay_step if self.replay_step is not None else self.snap.step
+        self.goto_step(min(max(base + d, h["first_step"]), h["last_step"]))
+
+    def goto_step(self, step: int) -> None:
+        """Replay: show `step` (loaded in a worker; a newer request makes older ones stale)."""
+        self.replay_step = step
+        self.load_step(step)
 
     def action_step_to(self, where: str) -> None:
         if self.snap is None or self.source is None or self.source.live:
             return
-        self.load_step(self.snap.header["first_step" if where == "first" else "last_step"])
+        self.goto_step(self.snap.header["first_step" if where == "first" else "last_step"])
 
     def scrub_click(self, x: int) -> None:
         if self.snap is None or self.source is None or self.source.live:
@@ -872,7 +880,7 @@ class TracetopApp(App[int]):
         h = self.snap.header
         x -= len(f"step {self.snap.step:>5}  {h['first_step']} ")
         if 0 <= x < 50:
-            self.load_step(int(round(h["first_step"] + x / 49 * (h["last_step"] - h["first_step"]))))
+            self.goto_step(int(round(h["first_step"] + x / 49 * (h["last_step"] - h["first_step"]))))
 
     def action_decide(self, what: str) -> None:
         if self.current != "alerts":

@@ -25,15 +25,15 @@ STRAGGLER_RANK, STRAGGLER_MS, FROM_STEP, STEPS = 3, 150, 5, 30
 
 
 class Tmux:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, name: str = "tmux") -> None:
         exe = shutil.which("tmux")
         if exe is None:
             pytest.fail("tmux is not installed: this test drives tracetop in a real terminal through tmux. "
                         "Install it (Debian/Ubuntu: apt-get install -y tmux) and run again.")
-        conf = tmp / "tmux.conf"
+        conf = tmp / f"{name}.conf"
         conf.write_text("set -g remain-on-exit on\nset -g status off\nset -g default-terminal tmux-256color\n"
                         "set -g default-size 140x45\n")
-        self.base = [exe, "-S", str(tmp / "tmux.sock"), "-f", str(conf)]
+        self.base = [exe, "-S", str(tmp / f"{name}.sock"), "-f", str(conf)]
 
     def __call__(self, *args: str) -> str:
         return subprocess.run([*self.base, *args], capture_output=True, text=True, timeout=30).stdout
@@ -93,3 +93,54 @@ def test_tracetop_in_a_pty_reads_the_straggler_of_a_live_run(tmp_path) -> None:
             except subprocess.TimeoutExpired:
                 os.killpg(run.pid, signal.SIGKILL)
         c.stop()
+
+
+def _start(tmux: Tmux, command: str) -> None:
+    tmux("new-session", "-d", "-s", "app", "-x", "140", "-y", "45", "-c", str(ROOT),
+         f"env -u COLUMNS -u LINES PYTHONPATH={ROOT} TERM=tmux-256color {sys.executable} -m tracetop.cli {command}")
+
+
+def test_tracetop_ui_file_scrubs_to_a_step_in_a_pty(tmp_path) -> None:
+    """`tracetop ui FILE` in a real terminal: scrub back to the step before the injection and read
+    every rank's compute time at that step off the screen."""
+    from tests.tui.fixture import FIXTURE, STRAGGLER_FROM_STEP, STRAGGLER_RANK, compute_ms, last_step
+
+    tmux = Tmux(tmp_path)
+    try:
+        _start(tmux, f"ui {FIXTURE}")
+        tmux.wait(rf"\[REPLAY\].*step {last_step()}", 60, "the file's last step")
+        tmux("send-keys", "-t", "app", "2")
+        target = STRAGGLER_FROM_STEP - 1
+        for _ in range(last_step() - target):
+            tmux("send-keys", "-t", "app", "[")
+        tmux.wait(rf"\[REPLAY\].*step {target}\b", 30, f"step {target}")
+        screen = tmux.wait(r"value", 10, "the side table").string
+        for rank, ms in compute_ms(target).items():
+            assert re.search(rf"(?<![\d.]){rank}\s+\d+\s+\d+\s+\d+\s+\S+\s+{ms:.1f} ms", screen), (rank, ms, screen)
+        row = re.search(rf"(?<![\d.]){STRAGGLER_RANK}\s+\d+\s+\d+\s+\d+\s+\S+\s+[\d.]+ ms\s+\S+\s+(.*)", screen)
+        assert row and "STRAGGLER" not in row.group(1)  # not yet injected at this step
+        tmux("send-keys", "-t", "app", "]")
+        tmux.wait(rf"\[REPLAY\].*step {STRAGGLER_FROM_STEP}\b", 30, "the injection's first step")
+        marked = tmux.wait(r"(?<![\d.])(\d+)\s+\d+\s+\d+\s+\d+\s+\S+\s+[\d.]+ ms\s+\S+\s+‼ STRAGGLER", 10,
+                           "the straggler once the injection starts")
+        assert int(marked.group(1)) == STRAGGLER_RANK
+        tmux("send-keys", "-t", "app", "q")
+    finally:
+        tmux("kill-server")
+
+
+def test_error_screens_in_a_pty(tmp_path) -> None:
+    tmux = Tmux(tmp_path)
+    try:
+        _start(tmux, "ui --collector 127.0.0.1:9")
+        tmux.wait(r"nothing answers", 60, "the nothing-answers screen")
+        screen = tmux.wait(r"what to do:", 5, "what to do").string
+        assert "Traceback" not in screen and "tracetop collector" in screen
+        tmux("send-keys", "-t", "app", "q")
+        tmux("kill-server")
+        tmux = Tmux(tmp_path, "second")
+        _start(tmux, "ui tests/fixtures/straggler_run.duckdb --run no-such-run")
+        screen = tmux.wait(r"unknown run", 60, "the unknown-run screen").string
+        assert "--run RUN" in tmux.screen() and "Traceback" not in screen
+    finally:
+        tmux("kill-server")

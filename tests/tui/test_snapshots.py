@@ -56,7 +56,7 @@ def test_replay_before_the_injection(snap_compare) -> None:
     async def run_before(pilot) -> None:
         await _loaded(pilot)
         await pilot.press("2")
-        pilot.app.load_step(STRAGGLER_FROM_STEP - 1)
+        pilot.app.goto_step(STRAGGLER_FROM_STEP - 1)
         await wait_for(pilot, lambda: pilot.app.snap.step == STRAGGLER_FROM_STEP - 1, what="the replayed step")
         await pilot.pause()
 
