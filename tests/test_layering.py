@@ -14,6 +14,11 @@ FORBIDDEN = {
     "trainer_hooks": ("duckdb", "textual", "collector", "agent", "tui"),
     "agent": ("duckdb", "textual", "collector", "tui", "trainer_hooks", "torch"),
     "collector": ("textual", "agent", "tui", "trainer_hooks", "torch"),
+    # the TUI reads only through the wire and read-only SQL (DESIGN §2, §10): no collector internals
+    "tui.app": ("collector", "agent", "trainer_hooks", "reference_trainer", "torch"),
+    "tui.cli": ("collector", "agent", "trainer_hooks", "reference_trainer", "torch", "textual", "duckdb"),
+    # the snapshot definition is shared core: nothing of ours, no UI, no DuckDB until a build runs
+    "tracetop.snapshot": ("collector", "agent", "tui", "trainer_hooks", "textual", "duckdb", "grpc"),
 }
 
 

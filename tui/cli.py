@@ -11,6 +11,7 @@ opens on a screen saying what happened and what to do (no traceback).
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,10 +38,10 @@ def make_app(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     if args.interval_s <= 0:
-        print("tracetop ui: --interval-s must be above 0, e.g. 0.5", flush=True)
+        print("tracetop ui: --interval-s must be above 0, e.g. 0.5", file=sys.stderr)
         return 2
     if args.file and args.collector:
-        print("tracetop ui: give a FILE or --collector ADDR, not both", flush=True)
+        print("tracetop ui: give a FILE or --collector ADDR, not both", file=sys.stderr)
         return 2
     app = make_app(args)
     rc = app.run()
