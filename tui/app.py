@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+from rich.console import Group
 from rich.segment import Segment
 from rich.style import Style
 from rich.table import Table
@@ -503,8 +504,7 @@ class TracetopApp(App[int]):
             Text("‼ " if strag else "", style="bold red"))
         del rt
         self.query_one("#ov-figures", Static).update(t)
-        ph = Table(title="step time and its phases (p50 step; d data F fwd B bwd O opt c exposed comm)",
-                   box=None, show_header=False, title_justify="left")
+        ph = Table(box=None, show_header=False)
         ph.add_column(justify="right")
         ph.add_column(justify="right")
         ph.add_column()
@@ -513,7 +513,8 @@ class TracetopApp(App[int]):
             for g, n, style in segs:
                 bar.append(g * n, style=style)
             ph.add_row(str(step), core.fmt_num(total, "ms"), bar)
-        self.query_one("#ov-phases", Static).update(ph)
+        self.query_one("#ov-phases", Static).update(Group(
+            Text("step time and its phases (p50 step; d data F fwd B bwd O opt c exposed comm)", style="bold"), ph))
         al = Text("\n")
         firing = core.firing_summary(s)
         al.append("firing alerts: ", style="bold")
@@ -619,8 +620,7 @@ class TracetopApp(App[int]):
     def draw_pipeline(self) -> None:
         s = self.snap
         rows = core.bubble_rows(s)
-        t = Table(title=f"bubble per stage at step {s.step} (| = ideal (p−1)/(m+p−1); orange > 20%, red > 30%)",
-                  title_justify="left", box=None)
+        t = Table(box=None)
         for c in ("stage", "bubble", "meter", "ideal", "status"):
             t.add_column(c)
         if not rows:
@@ -629,11 +629,12 @@ class TracetopApp(App[int]):
             t.add_row(str(r.stage), Text(f"{r.rate * 100:.1f}%", style=core.STATUS_STYLE[r.status]),
                       Text(r.bar(40), style=core.STATUS_STYLE[r.status]), f"{r.ideal * 100:.1f}%",
                       Text(core.STATUS_MARK[r.status] + " " + core.STATUS_WORD[r.status], style=core.STATUS_STYLE[r.status]))
-        self.query_one("#pipe-bubbles", Static).update(t)
+        self.query_one("#pipe-bubbles", Static).update(Group(Text(
+            f"bubble per stage at step {s.step} (| = ideal (p−1)/(m+p−1); ! orange above 20%, ‼ red above 30%)",
+            style="bold"), t))
         width = max(self.size.width - 22, 20)
         span, lines = core.gantt_rows(s, width=width)
-        g = Table(title=f"\nstep {s.step} schedule on each stage's first rank ({span:.0f} ms; F fwd B bwd >/< act »/« grad "
-                        "L load R reduce O opt · idle)", title_justify="left", box=None, show_header=False)
+        g = Table(box=None, show_header=False)
         g.add_column(no_wrap=True)
         g.add_column(no_wrap=True)
         for stage, rank, line in lines:
@@ -641,7 +642,9 @@ class TracetopApp(App[int]):
             for ch in line:
                 text.append(ch, style=core.INSTR_STYLE.get(ch, "grey50" if ch == "·" else "white"))
             g.add_row(f"stage {stage} r{rank}", text)
-        self.query_one("#pipe-gantt", Static).update(g)
+        self.query_one("#pipe-gantt", Static).update(Group(Text(
+            f"\nstep {s.step} schedule on each stage's first rank ({span:.0f} ms; F fwd B bwd >/< act »/« grad "
+            "L load R reduce O opt · idle)", style="bold"), g))
 
     def draw_collectives(self) -> None:
         t = self.query_one("#coll-table", DataTable)
