@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated ranks for the refresh figure (default 16384)")
     parser.add_argument("--seconds", type=float, default=10.0, help="CPU measurement window per screen (default 10)")
     parser.add_argument("--refreshes", type=int, default=10, help="refreshes timed (default 10)")
+    parser.add_argument("--warmup-s", type=float, default=6.0, help="start-up left out of each window (default 6)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--child", choices=("ranks", "overview"), help=argparse.SUPPRESS)
 
@@ -40,7 +41,7 @@ def _child(screen: str, ranks: int) -> int:
     return int(app.run() or 0)
 
 
-def _cpu_in_pty(screen: str, ranks: int, seconds: float) -> tuple[float, float]:
+def _cpu_in_pty(screen: str, ranks: int, seconds: float, warmup_s: float = 6.0) -> tuple[float, float]:
     """(CPU % of one core, bytes/s written to the terminal) of the TUI over `seconds`."""
     import fcntl
     import pty  # noqa: F401  (Linux pty semantics)
@@ -72,7 +73,7 @@ def _cpu_in_pty(screen: str, ranks: int, seconds: float) -> tuple[float, float]:
                         break
             return bytes(got)
 
-        drain(time.monotonic() + 6.0)  # start-up and the first snapshots are not measured
+        drain(time.monotonic() + warmup_s)  # start-up and the first snapshots are not measured
         c0, t0 = p.cpu_times(), time.monotonic()
         seen = drain(t0 + seconds)
         c1, t1 = p.cpu_times(), time.monotonic()
@@ -120,10 +121,10 @@ def run(args: argparse.Namespace) -> int:
     load = os.getloadavg()
     cpu_ranks, cpu_overview, tty_bps = [], [], []
     for _ in range(2):  # interleaved A/B: ranks, overview, ranks, overview
-        cpu, bps = _cpu_in_pty("ranks", args.ranks, args.seconds)
+        cpu, bps = _cpu_in_pty("ranks", args.ranks, args.seconds, args.warmup_s)
         cpu_ranks.append(cpu)
         tty_bps.append(bps)
-        cpu_overview.append(_cpu_in_pty("overview", args.ranks, args.seconds)[0])
+        cpu_overview.append(_cpu_in_pty("overview", args.ranks, args.seconds, args.warmup_s)[0])
     auto = asyncio.run(_refresh_ms(args.refresh_ranks, args.refreshes, "auto"))
     rank_level = asyncio.run(_refresh_ms(args.refresh_ranks, args.refreshes, "rank"))
     out = {

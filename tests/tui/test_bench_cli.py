@@ -19,7 +19,7 @@ def _tracetop(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess
 @pytest.mark.slow
 def test_bench_tui_json() -> None:
     r = _tracetop("bench", "tui", "--ranks", "64", "--refresh-ranks", "2048", "--seconds", "2", "--refreshes", "3",
-                  "--json")
+                  "--warmup-s", "3", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["ranks"] == 64 and out["refresh_ranks"] == 2048
