@@ -382,11 +382,14 @@ def overview_figures(snap) -> list[Figure]:
     ranks = snap.table("ranks")
     step_ms = _last(steps, "step_ms_p50")
     step_max = _last(steps, "step_ms_max")
-    tokens = _last(steps, "tokens")
-    tps = _last(steps, "tokens_per_s")
+    # Every rank of a model replica (its TP × PP ranks) reports the replica's tokens and samples,
+    # so the run's figures are the sums over ranks divided by TP × PP.
+    replica_ranks = max(int(h.get("tp", 1)) * int(h.get("pp", 1)), 1)
+    tokens = _last(steps, "tokens") / replica_ranks
+    tps = _last(steps, "tokens_per_s") / replica_ranks
     if math.isnan(tps) and step_ms > 0 and not math.isnan(tokens):
         tps = tokens / (step_max / 1e3)
-    samples = _last(steps, "samples")
+    samples = _last(steps, "samples") / replica_ranks
     n_ranks = max(int(h.get("world_size", 0)) or ranks.num_rows, 1)
     sps_gpu = samples / (step_max / 1e3) / n_ranks if step_max and step_max > 0 and not math.isnan(samples) else float("nan")
     mfu = _last(steps, "mfu")

@@ -168,6 +168,12 @@ def test_overview_figures_from_raw() -> None:
     p50 = raw("SELECT quantile_cont(duration_ns, 0.5) / 1e6 FROM step WHERE run_id = ? AND step = ?", [RUN_ID, step])[0][0]
     assert figs["step time p50 / max"].value.startswith(core.fmt_num(p50, "ms"))
     assert figs["step"].value == str(step)
+    tp, pp, world = raw("SELECT max(tp), max(pp), max(world_size) FROM run_start WHERE run_id = ?", [RUN_ID])[0]
+    tps = raw("SELECT sum(tokens_per_s) FROM throughput WHERE run_id = ? AND step = ?", [RUN_ID, step])[0][0]
+    assert figs["tokens/s"].value == core.fmt_num(tps / (tp * pp), "", 0)  # each replica's ranks report its tokens
+    samples, step_max = raw("SELECT sum(samples), max(duration_ns) / 1e9 FROM step WHERE run_id = ? AND step = ?",
+                            [RUN_ID, step])[0]
+    assert figs["samples/s per GPU"].value == core.fmt_num(samples / (tp * pp) / step_max / world, "", 2)
 
 
 def test_gpu_tiles_status() -> None:
