@@ -195,3 +195,15 @@ def test_alert_rows_order_and_words() -> None:
     assert [r[0] for r in rows] == ["FIRING", "PENDING", "RESOLVED"]
     assert rows[0][-1] == core.BAD
     assert core.firing_summary(snapmod.Snapshot({}, {"alerts": t})) == ["critical b : rank 3 slow"]
+
+
+def test_offload_rows() -> None:
+    rate = pa.table({"step": [1, 1, 2], "direction": ["d2h", "h2d", "d2h"], "bytes": [10, 20, 30],
+                     "gbps": [1.5, 2.0, 3.0]})
+    last = pa.table({"start_ns": [2_000_000_000, 1_000_000_000], "rank": [0, 1], "direction": ["h2nvme", "d2h"],
+                     "what": ["optim_state", "grads"], "bytes": [3 * 1024**3, 1024], "duration_ms": [12.5, 0.25]})
+    s = snapmod.Snapshot({"step": 2}, {"offload_rate": rate, "offload_last": last})
+    assert core.offload_series(s) == {"d2h": [(1, 1.5), (2, 3.0)], "h2d": [(1, 2.0)]}
+    rows = core.offload_last_rows(s)
+    assert rows[0][0] == "00:00:02.000" and rows[0][2] == "3.0 GiB" and rows[0][3:5] == ("host", "nvme")
+    assert rows[1][3:5] == ("device", "host") and rows[1][5] == "grads"
