@@ -225,9 +225,12 @@ async def test_pipeline_collectives_offload_gpus_alerts_screens() -> None:
         await pilot.press("7")
         note = text_of(app, "#al-note")
         assert "read-only" in note
-        await pilot.press("y")
-        await pilot.pause()
-        assert any("read-only" in str(n.message) for n in app._notifications)
+        for key in ("y", "n"):
+            before = len(app._notifications)
+            await pilot.press(key)
+            await pilot.pause()
+            assert len(app._notifications) > before
+            assert "read-only" in str(list(app._notifications)[-1].message)
 
 
 async def test_help_lists_every_binding_and_closes() -> None:
