@@ -47,6 +47,8 @@ FORMAT = "1"
 MAX_STORE_VERSION = 4
 #: Steps before the snapshot's step that its per-step sections cover.
 DEFAULT_WINDOW_STEPS = 30
+#: Steps the collectives section covers (the heaviest: every call of every rank).
+COLLECTIVE_WINDOW_STEPS = 5
 #: Seconds of agent samples before the step's end that count as "now" for the GPU tiles.
 GPU_WINDOW_S = 10.0
 
@@ -210,7 +212,7 @@ WITH c AS (
                 WHEN op LIKE '%all_gather%' OR op LIKE '%reduce_scatter%' OR op LIKE 'all_to_all%'
                      THEN 1.0 * (group_size - 1) / group_size
                 ELSE 1.0 END AS bus_factor
-    FROM collective WHERE run_id = $run AND step BETWEEN $lo AND $step AND group_size > 0
+    FROM collective WHERE run_id = $run AND step BETWEEN $coll_lo AND $step AND group_size > 0
 )
 SELECT op, role, size_bucket_bytes, count(*) AS calls, quantile_cont(bytes, 0.5) AS bytes_p50,
        quantile_cont(duration_ns, 0.5) / 1e6 AS duration_ms_p50,
@@ -305,6 +307,9 @@ class Cursor:
     run_id: str
     last_step: int = -1
     world: int = 0
+    #: per-step aggregates (the `steps` section's rows) of complete steps, computed once each
+    steps_cache: dict = field(default_factory=dict)
+    steps_schema: Any = None
 
 
 def latest_complete_step(run_sql: Callable[[str, list], list[tuple]], cur: Cursor) -> int:
@@ -363,8 +368,12 @@ def build(
         t_end = now_ns if now_ns is not None else time.time_ns()
     params = {"run": run_id, "step": step, "lo": lo, "t_end_ns": int(t_end),
               "gpu_window_ns": int(GPU_WINDOW_S * 1e9)}
+    params["coll_lo"] = max(step - COLLECTIVE_WINDOW_STEPS + 1, 0)
     tables = {}
     for name, sql in SECTIONS.items():
+        if name == "steps" and cursor is not None:
+            tables[name] = _cached_steps(con, cursor, params)
+            continue
         used = {k: v for k, v in params.items() if "$" + k in sql}
         tables[name] = con.sql(sql, params=used).to_arrow_table()
     present = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
@@ -397,6 +406,7 @@ def build(
         "first_step": int(first_step if first_step is not None else (first if first is not None else -1)),
         "last_step": int(last if last is not None else step),
         "step_end_ns": int(t_end),
+        "collectives_lo": int(params["coll_lo"]),
         "taken_ns": time.time_ns(),
         "world_size": int(run["world_size"] or 0),
         "ranks_started": int(run["ranks_started"] or 0),
@@ -412,6 +422,29 @@ def build(
         "has_actions": "actions" in present,
     }
     return Snapshot(header, tables)
+
+
+def _cached_steps(con, cursor: Cursor, params: dict):
+    """The steps section live: steps at or below the latest complete step do not change, so each
+    is aggregated once (at 16,384 ranks the whole window cost ~360 ms a snapshot, one step ~1/30)."""
+    import pyarrow as pa
+
+    step, lo = params["step"], params["lo"]
+    # the snapshot's own step is always recomputed (it may be the newest-but-one of an incomplete run)
+    todo_lo = min(max([lo] + [s + 1 for s in cursor.steps_cache if s <= step]), step)
+    if todo_lo <= step:
+        p = dict(params, lo=todo_lo)
+        used = {k: v for k, v in p.items() if "$" + k in _STEPS_SQL}
+        fresh = con.sql(_STEPS_SQL, params=used).to_arrow_table()
+        for row in fresh.to_pylist():
+            cursor.steps_cache[int(row["step"])] = row
+        cursor.steps_schema = fresh.schema
+    for s in [s for s in cursor.steps_cache if s < lo]:
+        del cursor.steps_cache[s]
+    rows = [cursor.steps_cache[s] for s in sorted(cursor.steps_cache) if lo <= s <= step]
+    if cursor.steps_schema is None:
+        return pa.Table.from_pylist(rows)
+    return pa.Table.from_pylist(rows, schema=cursor.steps_schema)
 
 
 def rank_detail(con, run_id: str, rank: int, step: int, window_steps: int = DEFAULT_WINDOW_STEPS) -> dict:

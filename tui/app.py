@@ -651,7 +651,7 @@ class TracetopApp(App[int]):
         t.clear()
         for row in core.collective_rows(self.snap, sort=self.coll_sort, text=self.filters.get("collectives", "")):
             t.add_row(*row)
-        g = Text(f"\nsort (s): {self.coll_sort} · op × role × size bucket over steps {self.snap.header.get('window_lo')}.."
+        g = Text(f"\nsort (s): {self.coll_sort} · op × role × size bucket over steps {self.snap.header.get('collectives_lo')}.."
                  f"{self.snap.step}\n", style="dim")
         g.append(f"grad-sync p99 per step (dp collectives; line {core.GRAD_SYNC_LINE_MS:.0f} ms):\n", style="bold")
         for step, v, st in core.grad_sync_series(self.snap)[-15:]:

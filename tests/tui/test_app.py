@@ -211,7 +211,7 @@ async def test_pipeline_collectives_offload_gpus_alerts_screens() -> None:
         await pilot.press("4")
         groups = raw("""SELECT count(*) FROM (SELECT DISTINCT op, role,
                         CASE WHEN bytes > 0 THEN floor(log2(bytes)) ELSE -1 END FROM collective
-                        WHERE group_size > 0 AND step BETWEEN ? AND ?)""", [app.snap.header["window_lo"], last_step()])
+                        WHERE group_size > 0 AND step BETWEEN ? AND ?)""", [app.snap.header["collectives_lo"], last_step()])
         assert len(table_rows(app, "#coll-table")) == groups[0][0]
         assert "grad-sync p99" in text_of(app, "#coll-grad")
         await pilot.press("5")

@@ -153,7 +153,7 @@ def test_bubble_and_grad_sync_status_words() -> None:
 def test_collective_rows_count_the_raw_calls() -> None:
     step = last_step()
     s = _snap(step)
-    lo = s.header["window_lo"]
+    lo = s.header["collectives_lo"]
     rows = core.collective_rows(s, sort="calls")
     total = raw("SELECT count(*) FROM collective WHERE run_id = ? AND step BETWEEN ? AND ? AND group_size > 0",
                 [RUN_ID, lo, step])[0][0]

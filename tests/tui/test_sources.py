@@ -118,6 +118,14 @@ def test_collector_source_follows_a_live_run(tmp_path) -> None:
         replay_into(c.addr, steps=(k + 1, last_step()))
         s = next(x for x in snaps if x.step >= last_step())
         assert s.step == last_step()
+        # live, per-step rows are aggregated once and kept (the Watch cursor's cache): they must
+        # equal the whole window computed at once from the file
+        ref = FileSource(FIXTURE)
+        ref.open()
+        try:
+            assert s.table("steps").to_pylist() == ref.snapshot_at(last_step()).table("steps").to_pylist()
+        finally:
+            ref.close()
         stop.set()
         d = src.rank_detail(STRAGGLER_RANK, s.step)
         assert d["steps"].num_rows > 0 and d["collectives"].num_rows > 0
