@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from rich.console import Group
@@ -225,11 +225,8 @@ class RanksState:
     metric: str = "compute"
     level: str = "auto"
     sort: str = "z"
-    drill: list = None  # type: ignore[assignment]  # stack of cell keys
+    drill: list[tuple] = field(default_factory=list)  # stack of drilled-into cell keys
     detail_rank: int | None = None
-
-    def __post_init__(self) -> None:
-        self.drill = []
 
 
 class TracetopApp(App[int]):
@@ -497,12 +494,10 @@ class TracetopApp(App[int]):
         for f in core.overview_figures(s):
             t.add_row(f.label, Text(f.value, style=core.STATUS_STYLE[f.status]), Text(
                 (core.STATUS_WORD[f.status] + " " if f.status != core.OK else "") + f.note, style="dim"))
-        rt = self.rank_table()
         strag = core.stragglers(core.rank_table(s, "compute"))
         t.add_row("stragglers (display z ≥ 3 on compute)", Text(
             ", ".join(f"rank {r}" for r in strag) or "none", style=core.STATUS_STYLE[core.BAD if strag else core.OK]),
             Text("‼ " if strag else "", style="bold red"))
-        del rt
         self.query_one("#ov-figures", Static).update(t)
         ph = Table(box=None, show_header=False)
         ph.add_column(justify="right")
