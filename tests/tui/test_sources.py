@@ -156,3 +156,32 @@ def test_latest_complete_step_reads_forward_only() -> None:
     con.execute("INSERT INTO step VALUES ('r', 2, 5), ('r', 3, 5)")
     assert snapmod.latest_complete_step(run_sql, cur) == 5
     assert seen[-1][1] >= 3  # the second look started near the last step, not at 0
+
+
+def test_collector_stops_cleanly_under_a_watching_tui(tmp_path) -> None:
+    """SIGTERM while a Watch stream is open: the collector exits 0 (its file closed), and the
+    watcher is told the collector went away."""
+    c = start_collector(tmp_path)
+    replay_into(c.addr, steps=(-1, STRAGGLER_FROM_STEP))
+    src = CollectorSource(c.addr)
+    src.open()
+    got: list = []
+    errors: list[SourceError] = []
+
+    def watch() -> None:
+        try:
+            for s in src.watch(0.1, threading.Event()):
+                got.append(s.step)
+        except SourceError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    while not got:
+        t.join(0.05)
+    assert c.stop() == 0, c.text()
+    t.join(30)
+    assert not t.is_alive()
+    assert [e.title for e in errors] in (["collector went away"], []), errors
+    src.close()
+    duckdb.connect(str(c.db), read_only=True).close()  # the file is free again
