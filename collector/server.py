@@ -1,4 +1,4 @@
-"""The collector's gRPC edge: Ingest (Stream, Clock), Query (Sql; Watch not yet), Control (not yet).
+"""The collector's gRPC edge: Ingest (Stream, Clock), Query (Sql, Watch), Control (not yet).
 
 Runs on grpc.aio: one event-loop thread reads every stream, decodes and validates batches
 (tracetop.wire.codec.decode_batch) and converts them to Arrow; the writer thread (writer.py)
@@ -120,8 +120,12 @@ class CollectorService:
         # another thread; each query gets its own (DuckDB connections are not shared across threads).
         self._query_root = con.cursor()
         self._query_lock = threading.Lock()
+        self._watch_cursors: dict[int, tuple[threading.Lock, object]] = {}  # Query.Watch streams' cursors
 
     def close(self) -> None:
+        for lock, cur in list(self._watch_cursors.values()):
+            with lock, contextlib.suppress(Exception):
+                cur.close()  # type: ignore[attr-defined]
         with self._query_lock:
             self._query_root.close()
 
@@ -229,8 +233,50 @@ class CollectorService:
             raise
         return pb.QueryReply(arrow_ipc=readonly.to_ipc(table), truncated=truncated)
 
-    async def watch(self, request, context) -> None:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Query.Watch arrives with the TUI issue")
+    # ---- Query.Watch ----------------------------------------------------------------------
+    async def watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext):
+        """Snapshots of one run (the newest when run_id is empty) every interval_s, built off the
+        event loop on a cursor of this stream's own (collector/watch.py)."""
+        from collector import watch
+        from tracetop import snapshot as snap
+
+        interval_s = watch.clamp_interval(request.interval_s)
+        with self._query_lock:
+            cur = self._query_root.cursor()
+        # The cursor is used by one worker thread at a time; a cancelled stream (the client went
+        # away mid-query) closes it only once that query is done, never under it.
+        lock = threading.Lock()
+        self._watch_cursors[id(cur)] = (lock, cur)
+
+        def build(fn, *args, **kw):
+            with lock:
+                return fn(cur, *args, **kw)
+
+        try:
+            run_id = request.run_id
+            state = snap.Cursor(run_id)
+            while not self.closing:
+                t0 = time.monotonic()
+                if not run_id:
+                    run_id = await asyncio.to_thread(build, watch.newest_run) or ""
+                    state = snap.Cursor(run_id)
+                if not run_id:  # nothing started yet: say so, keep the stream
+                    data = snap.encode(snap.Snapshot({"run_id": "", "waiting": True, "source": "collector"}))
+                else:
+                    try:
+                        data = await asyncio.to_thread(build, watch.snapshot, run_id, cursor=state)
+                    except watch.UnknownRun as e:
+                        await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+                await context.write(pb.Snapshot(taken_ns=time.time_ns(), arrow_ipc=data))
+                await asyncio.sleep(max(interval_s - (time.monotonic() - t0), 0.0))
+        finally:
+
+            def close() -> None:
+                with lock, contextlib.suppress(Exception):
+                    cur.close()
+                self._watch_cursors.pop(id(cur), None)
+
+            asyncio.get_running_loop().run_in_executor(None, close)
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         ingest = grpc.method_handlers_generic_handler(

@@ -32,6 +32,11 @@ FORBIDDEN = {
     # the live engine, what the collector's server loads with rules
     "collector.live.engine": ("textual", "agent", "tui", "trainer_hooks", "torch", "grpc"),
     "collector.live.rules_cli": ("duckdb", "textual", "agent", "tui", "trainer_hooks", "torch", "grpc"),
+    # the TUI reads only through the wire and read-only SQL (DESIGN §2, §10): no collector internals
+    "tui.app": ("collector", "agent", "trainer_hooks", "reference_trainer", "torch"),
+    "tui.cli": ("collector", "agent", "trainer_hooks", "reference_trainer", "torch", "textual", "duckdb"),
+    # the snapshot definition is shared core: nothing of ours, no UI, no DuckDB until a build runs
+    "tracetop.snapshot": ("collector", "agent", "tui", "trainer_hooks", "textual", "duckdb", "grpc"),
 }
 
 

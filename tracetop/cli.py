@@ -13,6 +13,7 @@ import sys
 
 #: name -> (module, one-line help). Module paths are imported only when that command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "ui": ("tui.cli", "the terminal UI: live through a collector, or a finished run's FILE.duckdb"),
     "collector": ("collector.cli", "run a collector: gRPC ingest into one DuckDB file"),
     "query": ("collector.query_cli", "read-only SQL on a collector's file, or through a running collector"),
     "agent": ("agent.cli", "run the node agent: NVML/host sampling, local relay with disk spool"),
@@ -34,6 +35,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gpu": ("reference_trainer.bench_gpu", "the GPU path in one call: syncs, overhead, CUDA timing, NVML, offload"),
     "views": ("collector.bench_views", "every view over a generated file of --rows rows: seconds each"),
     "live": ("collector.bench_live", "live judgments: eval ms per step at 16,384 ranks, state MB, ingest on/off"),
+    "tui": ("tui.bench", "the TUI's CPU share at 2 Hz and the Ranks screen's refresh time at 16,384 ranks"),
+    "e2e": ("tui.bench_e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
 }
 
 
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _dispatch(BENCHES, "tracetop bench", argv[1:])
+    if not argv:  # `tracetop` alone is the live TUI (DESIGN §11)
+        argv = ["ui"]
     return _dispatch(COMMANDS, "tracetop", argv)
 
 

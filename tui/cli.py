@@ -1,0 +1,48 @@
+"""`tracetop ui`: the terminal UI, live through a collector or on a finished run's file.
+
+    tracetop                                  # live: the collector at $TRACETOP_COLLECTOR, else the default
+    tracetop ui --collector ADDR [--run RUN]  # live: that collector, that run (default: its newest)
+    tracetop ui FILE.duckdb [--run RUN]       # after the run: read-only, with a step scrubber
+
+Nothing answering, a file held by a collector, a file of a newer schema, an unknown run: the app
+opens on a screen saying what happened and what to do (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tracetop import env
+
+    parser.add_argument("file", nargs="?", default=None, help="a finished run's DuckDB file (read-only replay)")
+    parser.add_argument("--collector", default=None,
+                        help=f"a running collector's address (default ${env.TRACETOP_COLLECTOR} or {env.DEFAULT_COLLECTOR})")
+    parser.add_argument("--run", default=None, help="the run to show (default: the newest)")
+    parser.add_argument("--interval-s", type=float, default=0.5, help="seconds between live snapshots (default 0.5)")
+
+
+def make_app(args: argparse.Namespace):
+    from tracetop import env
+    from tui.app import TracetopApp
+    from tui.sources import CollectorSource, FileSource
+
+    if args.file and args.collector:
+        raise SystemExit("tracetop ui: give a FILE or --collector ADDR, not both")
+    if args.file:
+        return TracetopApp(FileSource(args.file, args.run))
+    return TracetopApp(CollectorSource(env.collector(args.collector), args.run), interval_s=args.interval_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.interval_s <= 0:
+        print("tracetop ui: --interval-s must be above 0, e.g. 0.5", file=sys.stderr)
+        return 2
+    if args.file and args.collector:
+        print("tracetop ui: give a FILE or --collector ADDR, not both", file=sys.stderr)
+        return 2
+    app = make_app(args)
+    rc = app.run()
+    return int(rc or 0)

@@ -1,0 +1,232 @@
+"""Where the TUI's snapshots come from: one small protocol, two real sources.
+
+- FileSource(path): a finished run's DuckDB file, opened read-only (never while a collector
+  holds it: DuckDB refuses, and we say so), any step on demand (the replay scrubber).
+- CollectorSource(addr): a running collector's Query.Watch stream (snapshots at a rate) and
+  Query.Sql for a rank's drill-down. The TUI never opens a file a collector holds.
+
+Both build snapshots with tracetop/snapshot.py (the one definition); nothing here imports the
+collector. Every failure a person can act on is a SourceError with a title, what happened and
+what to do, which the app shows as a screen (harlequin's domain errors with a title).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol
+
+from tracetop import snapshot as snap
+
+
+class SourceError(Exception):
+    """A condition the person at the terminal must act on."""
+
+    def __init__(self, title: str, message: str, hint: str) -> None:
+        super().__init__(f"{title}: {message}")
+        self.title, self.message, self.hint = title, message, hint
+
+
+class Source(Protocol):
+    live: bool
+    description: str
+    run_id: str
+
+    def open(self) -> None:
+        """Connect / open and pick the run; raises SourceError."""
+
+    def snapshot_at(self, step: int | None) -> snap.Snapshot:
+        """The run at `step` (None: latest complete step)."""
+
+    def watch(self, interval_s: float, stop: threading.Event) -> Iterator[snap.Snapshot]:
+        """Snapshots as they come (live sources); raises SourceError when the source goes away."""
+
+    def rank_detail(self, rank: int, step: int) -> dict:
+        """{"steps": table, "collectives": table} of one rank over the recent steps."""
+
+    def close(self) -> None: ...
+
+
+# ---- after the run: a file ----------------------------------------------------------------------
+
+class FileSource:
+    """Read-only DuckDB on a finished run's file."""
+
+    live = False
+
+    def __init__(self, path: str | Path, run_id: str | None = None) -> None:
+        self.path = Path(path)
+        self.run_id = run_id or ""
+        self.description = self.path.name  # the name, not the full path: screenshots stay the same anywhere
+        self.con = None
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        import duckdb
+
+        if not self.path.exists():
+            raise SourceError("no such file", f"{self.path} does not exist",
+                              "give the DuckDB file a collector wrote (tracetop collector --db FILE)")
+        try:
+            self.con = duckdb.connect(str(self.path), read_only=True, config={"enable_external_access": False})
+        except duckdb.IOException as e:
+            first = str(e).splitlines()[0]
+            if "lock" in first.lower():
+                pid = first.split("PID")[-1].strip(" )") if "PID" in first else "?"
+                raise SourceError(
+                    "file held by a running collector",
+                    f"{self.path} is open for writing by another process (PID {pid}); DuckDB lets no "
+                    "second process read it meanwhile",
+                    "watch the run live through that collector: tracetop ui --collector ADDR "
+                    "(or open the file once the collector has stopped)",
+                ) from e
+            raise SourceError("cannot open the file", f"{self.path}: {first}",
+                              "check the path and that it is a DuckDB file") from e
+        except duckdb.Error as e:
+            raise SourceError("not a DuckDB file", f"{self.path}: {str(e).splitlines()[0]}",
+                              "give the .duckdb file a tracetop collector wrote") from e
+        tables = {r[0] for r in self.con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if "schema_meta" not in tables:
+            self.close()
+            raise SourceError("not a tracetop file", f"{self.path} has no schema_meta table",
+                              "give the .duckdb file a tracetop collector wrote")
+        version = int(self.con.execute("SELECT max(version) FROM schema_meta").fetchall()[0][0] or 0)
+        if version > snap.MAX_STORE_VERSION:
+            self.close()
+            raise SourceError(
+                "file of a newer schema",
+                f"{self.path} has schema version {version}; this tracetop reads up to {snap.MAX_STORE_VERSION}",
+                "upgrade tracetop (pip install -U tracetop) to read it",
+            )
+        runs = [r[0] for r in self.con.execute(snap.RUNS_SQL).fetchall()]
+        if not runs:
+            self.close()
+            raise SourceError("no run in the file", f"{self.path} holds no run_start rows",
+                              "was any rank's hook pointed at this collector? (TRACETOP_ENDPOINT)")
+        if not self.run_id:
+            self.run_id = runs[-1]
+        elif self.run_id not in runs:
+            self.close()
+            raise SourceError("unknown run", f"run {self.run_id!r} is not in {self.path}",
+                              f"runs in this file: {', '.join(runs[-10:])}; pick one with --run RUN")
+
+    def snapshot_at(self, step: int | None) -> snap.Snapshot:
+        with self._lock:
+            try:
+                return snap.build(self.con, self.run_id, step=step, source="file")
+            except snap.SnapshotError as e:
+                raise SourceError("unknown run", str(e), "pick a run with --run RUN") from e
+
+    def watch(self, interval_s: float, stop: threading.Event) -> Iterator[snap.Snapshot]:
+        yield self.snapshot_at(None)
+
+    def rank_detail(self, rank: int, step: int) -> dict:
+        with self._lock:
+            return snap.rank_detail(self.con, self.run_id, rank, step)
+
+    def close(self) -> None:
+        if self.con is not None:
+            self.con.close()
+            self.con = None
+
+
+# ---- live: a collector --------------------------------------------------------------------------
+
+class CollectorSource:
+    """A running collector, through Query.Watch and Query.Sql only."""
+
+    live = True
+
+    def __init__(self, addr: str, run_id: str | None = None, *, connect_timeout_s: float = 3.0) -> None:
+        self.addr = addr
+        self.run_id = run_id or ""
+        self.description = addr
+        self.connect_timeout_s = connect_timeout_s
+        self.channel = None
+        self._call = None
+
+    def open(self) -> None:
+        import grpc
+
+        from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+        self.channel = grpc.insecure_channel(self.addr, options=[("grpc.max_receive_message_length", 256 << 20)])
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=self.connect_timeout_s)
+        except grpc.FutureTimeoutError:
+            self.close()
+            raise SourceError(
+                "nothing answers",
+                f"no collector answers at {self.addr} (waited {self.connect_timeout_s:.0f} s)",
+                "start one (tracetop collector --db run.duckdb --listen ADDR), point the TUI at the right "
+                "one (tracetop ui --collector ADDR, or TRACETOP_COLLECTOR=ADDR), or open a finished run's "
+                "file (tracetop ui FILE.duckdb)",
+            ) from None
+        self.stub = pb_grpc.QueryStub(self.channel)
+
+    def _error(self, e) -> SourceError:
+        import grpc
+
+        code = e.code() if hasattr(e, "code") else None
+        details = e.details() if hasattr(e, "details") else str(e)
+        if code == grpc.StatusCode.NOT_FOUND:
+            return SourceError("unknown run", details, "pick a run with --run RUN (or leave it out for the newest)")
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            return SourceError("collector too old", f"the collector at {self.addr} has no Query.Watch ({details})",
+                               "upgrade the collector to this tracetop's version")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return SourceError("collector went away", f"{self.addr}: {details}",
+                               "waiting for it to come back (retrying); q quits")
+        return SourceError("collector error", f"{self.addr}: {code.name if code else ''} {details}",
+                           "see the collector's log")
+
+    def watch(self, interval_s: float, stop: threading.Event) -> Iterator[snap.Snapshot]:
+        import grpc
+
+        from tracetop.wire import tracetop_pb2 as pb
+
+        self._call = self.stub.Watch(pb.WatchRequest(run_id=self.run_id, interval_s=interval_s))
+        try:
+            for msg in self._call:
+                s = snap.decode(msg.arrow_ipc)
+                if s.header.get("run_id") and not self.run_id:
+                    self.run_id = s.header["run_id"]
+                yield s
+                if stop.is_set():
+                    break
+        except grpc.RpcError as e:
+            if stop.is_set():
+                return
+            raise self._error(e) from None
+        finally:
+            self._call.cancel()
+
+    def snapshot_at(self, step: int | None) -> snap.Snapshot:
+        for s in self.watch(1.0, threading.Event()):
+            return s
+        raise SourceError("collector went away", f"{self.addr}: the Watch stream ended", "retrying; q quits")
+
+    def sql(self, text: str):
+        import grpc
+
+        from tracetop.wire import tracetop_pb2 as pb
+
+        try:
+            reply = self.stub.Sql(pb.QueryRequest(sql=text), timeout=30)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+        return snap._from_ipc(reply.arrow_ipc)
+
+    def rank_detail(self, rank: int, step: int) -> dict:
+        params = {"run": self.run_id, "rank": int(rank), "step": int(step),
+                  "lo": max(int(step) - snap.DEFAULT_WINDOW_STEPS + 1, 0)}
+        return {"steps": self.sql(snap.inline(snap.RANK_DETAIL_SQL, params)),
+                "collectives": self.sql(snap.inline(snap.RANK_COLLECTIVES_SQL, params))}
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
