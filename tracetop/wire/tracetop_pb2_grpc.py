@@ -165,6 +165,11 @@ class ControlStub:
                 request_serializer=tracetop_dot_wire_dot_tracetop__pb2.CommandStatus.SerializeToString,
                 response_deserializer=tracetop_dot_wire_dot_tracetop__pb2.StatusAck.FromString,
                 _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/tracetop.v1.Control/Submit',
+                request_serializer=tracetop_dot_wire_dot_tracetop__pb2.ControlRequest.SerializeToString,
+                response_deserializer=tracetop_dot_wire_dot_tracetop__pb2.ControlReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -182,6 +187,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Submit(self, request, context):
+        """Refused at once, nothing sent, with the reason: an unknown run (NOT_FOUND), a command the run
+        cannot apply (FAILED_PRECONDITION: a micro-batch that does not divide the samples per step,
+        offload on ZeRO 0), an unknown or finished action (FAILED_PRECONDITION).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +208,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=tracetop_dot_wire_dot_tracetop__pb2.CommandStatus.FromString,
                     response_serializer=tracetop_dot_wire_dot_tracetop__pb2.StatusAck.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=tracetop_dot_wire_dot_tracetop__pb2.ControlRequest.FromString,
+                    response_serializer=tracetop_dot_wire_dot_tracetop__pb2.ControlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -250,6 +269,33 @@ class Control:
             '/tracetop.v1.Control/Report',
             tracetop_dot_wire_dot_tracetop__pb2.CommandStatus.SerializeToString,
             tracetop_dot_wire_dot_tracetop__pb2.StatusAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tracetop.v1.Control/Submit',
+            tracetop_dot_wire_dot_tracetop__pb2.ControlRequest.SerializeToString,
+            tracetop_dot_wire_dot_tracetop__pb2.ControlReply.FromString,
             options,
             channel_credentials,
             insecure,
