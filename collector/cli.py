@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
     parser.add_argument("--flush-interval-s", type=float, default=0.5, help="...or once the oldest waited this long")
     parser.add_argument("--verbose", action="store_true", help="log every commit (rows, milliseconds)")
+    parser.add_argument("--controller", choices=("off", "advise", "auto"), default=None,
+                        help="the closed loop's mode: off, advise (proposals a person approves; the default), "
+                        "auto (acts within its bounds); wins over the TOML's [controller] mode")
+    parser.add_argument("--controller-config", default=None, metavar="TOML",
+                        help="a TOML file whose [controller] table sets the policies' thresholds and bounds")
+    parser.add_argument("--command-ttl-s", type=float, default=None,
+                        help="a command rank 0 has not received this long after approval is marked lost (default 600)")
 
 
 MIN_BATCH_MB = 4
@@ -52,6 +59,14 @@ def run(args: argparse.Namespace) -> int:
               "holds every shipper's batches (they are up to 3 MiB); use the default 64", file=sys.stderr)
         return 2
 
+    from collector.control.controller import SettingsError, load_settings
+
+    try:
+        controller = load_settings(args.controller_config, mode=args.controller)
+    except SettingsError as e:
+        print(f"tracetop collector: {e}", file=sys.stderr)
+        return 2
+
     async def main() -> int:
         try:
             c = await start(
@@ -62,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
                 insecure_bind=args.insecure_bind,
                 flush_rows=args.flush_rows,
                 flush_interval_s=args.flush_interval_s,
+                command_ttl_s=args.command_ttl_s,
+                controller=controller,
             )
         except (ListenError, SchemaError) as e:
             print(f"tracetop collector: {e}", file=sys.stderr)

@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -249,10 +249,6 @@ class CollectorService:
         return [ingest, query]
 
 
-class _ControlNotYet(pb_grpc.ControlServicer):
-    """Control arrives with the controller issue; its base class answers UNIMPLEMENTED."""
-
-
 @dataclass
 class Collector:
     """A running collector (inside an event loop). Made by `start`, ended by `shutdown`."""
@@ -266,10 +262,14 @@ class Collector:
     metrics: CollectorMetrics
     metrics_port: int | None
     metrics_http: object | None
+    control: object = None  # collector.control.service.ControlService
+    tasks: list = field(default_factory=list)  # the control path's loops (lost-command sweep, controller)
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
         self.service.closing = True
+        for task in self.tasks:
+            task.cancel()
         stopped = asyncio.ensure_future(self.server.stop(grace_s))
         await asyncio.to_thread(self.writer.close)
         for sink in list(self.service.sinks):
@@ -278,6 +278,8 @@ class Collector:
         if self.metrics_http is not None:
             self.metrics_http.shutdown()  # type: ignore[attr-defined]
         self.service.close()
+        if self.control is not None:
+            self.control.close()  # type: ignore[attr-defined]
         self.con.close()  # type: ignore[attr-defined]
 
 
@@ -291,6 +293,8 @@ async def start(
     flush_rows: int = 10_000,
     flush_interval_s: float = 0.5,
     max_query_rows: int = readonly.DEFAULT_MAX_ROWS,
+    command_ttl_s: float | None = None,
+    controller: object = None,
 ) -> Collector:
     """Open the file, start the writer and the gRPC server. Call inside a running event loop."""
     bind = check_listen(listen, insecure_bind=insecure_bind)
@@ -316,7 +320,10 @@ async def start(
         ]
     )
     server.add_generic_rpc_handlers(service.handlers())
-    pb_grpc.add_ControlServicer_to_server(_ControlNotYet(), server)
+    from collector.control import loop as control_loop
+
+    control, control_servicer = control_loop.make_service(con, command_ttl_s)
+    pb_grpc.add_ControlServicer_to_server(control_servicer, server)
     try:
         port = server.add_insecure_port(bind)
     except RuntimeError as e:
@@ -333,7 +340,8 @@ async def start(
     if metrics_port is not None:
         http, _ = serve_metrics(metrics_port, metrics.registry)
         metrics_port = http.server_port
-    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http)
+    tasks = control_loop.start_tasks(control, con, controller)
+    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, control, tasks)
 
 
 class Handle:

@@ -359,13 +359,17 @@ def _apply_commands(run: Run, step: int) -> None:
         except adjust_mod.AdjustError as e:
             applied, message = False, str(e)
         agreed = report(step, key, value, applied, message) if report is not None else True
-        if agreed is False and applied:
+        if agreed is False:
+            # Every rank puts back (re-asserts) the value in force before: the ranks that applied
+            # it undo it, the others set what they already have. Both matter on the PipelineEngine:
+            # a set resets its cached activation shapes, and a stage that resets must have a
+            # neighbour that resets too, or the next send/receive pair disagrees and hangs.
             try:
                 _apply(run, adjust_mod.Adjustment(step, key, previous))
                 ok, message = True, ""
             except adjust_mod.AdjustError as e:
                 ok, message = False, str(e)
-            if undone is not None:
+            if applied and undone is not None:
                 undone(step, key, previous, ok, message)
 
 

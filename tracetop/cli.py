@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("agent.cli", "run the node agent: NVML/host sampling, local relay with disk spool"),
     "train": ("reference_trainer.cli", "run the reference 3D-parallel trainer through torchrun"),
     "demo": ("collector.demo", "collector + a 4-rank reference run, then a per-rank summary"),
+    "control": ("collector.control.control_cli", "send a command to a running job: set-micro-batch, offload, approve, reject, rollback"),
+    "actions": ("collector.control.actions_cli", "every action of the closed loop and its life (from a file or a collector)"),
 }
 
 #: `tracetop bench <what>` -> module. Each prints one JSON object with --json.
