@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "chaos": ("collector.bench_chaos", "kill -9 the collector repeatedly while shipping: lost/duplicates"),
     "hooks": ("trainer_hooks.bench", "interleaved reference runs with hooks on/off: overhead"),
     "agent": ("agent.bench", "agent CPU cost: sampling 8 fake GPUs, relaying 10k events/s"),
+    "commands": ("trainer_hooks.bench_commands", "the command path's gloo broadcast on its own: us per K steps"),
 }
 
 

@@ -96,8 +96,9 @@ class CommandBus:
 
     def __init__(self, tracer: Any, *, every_steps: int | None = None, endpoint: str | None = None,
                  drop: str | None = None, channel_factory: Callable[[str], Any] | None = None,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+                 clock_ns: Callable[[], int] = time.time_ns, subscribe: bool = True) -> None:
         self.t = tracer
+        self.subscribe = subscribe  # False: no subscriber thread on rank 0 (the broadcast benchmark)
         self.every_steps = every_steps_from_env() if every_steps is None else max(0, int(every_steps))
         self.endpoint = endpoint
         self.drop = drop if drop is not None else (tenv.get(tenv.TRACETOP_TEST_DROP_COMMANDS) or "")
@@ -263,7 +264,7 @@ class CommandBus:
             self._bcast = getattr(dist.broadcast, "__wrapped__", dist.broadcast)
             self._allreduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)
             self._min = dist.ReduceOp.MIN
-        if self.t.rank == 0:
+        if self.t.rank == 0 and self.subscribe:
             self._start_subscriber()
         self._ready = True
 

@@ -145,9 +145,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def smaller(inputs: ControlInputs, s: Settings) -> int | None:
-    """The next smaller micro-batch that divides the samples per rank, within bounds."""
-    c = [d for d in _divisors(inputs.samples_per_rank) if s.min_micro_batch <= d < inputs.micro_batch]
+def smaller(inputs: ControlInputs, s: Settings, mem: Memory) -> int | None:
+    """The next smaller micro-batch that divides the samples per rank, within bounds, and not
+    one that was rolled back before (it cost throughput: going back to it would oscillate)."""
+    c = [d for d in _divisors(inputs.samples_per_rank)
+         if s.min_micro_batch <= d < inputs.micro_batch and d not in mem.no_gain]
     return max(c) if c else None
 
 
@@ -178,7 +180,7 @@ def decide(inputs: ControlInputs, mem: Memory, s: Settings) -> tuple[Decision, M
             return _give_up(mem, "memory", f"{where} after {mem.count('memory')} changes (the most allowed): "
                             "memory grows whatever the batch shape, as a leak does; the controller cannot fix it, "
                             "look for memory held across steps"), mem_gave(mem, "memory")
-        new = smaller(inputs, s)
+        new = smaller(inputs, s, mem)
         if new is not None:
             return Decision("act", "memory", f"{where}: micro-batch {mb} -> {new} with {inputs.samples_per_rank // new} "
                             f"micro-batches keeps {inputs.samples_per_rank} samples per rank per step",
@@ -196,7 +198,7 @@ def decide(inputs: ControlInputs, mem: Memory, s: Settings) -> tuple[Decision, M
     worst = max(inputs.bubble_by_stage, default=math.nan)
     bubble_problem = inputs.pp > 1 and worst > threshold
     if bubble_problem and not share > s.memory_headroom:
-        new = smaller(inputs, s)
+        new = smaller(inputs, s, mem)
         p = inputs.pp
         if new is not None and "bubble" not in mem.gave_up and mem.count("bubble") < s.max_actions_per_problem:
             m2 = inputs.samples_per_rank // new

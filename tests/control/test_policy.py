@@ -141,3 +141,9 @@ def test_settings_from_the_toml_table():
         settings_from_table({"memory_hihg": 0.8})
     with pytest.raises(SettingsError, match="mode"):
         settings_from_table({"mode": "yes"})
+
+
+def test_a_size_rolled_back_is_not_tried_again_by_memory():
+    mem = Memory(no_gain=frozenset({2}))
+    d, _ = policy.decide(inputs(0.95, mb=4, mbs=4), mem, S)
+    assert (d.kind, d.value) == ("micro_batch", 1)
