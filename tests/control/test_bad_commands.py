@@ -11,8 +11,8 @@ import pytest
 
 from tests.control.harness import Client, wait_for
 from tests.helpers import ROOT, start_collector
-from trainer_hooks import Tracer
 from tracetop.wire import tracetop_pb2 as pb
+from trainer_hooks import Tracer
 
 
 @pytest.fixture(scope="module")
