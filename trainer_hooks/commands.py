@@ -177,6 +177,8 @@ class CommandBus:
         try:
             if not self._ready:
                 self._setup()
+                if self.broken:
+                    return None
             buf = self._buf
             buf.zero_()
             if self.t.rank == 0:
@@ -254,6 +256,14 @@ class CommandBus:
                 dist = None
         except ImportError:
             dist = None
+        if dist is None and self.t.world_size > 1:
+            # Several ranks but no process group to agree through: applying on rank 0 alone would
+            # break "all or none", so this job takes no commands.
+            self.broken = True
+            log.warning("trainer_hooks: rank %d: world size %d but torch.distributed is not initialized; "
+                        "commands are off (they need every rank to agree)", self.t.rank, self.t.world_size)
+            self._ready = True
+            return
         if dist is not None:
             from datetime import timedelta
 

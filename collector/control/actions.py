@@ -6,7 +6,8 @@
                                                   it expired: lost      │           └──▶ rolled_back
                                                                         ├──▶ rejected (a rank refused;
                                                                         │     the others undid it)
-                                                                        └──▶ inconsistent (an undo failed)
+                                                                        ├──▶ inconsistent (an undo failed)
+                                                                        └──▶ incomplete (ranks never reported)
 
 A rollback is an action of its own (``rollback_of`` = the action it undoes); when it is applied,
 the action it undoes becomes ``rolled_back``.
@@ -68,6 +69,7 @@ class Action:
     verified_ns: int | None = None
     updated_ns: int = 0
     finals: dict[int, RankReport] = field(default_factory=dict)
+    marked_lost: bool = False  # it was marked lost before reports came (not a column)
 
     COLUMNS = ("action_id", "run_id", "kind", "value", "previous_value", "rollback_of", "state", "rule", "reason",
                "expected", "proposed_by", "proposed_ns", "approved_by", "approved_ns", "sent_ns", "expires_ns",
@@ -88,7 +90,7 @@ class Action:
 def report(action: Action, r: RankReport, applied: bool, now_ns: int) -> None:
     """Fold one rank's report into the action (pure but for mutating ``action``)."""
     action.updated_ns = now_ns
-    late = action.state == "lost"
+    late = action.marked_lost or action.state == "lost"
     if r.stage == "received":
         if action.state in ("approved", "sent"):
             action.state = "received"
@@ -96,10 +98,11 @@ def report(action: Action, r: RankReport, applied: bool, now_ns: int) -> None:
         return
     if r.stage == "refused" and r.step < 0 and r.rank == 0 and not action.finals:
         # rank 0 dropped it before any boundary (expired): no rank has seen it
-        action.state, action.done_ns = "lost", now_ns
+        action.state, action.done_ns, action.marked_lost = "lost", now_ns, True
         action.outcome = f"rank 0: {r.message}"
         return
     action.finals[r.rank] = r
+    action.marked_lost = late
     f = action.finals.values()
     action.ranks_applied = sum(1 for x in f if x.stage == "applied")
     action.ranks_refused = sum(1 for x in f if x.stage == "refused")

@@ -43,8 +43,9 @@ class RowInputs:
         return out
 
     def _run(self, run: str, world: int, dp: int, pp: int, zero: int, cfg: str | None) -> ControlInputs | None:
-        row = self._q("SELECT step FROM step WHERE run_id = ? GROUP BY step HAVING count(DISTINCT rank) >= ? "
-                      "ORDER BY step DESC LIMIT 1", [run, world])
+        since = self._clock_ns() - int(self.active_s * 1e9)  # recent rows only: the table grows all run long
+        row = self._q("SELECT step FROM step WHERE run_id = ? AND start_ns > ? GROUP BY step "
+                      "HAVING count(DISTINCT rank) >= ? ORDER BY step DESC LIMIT 1", [run, since, world])
         if not row:
             return None
         step = int(row[0][0])

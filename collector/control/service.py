@@ -224,12 +224,18 @@ class ControlService:
         lost = []
         for a in self.actions.values():
             if a.state in ("approved", "sent") and a.expires_ns and now > a.expires_ns + act.LOST_GRACE_NS:
-                a.state, a.done_ns = "lost", now
+                a.state, a.done_ns, a.marked_lost = "lost", now, True
                 how = "sent to rank 0's subscription" if a.sent_ns else "rank 0 never subscribed"
                 a.outcome = (f"{a.shown()} lost: {how}, but rank 0 did not report receiving it before it expired; "
                              "rank 0 hands no expired command to the ranks, so nothing was applied anywhere")
                 self._changed(a)
                 lost.append(a)
+            elif a.state == "received" and a.expires_ns and now > a.expires_ns + self.ttl_ns:
+                a.state, a.done_ns = "incomplete", now
+                missing = sorted(set(range(a.ranks_expected)) - set(a.finals))
+                a.outcome = (f"{a.shown()}: {len(a.finals)} of {a.ranks_expected} ranks reported; ranks "
+                             f"{missing[:16]} never did (did the job end, or a rank die?)")
+                self._changed(a)
         return lost
 
     def _changed(self, a: act.Action) -> None:
