@@ -46,6 +46,10 @@ TRACETOP_COMMAND_EVERY_STEPS = "TRACETOP_COMMAND_EVERY_STEPS"
 """K: every K steps all ranks join one 64-byte gloo broadcast from rank 0 that hands them a command
 from the collector (or, most times, nothing); 0 turns commands off. Default: 10."""
 
+TRACETOP_COMMAND_POLL_S = "TRACETOP_COMMAND_POLL_S"
+"""Seconds between rank 0's ``Control.Poll`` calls for commands (a unary call; no stream is held
+open). Default: 5."""
+
 TRACETOP_TEST_DROP_COMMANDS = "TRACETOP_TEST_DROP_COMMANDS"
 """Tests only: rank 0 discards the commands it receives that match (``all``, or ``KEY=VALUE`` entries,
 comma-separated, e.g. ``micro_batch=1,offload=on``), as if they were lost on the way to it."""

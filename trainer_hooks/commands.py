@@ -1,6 +1,7 @@
 """Commands into a running job: every rank applies one at the same step boundary, or none does.
 
-Path: the collector's ``Control.Subscribe`` stream -> rank 0's subscriber thread (an inbox) ->
+Path: the collector -> rank 0's subscriber thread (``Control.Poll`` every ``TRACETOP_COMMAND_POLL_S``,
+default 5 s; no stream held open) -> an inbox ->
 every K steps (``TRACETOP_COMMAND_EVERY_STEPS``, default 10) all ranks join one fixed-size
 broadcast (8 int64, 64 bytes) from rank 0 on a gloo group the hooks create beside the training's
 groups -> each rank applies the command through the trainer's entry point -> one fixed-size
@@ -64,6 +65,7 @@ KINDS = {1: "micro_batch", 2: "offload"}
 KIND_CODES = {v: k for k, v in KINDS.items()}
 WORDS = 8  # the broadcast: [has command, action id, kind, value, is rollback, 0, 0, 0]
 DEFAULT_EVERY_STEPS = 10
+DEFAULT_POLL_S = 5.0
 GROUP_TIMEOUT_S = 600.0
 
 
@@ -99,6 +101,7 @@ class CommandBus:
                  clock_ns: Callable[[], int] = time.time_ns, subscribe: bool = True) -> None:
         self.t = tracer
         self.subscribe = subscribe  # False: no subscriber thread on rank 0 (the broadcast benchmark)
+        self.poll_s = _poll_s()
         self.every_steps = every_steps_from_env() if every_steps is None else max(0, int(every_steps))
         self.endpoint = endpoint
         self.drop = drop if drop is not None else (tenv.get(tenv.TRACETOP_TEST_DROP_COMMANDS) or "")
@@ -316,34 +319,32 @@ class CommandBus:
         self._subscriber.start()
 
     def _run_subscriber(self) -> None:
+        """Rank 0: ``Control.Poll`` every ``poll_s`` (a unary call; between calls the thread sleeps
+        in a plain wait: no gRPC stream held open, whose polling would cost CPU all run long)."""
         import grpc
 
         from tracetop.wire import tracetop_pb2 as pb
         from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 
-        backoff_s = 1.0
-        while not self._stop.is_set():
+        wait_s = self.poll_s
+        while not self._stop.wait(wait_s):
             try:
                 stub = pb_grpc.ControlStub(self._make_channel())
-                self._stream = stub.Subscribe(pb.SubscribeRequest(run_id=self.t.run_id, rank=self.t.rank))
-                for cmd in self._stream:
-                    backoff_s = 1.0
+                batch = stub.Poll(pb.SubscribeRequest(run_id=self.t.run_id, rank=self.t.rank), timeout=10)
+                for cmd in batch.commands:
                     self._take(cmd)
+                wait_s = self.poll_s
             except grpc.RpcError as e:
-                if self._stop.is_set():
-                    return
                 code = e.code() if hasattr(e, "code") else None
+                wait_s = min(30.0, max(self.poll_s, wait_s * 2))
                 if code == grpc.StatusCode.UNIMPLEMENTED:
-                    backoff_s = 60.0
+                    wait_s = 60.0
                     if "unimplemented" not in self.t._warned:
                         self.t._warned.add("unimplemented")
                         log.warning("trainer_hooks: %s has no Control service (an agent socket? the agent does "
                                     "not relay commands yet): this run receives no commands", self._target())
             except Exception as e:
                 self.t._hook_error("commands subscriber", e)
-            if self._stop.wait(backoff_s):
-                return
-            backoff_s = min(30.0, backoff_s * 2)
 
     def _take(self, cmd: Any) -> None:
         """Rank 0's subscriber: one command from the collector."""
@@ -427,6 +428,20 @@ class CommandBus:
                 self._channel.close()
             except Exception:
                 pass
+
+
+def _poll_s() -> float:
+    raw = tenv.get(tenv.TRACETOP_COMMAND_POLL_S, str(DEFAULT_POLL_S)) or ""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from trainer_hooks.identity import SetupError
+
+        raise SetupError(f"trainer_hooks: {tenv.TRACETOP_COMMAND_POLL_S}={raw!r}: give a positive number of seconds, "
+                         f"e.g. {DEFAULT_POLL_S:g}")
+    return value
 
 
 def _matches(spec: str, cmd: Any) -> bool:

@@ -264,6 +264,16 @@ class ControlService:
         finally:
             self.subscribers[run].discard(q)
 
+    async def Poll(self, request: pb.SubscribeRequest, context) -> pb.CommandBatch:
+        batch = pb.CommandBatch()
+        for a in sorted(self.actions.values(), key=lambda a: int(a.action_id) if a.action_id.isdigit() else 0):
+            if a.run_id == request.run_id and a.state in ("approved", "sent"):
+                batch.commands.append(self._command(a))
+                if a.state == "approved":
+                    a.state, a.sent_ns = "sent", self._clock_ns()
+                    self._changed(a)
+        return batch
+
     async def Report(self, request: pb.CommandStatus, context) -> pb.StatusAck:
         self.on_status(request)
         return pb.StatusAck()
@@ -305,6 +315,9 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     async def Report(self, request, context):  # noqa: N802
         return await self.s.Report(request, context)
+
+    async def Poll(self, request, context):  # noqa: N802
+        return await self.s.Poll(request, context)
 
     async def Submit(self, request, context):  # noqa: N802
         return await self.s.Submit(request, context)

@@ -72,7 +72,8 @@ class Trainer:
         self.rank_dir = tmp / "ranks"
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
         target = [script] if script else ["-m", module, "--quiet", "--rank-log-dir", str(self.rank_dir)]
-        e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+        e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                 TRACETOP_COMMAND_POLL_S="0.5", **env)
         self.log = open(tmp / "trainer.log", "w")
         self.proc = subprocess.Popen([*launcher, *target, *args], cwd=ROOT, env=e, stdout=self.log,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -185,6 +185,12 @@ class StatusAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CommandBatch(_message.Message):
+    __slots__ = ("commands",)
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedCompositeFieldContainer[Command]
+    def __init__(self, commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
+
 class ControlRequest(_message.Message):
     __slots__ = ("run_id", "op", "kind", "int_value", "action_id", "reason", "by", "approve", "rule", "expected")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

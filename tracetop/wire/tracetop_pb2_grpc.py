@@ -160,6 +160,11 @@ class ControlStub:
                 request_serializer=tracetop_dot_wire_dot_tracetop__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=tracetop_dot_wire_dot_tracetop__pb2.Command.FromString,
                 _registered_method=True)
+        self.Poll = channel.unary_unary(
+                '/tracetop.v1.Control/Poll',
+                request_serializer=tracetop_dot_wire_dot_tracetop__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=tracetop_dot_wire_dot_tracetop__pb2.CommandBatch.FromString,
+                _registered_method=True)
         self.Report = channel.unary_unary(
                 '/tracetop.v1.Control/Report',
                 request_serializer=tracetop_dot_wire_dot_tracetop__pb2.CommandStatus.SerializeToString,
@@ -177,6 +182,15 @@ class ControlServicer:
 
     def Subscribe(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Poll(self, request, context):
+        """What rank 0's hooks call every few seconds instead of holding Subscribe open: an idle open
+        stream costs the trainer process ~0.9 ms of CPU a second in grpcio's polling (measured), a
+        unary call every 5 s ~0.4 ms. Answers at once with what is waiting (usually nothing).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -203,6 +217,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Subscribe,
                     request_deserializer=tracetop_dot_wire_dot_tracetop__pb2.SubscribeRequest.FromString,
                     response_serializer=tracetop_dot_wire_dot_tracetop__pb2.Command.SerializeToString,
+            ),
+            'Poll': grpc.unary_unary_rpc_method_handler(
+                    servicer.Poll,
+                    request_deserializer=tracetop_dot_wire_dot_tracetop__pb2.SubscribeRequest.FromString,
+                    response_serializer=tracetop_dot_wire_dot_tracetop__pb2.CommandBatch.SerializeToString,
             ),
             'Report': grpc.unary_unary_rpc_method_handler(
                     servicer.Report,
@@ -242,6 +261,33 @@ class Control:
             '/tracetop.v1.Control/Subscribe',
             tracetop_dot_wire_dot_tracetop__pb2.SubscribeRequest.SerializeToString,
             tracetop_dot_wire_dot_tracetop__pb2.Command.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Poll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tracetop.v1.Control/Poll',
+            tracetop_dot_wire_dot_tracetop__pb2.SubscribeRequest.SerializeToString,
+            tracetop_dot_wire_dot_tracetop__pb2.CommandBatch.FromString,
             options,
             channel_credentials,
             insecure,
