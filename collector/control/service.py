@@ -1,5 +1,5 @@
 """The collector's Control service: actions in (a person, or the controller), commands out to
-rank 0's hooks (``Subscribe``), every rank's status back (``Report``), the `actions` table.
+rank 0's hooks (``Poll``, or a held ``Subscribe`` stream), every rank's status back (``Report``), the `actions` table.
 
 Everything runs on the collector's event loop thread; the `actions` / `action_ranks` rows are
 written through a cursor of their own (DuckDB allows it beside the writer thread's; the tables

@@ -26,7 +26,7 @@ mode = "advise"            # the flag (--controller auto) wins
 tick_s = 0.5
 cooldown_s = 1
 cooldown_steps = 5
-verify_steps = 5
+verify_steps = 8             # medians over 8 steps: this machine's noise is large
 max_throughput_drop = 0.5  # CPU: micro-batch 2 is slower than 4 per sample; the test's slowdown is far more
 """
 

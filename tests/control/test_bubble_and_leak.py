@@ -92,7 +92,10 @@ def leak(tmp_path_factory):
     run = "loop-leak-1"
     c, client, t = _start(tmp_path_factory.mktemp("leak"), "[controller]\ntick_s = 0.5\ncooldown_s = 1\n"
                           "cooldown_steps = 5\nverify_steps = 5\nmax_actions_per_problem = 2\n"
-                          "max_throughput_drop = 0.5\n", "auto", run,
+                          # the memory policy's bound is under test, not verification: on this loaded
+                          # 2-core machine 5-step medians of throughput swing by half (seen: one
+                          # rolled back at 0.5, then the run went 4 -> 2 -> 4 -> 1)
+                          "max_throughput_drop = 0.9\n", "auto", run,
                           ["--micro-batch", "4", "--micro-batches", "2", "--steps", "130", "--memory-budget-mb", "500",
                            "--inject-mem-growth", "0:6", "--inject-straggler", "0:40"])
     out = {}
