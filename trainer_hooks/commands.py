@@ -341,8 +341,8 @@ class CommandBus:
                     wait_s = 60.0
                     if "unimplemented" not in self.t._warned:
                         self.t._warned.add("unimplemented")
-                        log.warning("trainer_hooks: %s has no Control service (an agent socket? the agent does "
-                                    "not relay commands yet): this run receives no commands", self._target())
+                        log.warning("trainer_hooks: %s has no Control service (an agent older than the control "
+                                    "relay?): this run receives no commands", self._target())
             except Exception as e:
                 self.t._hook_error("commands subscriber", e)
 

@@ -74,3 +74,28 @@ def test_the_cli_exits_2_with_the_reason(collector):
     p = subprocess.run([sys.executable, "-m", "tracetop.cli", "control", "--collector", c.addr, "--run", "bad-zero1",
                         "set-micro-batch", "two"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "positive whole number" in p.stderr
+
+
+def test_the_agent_relays_poll_and_report(collector, tmp_path):
+    """Hooks that ship through a node agent poll and report through its relay (unix socket)."""
+    from agent.relay import Relay
+    from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+    from tracetop.wire.shipper import MemoryTransport, Shipper
+
+    c, client = collector
+    shipper = Shipper(None, run_id="agent", rank=-1, transport=MemoryTransport())
+    sock = f"unix://{tmp_path / 'agent.sock'}"
+    relay = Relay(shipper, [sock], control_target=c.addr).start()
+    try:
+        a = client.set_micro_batch("bad-zero1", 2)
+        with grpc.insecure_channel(sock) as ch:
+            stub = pb_grpc.ControlStub(ch)
+            got = stub.Poll(pb.SubscribeRequest(run_id="bad-zero1", rank=0), timeout=30)
+            assert [(x.command_id, x.int_value) for x in got.commands] == [(a.action_id, 2)]
+            stub.Report(pb.CommandStatus(command_id=a.action_id, run_id="bad-zero1", rank=0, applied=True, step=10),
+                        timeout=30)
+        row = client.action(a.action_id)
+        assert (row["state"], row["ranks_applied"], row["step"]) == ("applied", 1, 10)
+    finally:
+        relay.stop()
+        shipper.close(1.0)
