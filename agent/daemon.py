@@ -181,6 +181,7 @@ class Agent:
             on_batch=self.pid_ranks.learn,
             clock_ns=self.clock_ns,
             high_water=getattr(self.shipper, "replayed_high_water", {}),
+            control_target=cfg.collector,
         ).start()
         if cfg.clock_interval_s > 0:
             exchange, self._close_clock = grpc_exchange(cfg.collector, auth=cfg.auth)

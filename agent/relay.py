@@ -92,8 +92,13 @@ class Relay:
         max_workers: int = 64,
         clock_ns: Callable[[], int] = time.time_ns,
         high_water: dict[str, int] | None = None,
+        control_target: str | None = None,
     ) -> None:
         self.shipper = shipper
+        # the collector, for the control relay: rank 0's hooks on this node poll commands and every
+        # rank reports through the agent they ship to (Control.Poll / Report, forwarded as they are)
+        self.control_target = control_target
+        self._control_channel: grpc.Channel | None = None
         self.listen = listen
         self.on_batch = on_batch
         self.clock_ns = clock_ns
@@ -139,6 +144,13 @@ class Relay:
             },
         )
         server.add_generic_rpc_handlers((handler,))
+        if self.control_target:
+            control = grpc.method_handlers_generic_handler("tracetop.v1.Control", {
+                name: grpc.unary_unary_rpc_method_handler(
+                    self._forward(name), request_deserializer=req.FromString, response_serializer=resp.SerializeToString)
+                for name, req, resp in (("Poll", pb.SubscribeRequest, pb.CommandBatch),
+                                        ("Report", pb.CommandStatus, pb.StatusAck))})
+            server.add_generic_rpc_handlers((control,))
         for addr in self.listen:
             path = unix_path(addr)
             if path is not None:
@@ -160,7 +172,25 @@ class Relay:
         self.server = server
         return self
 
+    def _forward(self, name: str) -> Callable[[Any, Any], Any]:
+        """A unary Control call passed to the collector; its status (UNAVAILABLE when the collector
+        is away) goes back to the caller, whose poller retries."""
+        def call(request: Any, context: Any) -> Any:
+            from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+            with self._lock:
+                if self._control_channel is None:
+                    self._control_channel = grpc.insecure_channel(self.control_target)  # type: ignore[arg-type]
+            try:
+                return getattr(pb_grpc.ControlStub(self._control_channel), name)(request, timeout=10)
+            except grpc.RpcError as e:
+                context.abort(e.code(), f"agent relay -> collector {self.control_target}: {e.details()}")
+
+        return call
+
     def stop(self, grace_s: float = 1.0) -> None:
+        if self._control_channel is not None:
+            self._control_channel.close()
         if self.server is not None:
             self.server.stop(grace_s).wait(grace_s + 1)
             self.server = None

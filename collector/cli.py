@@ -54,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-rules", action="store_true", help="no live judgments (default: the built-in rules)")
     parser.add_argument("--baseline", default=None, metavar="RUN_ID",
                         help="a run in this file that the scaling rules compare against")
+    parser.add_argument("--controller", choices=("off", "advise", "auto"), default=None,
+                        help="the closed loop's mode: off, advise (proposals a person approves; the default), "
+                        "auto (acts within its bounds); wins over the TOML's [controller] mode")
+    parser.add_argument("--controller-config", default=None, metavar="TOML",
+                        help="a TOML file whose [controller] table sets the policies' thresholds and bounds")
+    parser.add_argument("--command-ttl-s", type=float, default=None,
+                        help="a command rank 0 has not received this long after approval is marked lost (default 600)")
 
 
 MIN_BATCH_MB = 4
@@ -111,6 +118,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"tracetop collector: refusing to start, the rules file is not usable:\n{e}", file=sys.stderr)
             return 2
 
+    from collector.control.controller import SettingsError, load_settings
+
+    try:
+        controller = load_settings(args.controller_config, mode=args.controller)
+    except SettingsError as e:
+        print(f"tracetop collector: {e}", file=sys.stderr)
+        return 2
+
     async def main() -> int:
         try:
             c = await start(
@@ -127,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
                 exports=exports,
                 rules=rules,
                 baseline=args.baseline,
+                command_ttl_s=args.command_ttl_s,
+                controller=controller,
             )
         except (ListenError, SchemaError) as e:
             exports.close()

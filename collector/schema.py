@@ -352,9 +352,51 @@ def _v7() -> list[str]:
     ]
 
 
+def _v6() -> list[str]:
+    """The closed loop's audit trail (DESIGN §4, §9): `actions`, one row per action with its whole
+    life (proposed -> approved -> sent -> received -> applied / rejected / lost -> verified /
+    rolled back), and `action_ranks`, every rank's report about it."""
+    return [
+        """CREATE TABLE IF NOT EXISTS actions (
+            action_id VARCHAR NOT NULL,
+            run_id VARCHAR NOT NULL,
+            kind VARCHAR NOT NULL,          -- micro_batch | offload
+            value BIGINT NOT NULL,          -- the micro-batch size, or 1 = offload on / 0 = off
+            previous_value BIGINT,          -- in force when it was proposed: what a rollback restores
+            rollback_of VARCHAR,            -- the action this one undoes, NULL for a new change
+            state VARCHAR NOT NULL,         -- proposed approved sent received applied rejected lost
+                                            -- dismissed verified rolled_back inconsistent
+            rule VARCHAR,                   -- the rule or policy behind it (manual: 'manual')
+            reason VARCHAR,                 -- why, in words
+            expected VARCHAR,               -- the expected effect
+            proposed_by VARCHAR, proposed_ns BIGINT,
+            approved_by VARCHAR, approved_ns BIGINT,
+            sent_ns BIGINT, expires_ns BIGINT, received_ns BIGINT,
+            step BIGINT,                    -- the step boundary where the ranks applied it (or undid it)
+            ranks_expected INTEGER, ranks_applied INTEGER, ranks_refused INTEGER, ranks_undone INTEGER,
+            outcome VARCHAR,                -- the last word, readable: who applied, who refused and why
+            done_ns BIGINT,
+            verification VARCHAR,           -- verified / rolled back: what moved, over how many steps
+            verified_ns BIGINT,
+            updated_ns BIGINT NOT NULL
+        )""",
+        """CREATE TABLE IF NOT EXISTS action_ranks (
+            action_id VARCHAR NOT NULL,
+            run_id VARCHAR NOT NULL,
+            rank INTEGER NOT NULL,
+            stage VARCHAR NOT NULL,         -- received | applied | refused | undone | undo_failed
+            step BIGINT,                    -- the step boundary it speaks of (-1: none)
+            message VARCHAR,
+            micro_batch INTEGER, micro_batches INTEGER,  -- in force on the rank after it
+            reported_ns BIGINT NOT NULL
+        )""",
+    ]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
-#: _v7 (post's rank_step) is the 6th migration: it was written beside _v5 and merged after it.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7]
+#: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
+#: in that order; the function names are their branches', the list's order is the files' versions.
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6]
 STORE_VERSION = len(MIGRATIONS)
 
 

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -310,10 +310,6 @@ class CollectorService:
         return [ingest, query]
 
 
-class _ControlNotYet(pb_grpc.ControlServicer):
-    """Control arrives with the controller issue; its base class answers UNIMPLEMENTED."""
-
-
 @dataclass
 class Collector:
     """A running collector (inside an event loop). Made by `start`, ended by `shutdown`."""
@@ -329,10 +325,14 @@ class Collector:
     metrics_http: object | None
     exports: Exports | None = None
     live: object | None = None  # collector.live.engine.LiveEngine when started with rules
+    control: object = None  # collector.control.service.ControlService
+    tasks: list = field(default_factory=list)  # the control path's loops (lost-command sweep, controller)
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
         self.service.closing = True
+        for task in self.tasks:
+            task.cancel()
         stopped = asyncio.ensure_future(self.server.stop(grace_s))
         await asyncio.to_thread(self.writer.close)
         if self.live is not None:
@@ -343,6 +343,8 @@ class Collector:
         if self.metrics_http is not None:
             self.metrics_http.shutdown()  # type: ignore[attr-defined]
         self.service.close()
+        if self.control is not None:
+            self.control.close()  # type: ignore[attr-defined]
         self.con.close()  # type: ignore[attr-defined]
         if self.exports is not None:
             await asyncio.to_thread(self.exports.close)  # bounded: dead receivers are left behind
@@ -367,6 +369,8 @@ async def start(
     sinks: Sequence = (),
     baseline: str | None = None,
     live_window: int = 64,
+    command_ttl_s: float | None = None,
+    controller: object = None,
 ) -> Collector:
     """Open the file, start the writer and the gRPC server. Call inside a running event loop.
 
@@ -415,7 +419,10 @@ async def start(
         interceptors=[server_interceptor(auth)] if auth.token_required else None,
     )
     server.add_generic_rpc_handlers(service.handlers())
-    pb_grpc.add_ControlServicer_to_server(_ControlNotYet(), server)
+    from collector.control import loop as control_loop
+
+    control, control_servicer = control_loop.make_service(con, command_ttl_s)
+    pb_grpc.add_ControlServicer_to_server(control_servicer, server)
     try:
         creds = auth.server_credentials()
         port = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
@@ -436,7 +443,9 @@ async def start(
         http, _ = serve_metrics(metrics_port, metrics.registry, auth=auth)
         metrics_port = http.server_port
     exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
-    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports, live)
+    tasks = control_loop.start_tasks(control, con, controller)
+    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports, live,
+                     control, tasks)
 
 
 class Handle:

@@ -224,6 +224,16 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
                    help="that rank allocates and holds MB more every step")
     g.add_argument("--inject-hang", action="append", default=[], metavar="RANK@STEP",
                    help="that rank stops inside a collective at STEP; the others block until the timeout")
+    g.add_argument("--inject-slow-micro-batch", action="append", default=[], metavar="MB:MS",
+                   help="while the micro-batch size is MB, every rank computes MS longer every step")
+    g.add_argument("--inject-refuse-command", action="append", default=[], metavar="RANK[:KEY=VALUE]",
+                   help="that rank refuses commands from the control path (all, or only KEY=VALUE)")
+    g = p.add_argument_group("memory")
+    g.add_argument("--activation-mb-per-sample", type=float, default=0.0,
+                   help="every forward holds MB x micro-batch of touched memory until its backward, as "
+                   "activations do (so the step's peak scales with the micro-batch; default 0)")
+    g.add_argument("--memory-budget-mb", type=float, default=None,
+                   help="the memory budget the hooks report beside each step's peak (MiB per rank)")
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:

@@ -97,8 +97,15 @@ class StageClock:
     micro-batch size is adjusted)."""
 
     def __init__(self, faults: list[Fault], *, rank: int, stage: int, micro_batches: Callable[[], int],
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = _sleep_s) -> None:
+                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = _sleep_s,
+                 micro_batch: Callable[[], int] = lambda: 0, activation_bytes_per_sample: int = 0,
+                 slow_micro_batch: dict[int, float] | None = None) -> None:
         self.rank = rank
+        self._micro_batch = micro_batch
+        # activation-like pressure: each forward holds bytes x micro-batch until its backward
+        self.activation_bytes_per_sample = int(activation_bytes_per_sample)
+        self.activations: list[Any] = []
+        self.slow_micro_batch = dict(slow_micro_batch or {})  # micro-batch size -> ms per step
         self.stage = stage
         self._micro_batches = micro_batches
         self._clock = clock
@@ -122,6 +129,7 @@ class StageClock:
         self.step = step
         self._entered_reduction = False
         self.forward_s = self.backward_s = self.dp_reduce_s = 0.0
+        self.activations.clear()  # whatever a step left (none after a full backward)
         for f in self.mem_growth:
             if f.active(step):
                 self._grow(f.amount)
@@ -197,6 +205,12 @@ class StageClock:
         self._factor()  # on GPU, an imbalanced stage starts its clock with an empty queue
         self._fwd_t0 = self._clock()
         ms = sum(f.amount for f in self.straggler if f.active(self.step))
+        ms += self.slow_micro_batch.get(self._micro_batch(), 0.0)
+        if self.activation_bytes_per_sample and module.training:
+            import torch
+
+            n = self.activation_bytes_per_sample * max(1, self._micro_batch()) // 4
+            self.activations.append(torch.ones(n, dtype=torch.float32, device=self.device))
         if ms:
             self._sleep(ms / 1000.0 / max(1, self._micro_batches()))
         self._fwd_c0 = self._clock()
@@ -229,6 +243,8 @@ class StageClock:
         if factor > 1.0:
             self._sleep((factor - 1.0) * (self._clock() - self._bwd_t0))
         self.backward_s += self._clock() - self._bwd_t0
+        if self.activations:  # this micro-batch's activations are freed with its backward (1F1B: FIFO)
+            self.activations.pop(0)
 
 
 def _markers():

@@ -36,12 +36,34 @@ class Tracing:
 class _Traced(Tracing):
     def __init__(self, tracer: Any) -> None:
         self.tracer = tracer
+        self._bus = getattr(tracer, "_commands", None)  # trainer_hooks.commands.CommandBus
+        self._pending: Any = None
 
     def step(self, n: int) -> Any:
         return self.tracer.step(n)
 
     def set_loss(self, loss: float) -> None:
         self.tracer.set_loss(loss)
+
+    # The control path (trainer_hooks/commands.py): every rank, every step boundary.
+    def adjustments(self, step: int) -> list[tuple[str, Any]]:
+        """The command all ranks received at this boundary (one gloo broadcast every K steps)."""
+        bus = self._bus
+        if bus is None:
+            return []
+        bus.external = True
+        self._pending = bus.receive(step)
+        return [(self._pending.key, self._pending.value)] if self._pending is not None else []
+
+    def adjustment_result(self, step: int, key: str, value: Any, applied: bool, message: str) -> bool:
+        """This rank's outcome; True when every rank applied it (False: undo it here)."""
+        if self._bus is None or self._pending is None:
+            return applied
+        return self._bus.settle(self._pending, applied, message)
+
+    def adjustment_undone(self, step: int, key: str, value: Any, ok: bool, message: str) -> None:
+        if self._bus is not None and self._pending is not None:
+            self._bus.undone(self._pending, ok, message)
 
     def close(self) -> None:
         self.tracer.close()
@@ -56,5 +78,7 @@ def start(engine: Any, args: Any, *, meta: dict[str, Any]) -> Tracing:
     meta = dict(meta)
     pipelined = int(meta.get("pp", 1)) > 1
     # The ZeRO shape (no pipeline) runs forward/backward/step itself: time those three calls.
-    tracer = instrument(engine, meta=meta, phases=not pipelined)
+    budget_mb = getattr(args, "memory_budget_mb", None)
+    budget = {"memory_budget_bytes": int(budget_mb * 2**20)} if budget_mb else {}
+    tracer = instrument(engine, meta=meta, phases=not pipelined, **budget)
     return _Traced(tracer) if tracer.enabled else Tracing()

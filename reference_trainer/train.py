@@ -58,6 +58,7 @@ class Run:
     n_params: int = 0
     tracing: Any = None
     rebuild: Any = None  # (offload: str) -> None; set in the ZeRO shape
+    refuse_commands: list = dataclasses.field(default_factory=list)  # --inject-refuse-command
 
     @property
     def global_batch(self) -> int:
@@ -210,7 +211,11 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
         args, layout, preset, rank, bf16, micro_batch=args.micro_batch, micro_batches=args.micro_batches)
     run = Run(engine=engine, layout=layout, preset=preset, micro_batch=args.micro_batch,
               micro_batches=args.micro_batches, rank=rank, stage=coord.pipe, dp_rank=coord.data)
-    clock = StageClock(faults, rank=rank, stage=coord.pipe, micro_batches=lambda: run.micro_batches)
+    clock = StageClock(faults, rank=rank, stage=coord.pipe, micro_batches=lambda: run.micro_batches,
+                       micro_batch=lambda: run.micro_batch,
+                       activation_bytes_per_sample=int(args.activation_mb_per_sample * 2**20),
+                       slow_micro_batch=_slow_micro_batch(args.inject_slow_micro_batch))
+    run.refuse_commands = list(args.inject_refuse_command)
     clock.device = engine.device
     if clock.needs_hang_group:  # every rank takes part in creating it; only the hanging rank uses it
         clock.hang_group = dist.new_group(ranks=list(range(layout.world_size)), backend="gloo")
@@ -337,19 +342,64 @@ def _apply_commands(run: Run, step: int) -> None:
     tracing object for adjustments all ranks agreed to apply at ``step``
     (``tracing.adjustments(step) -> [(key, value), ...]``, keys as in --adjust: ``micro_batch`` an
     int, ``offload`` a bool) and reports each outcome back
-    (``tracing.adjustment_result(step, key, value, applied, message)``). Both are optional."""
+    (``tracing.adjustment_result(step, key, value, applied, message)``). Both are optional.
+
+    All or none: ``adjustment_result`` returns False when another rank could not apply it; this
+    rank then undoes it here, still before ``step``, and says how that went
+    (``tracing.adjustment_undone(step, key, previous, ok, message)``)."""
     pending = getattr(run.tracing, "adjustments", None)
     if pending is None:
         return
     report = getattr(run.tracing, "adjustment_result", None)
+    undone = getattr(run.tracing, "adjustment_undone", None)
     for key, value in pending(step) or ():
+        previous = _in_force(run, key)
         try:
+            _refuse_if_injected(run, key, value)
             _apply(run, adjust_mod.Adjustment(step, key, value))
             applied, message = True, ""
         except adjust_mod.AdjustError as e:
             applied, message = False, str(e)
-        if report is not None:
-            report(step, key, value, applied, message)
+        agreed = report(step, key, value, applied, message) if report is not None else True
+        if agreed is False:
+            # Every rank puts back (re-asserts) the value in force before: the ranks that applied
+            # it undo it, the others set what they already have. Both matter on the PipelineEngine:
+            # a set resets its cached activation shapes, and a stage that resets must have a
+            # neighbour that resets too, or the next send/receive pair disagrees and hangs.
+            try:
+                _apply(run, adjust_mod.Adjustment(step, key, previous))
+                ok, message = True, ""
+            except adjust_mod.AdjustError as e:
+                ok, message = False, str(e)
+            if applied and undone is not None:
+                undone(step, key, previous, ok, message)
+
+
+def _in_force(run: Run, key: str) -> Any:
+    """The value of an adjustment's key in force now (what an undo restores)."""
+    if key == "micro_batch":
+        return run.micro_batch
+    if adjust_mod.offload_method(run.layout)[0] == "relaunch":
+        return run.layout.offload != "none"
+    return run.offload_states_on
+
+
+def _refuse_if_injected(run: Run, key: str, value: Any) -> None:
+    """--inject-refuse-command RANK[:KEY=VALUE]: that rank refuses (the all-or-none tests' seam)."""
+    shown = ("on" if value else "off") if key == "offload" else str(value)
+    for spec in run.refuse_commands:
+        rank, _, which = spec.partition(":")
+        if rank.strip() == str(run.rank) and which in ("", f"{key}={shown}"):
+            raise adjust_mod.AdjustError(f"injected: rank {run.rank} refuses {key}={shown} "
+                                         f"(--inject-refuse-command {spec})")
+
+
+def _slow_micro_batch(specs: list[str]) -> dict[int, float]:
+    out = {}
+    for spec in specs:
+        mb, _, ms = spec.partition(":")
+        out[int(mb)] = float(ms)
+    return out
 
 
 def _apply(run: Run, a: adjust_mod.Adjustment) -> None:

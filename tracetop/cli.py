@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("collector.report_html", "one self-contained HTML report with plots of a run in a collector's file"),
     "export": ("collector.export.timeline", "the file as a Perfetto/chrome://tracing timeline (--perfetto) or Parquet (--parquet)"),
     "plan": ("tracetop.plan_cli", "parallelism planner: ranked TP x PP x DP plans, memory per GPU, launch commands"),
+    "control": ("collector.control.control_cli", "send a command to a running job: set-micro-batch, offload, approve, reject, rollback"),
+    "actions": ("collector.control.actions_cli", "every action of the closed loop and its life (from a file or a collector)"),
 }
 
 #: `tracetop bench <what>` -> module. Each prints one JSON object with --json.
@@ -37,6 +39,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "live": ("collector.bench_live", "live judgments: eval ms per step at 16,384 ranks, state MB, ingest on/off"),
     "tui": ("tui.bench", "the TUI's CPU share at 2 Hz and the Ranks screen's refresh time at 16,384 ranks"),
     "e2e": ("tui.bench_e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
+    "commands": ("trainer_hooks.bench_commands", "the command path's gloo broadcast on its own: us per K steps"),
 }
 
 

@@ -72,6 +72,22 @@ TRACETOP_DDP_BUCKETS = "TRACETOP_DDP_BUCKETS"
 """``0`` leaves DDP's gradient all-reduce on its built-in C++ path: no comm hook, no DDP bucket rows,
 the wait for them counted as backward compute (``trainer_hooks/ddp.py``). Default ``1``: timed."""
 
+TRACETOP_MEMORY_BUDGET_BYTES = "TRACETOP_MEMORY_BUDGET_BYTES"
+"""The memory one rank may use, in bytes (``Tracer(memory_budget_bytes=...)`` wins): the MEMORY rows
+carry it beside the step's peak, and the controller keeps the peak under 0.90 of it. Default: none."""
+
+TRACETOP_COMMAND_EVERY_STEPS = "TRACETOP_COMMAND_EVERY_STEPS"
+"""K: every K steps all ranks join one 64-byte gloo broadcast from rank 0 that hands them a command
+from the collector (or, most times, nothing); 0 turns commands off. Default: 10."""
+
+TRACETOP_COMMAND_POLL_S = "TRACETOP_COMMAND_POLL_S"
+"""Seconds between rank 0's ``Control.Poll`` calls for commands (a unary call; no stream is held
+open). Default: 5."""
+
+TRACETOP_TEST_DROP_COMMANDS = "TRACETOP_TEST_DROP_COMMANDS"
+"""Tests only: rank 0 discards the commands it receives that match (``all``, or ``KEY=VALUE`` entries,
+comma-separated, e.g. ``micro_batch=1,offload=on``), as if they were lost on the way to it."""
+
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"
@@ -104,3 +120,19 @@ def endpoint(explicit: str | None = None) -> str:
 
 def collector(explicit: str | None = None) -> str:
     return explicit or get(TRACETOP_COLLECTOR, DEFAULT_COLLECTOR) or DEFAULT_COLLECTOR
+
+
+def memory_budget_bytes(explicit: int | None = None) -> int:
+    """The declared memory budget: the argument, then TRACETOP_MEMORY_BUDGET_BYTES, else -1 (none)."""
+    if explicit is not None:
+        return int(explicit)
+    raw = get(TRACETOP_MEMORY_BUDGET_BYTES)
+    if raw is None:
+        return -1
+    try:
+        value = int(float(raw))
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{TRACETOP_MEMORY_BUDGET_BYTES}={raw!r}: give a positive number of bytes, e.g. 8000000000")
+    return value

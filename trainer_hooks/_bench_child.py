@@ -131,6 +131,13 @@ class _Switching:
         if self.on and not self.aa:
             self.traced.set_loss(loss)
 
+    # the command path (trainer_hooks/commands.py) runs in the "on" blocks, as in production
+    def adjustments(self, n: int) -> Any:
+        return self.traced.adjustments(n) if self.on and not self.aa else []
+
+    def adjustment_result(self, *a: Any) -> Any:
+        return self.traced.adjustment_result(*a)
+
     def control(self) -> None:
         """A/A: take every hook off for good; blocks keep their on/off labels (checks the estimator)."""
         self._apply(False)

@@ -43,10 +43,12 @@ from tracetop import env as tenv
 from tracetop.events import Kind
 from trainer_hooks import collectives as colls
 from trainer_hooks import columns as cols
+from trainer_hooks import commands as cmds
 from trainer_hooks import ddp
 from trainer_hooks.identity import Identity, SetupError, resolve
 from trainer_hooks.loss import loss_value as _loss_value
 from trainer_hooks.loss import resolve as _resolve_loss
+from trainer_hooks.memory import StepPeak
 
 log = logging.getLogger("trainer_hooks")
 
@@ -168,7 +170,7 @@ class Tracer:
         transport / shipper: an in-memory transport (tests) or a ready shipper.
         device: "cpu" (perf_counter) or "cuda" (CUDA events); default: cuda if torch sees one.
         heartbeat_s: TRACETOP_HEARTBEAT_S, default 5.
-        memory_budget_bytes: declared budget reported beside the memory rows.
+        memory_budget_bytes: declared budget reported beside the memory rows; TRACETOP_MEMORY_BUDGET_BYTES.
         flops_per_token / peak_flops / model_share: MFU inputs (model FLOPs per token for the
             whole model, the device's peak FLOP/s, this rank's share of the model: 1/(tp*pp)).
         tokens_per_step / samples_per_step: defaults for every step (per data-parallel replica).
@@ -249,7 +251,9 @@ class Tracer:
         self.model_share = model_share
         self.tokens_per_step = tokens_per_step if tokens_per_step is not None else -1
         self.samples_per_step = samples_per_step if samples_per_step is not None else -1
-        self.memory_budget_bytes = memory_budget_bytes if memory_budget_bytes is not None else -1
+        self.memory_budget_bytes = tenv.memory_budget_bytes(memory_budget_bytes)
+        self._commands: Any = None  # trainer_hooks.commands.CommandBus (enabled tracers)
+        self._peak: Any = None  # trainer_hooks.memory.StepPeak: the step's memory peak
         # the batch shape in force, stamped on every STEP row (describe() sets it; -1 = unknown)
         self.micro_batch = -1
         self.micro_batches = -1
@@ -313,6 +317,8 @@ class Tracer:
             self._statm_fd = os.open("/proc/self/statm", os.O_RDONLY)
         except OSError:
             self._statm_fd = -1
+        self._peak = StepPeak(_torch_cuda() if self._cuda is not None and device_clock is None else None)
+        self._commands = cmds.CommandBus(self)
         self._wrapped: list[str] = []
         if wrap_collectives:
             self._wrapped = self._install_collectives()
@@ -349,6 +355,14 @@ class Tracer:
                 self._loss = _loss_value(value, deferred=self._cuda is not None)
             except Exception as e:
                 self._hook_error("loss", e)
+
+    def on_command(self, kind: str, fn: Callable[[Any], Any], current: Callable[[], Any] | None = None) -> None:
+        """Apply ``kind`` (``micro_batch``: an int, ``offload``: a bool) commands with ``fn(value)``,
+        at a step boundary on every rank at the same step or on none (trainer_hooks/commands.py).
+        Register the same kinds on every rank. ``fn`` raises to refuse; an undo calls ``fn`` with
+        ``current()`` as read before applying."""
+        if self._commands is not None:
+            self._commands.on_command(kind, fn, current)
 
     def begin_step(self, n: int, *, tokens: int | None = None, samples: int | None = None) -> None:
         """For callback-style integrations: the same as entering ``step(n)``."""
@@ -449,6 +463,7 @@ class Tracer:
         try:
             colls.uninstall(self)
             ddp.uninstall(self)
+            self._commands.close()
             self._stop.set()
             self._emitter.join(timeout=max(2.0, self.close_timeout_s))
             self._heartbeat()
@@ -466,6 +481,7 @@ class Tracer:
             if self._statm_fd >= 0:
                 os.close(self._statm_fd)
                 self._statm_fd = -1
+            self._peak.close()
             if self.errors:
                 log.warning("trainer_hooks: %d hook errors were counted and skipped on rank %d", self.errors, self.rank)
 
@@ -485,6 +501,8 @@ class Tracer:
     def _step_begin(self, n: int) -> None:
         if not self._described:
             self.describe()
+        if self._commands.driving:  # before the step's clock starts
+            self._commands.boundary(n)
         self.step_n = n
         self.in_step = True
         self._instr_counts.clear()
@@ -500,7 +518,8 @@ class Tracer:
     def _step_end(self, tokens: int, samples: int) -> None:
         self.in_step = False
         self.current_phase = "idle"
-        shape = (self._loss, self.micro_batch, self.micro_batches)  # as in force at this step's end
+        # as in force at this step's end, and the step's memory peak (reset for the next step)
+        shape = (self._loss, self.micro_batch, self.micro_batches, self._peak.take())
         self._loss = _NAN
         if self._cuda is None:
             dur = perf_counter_ns() - self._step_t0
@@ -510,7 +529,7 @@ class Tracer:
             self._deferred.append((4, info, self._step_t0, self._cuda.mark()))
 
     def _finish_step(self, n: int, wall0: int, dur: int, tokens: int, samples: int, acc: _Acc,
-                     shape: tuple[float, int, int]) -> None:
+                     shape: tuple[float, int, int, int]) -> None:
         s = acc.sums
         if not isinstance(shape[0], float):  # a device loss: its copy is done (GPU path: the emitter, event ready)
             shape = (_resolve_loss(shape[0]), shape[1], shape[2])
@@ -713,8 +732,9 @@ class Tracer:
                 self.shipper.record_many(_INSTR, cols.instr_columns(self.rank, self.stage, rows, list(self._instr_names)))
             rows = self._take(self._rs)
             if rows:
-                sample = (*self._memory(), self.memory_budget_bytes)
-                step, throughput, memory = cols.step_columns(self.rank, [r + sample for r in rows])
+                a, res, peak, rss = self._memory()  # r[-1]: the step's own peak, where measured
+                step, throughput, memory = cols.step_columns(
+                    self.rank, [r[:-1] + (a, res, r[-1] if r[-1] >= 0 else peak, rss, self.memory_budget_bytes) for r in rows])
                 self.shipper.record_many(_STEP, step)
                 self.shipper.record_many(_THROUGHPUT, throughput)
                 self.shipper.record_many(_MEMORY, memory)
@@ -808,6 +828,12 @@ def _seconds(value: float | None, var: str, default: float, what: str) -> float:
     if not seconds > 0:
         raise SetupError(f"trainer_hooks: {what} every {seconds} s; set {var} to a positive number of seconds")
     return seconds
+
+
+def _torch_cuda() -> Any:
+    import torch
+
+    return torch.cuda
 
 
 def _default_device() -> str:

@@ -30,6 +30,21 @@ class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_KIND_UNSPECIFIED: _ClassVar[CommandKind]
     SET_MICRO_BATCH: _ClassVar[CommandKind]
     OFFLOAD_OPTIMIZER: _ClassVar[CommandKind]
+
+class CommandStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMMAND_STAGE_RESULT: _ClassVar[CommandStage]
+    COMMAND_STAGE_RECEIVED: _ClassVar[CommandStage]
+    COMMAND_STAGE_UNDONE: _ClassVar[CommandStage]
+    COMMAND_STAGE_UNDO_FAILED: _ClassVar[CommandStage]
+
+class ControlOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CONTROL_OP_UNSPECIFIED: _ClassVar[ControlOp]
+    PROPOSE: _ClassVar[ControlOp]
+    APPROVE: _ClassVar[ControlOp]
+    REJECT: _ClassVar[ControlOp]
+    ROLLBACK: _ClassVar[ControlOp]
 EVENT_KIND_UNSPECIFIED: EventKind
 RUN_START: EventKind
 STEP: EventKind
@@ -48,6 +63,15 @@ GPU_PROCESS: EventKind
 COMMAND_KIND_UNSPECIFIED: CommandKind
 SET_MICRO_BATCH: CommandKind
 OFFLOAD_OPTIMIZER: CommandKind
+COMMAND_STAGE_RESULT: CommandStage
+COMMAND_STAGE_RECEIVED: CommandStage
+COMMAND_STAGE_UNDONE: CommandStage
+COMMAND_STAGE_UNDO_FAILED: CommandStage
+CONTROL_OP_UNSPECIFIED: ControlOp
+PROPOSE: ControlOp
+APPROVE: ControlOp
+REJECT: ControlOp
+ROLLBACK: ControlOp
 
 class Column(_message.Message):
     __slots__ = ("name", "data", "dictionary")
@@ -108,20 +132,24 @@ class ClockReply(_message.Message):
     def __init__(self, client_send_ns: _Optional[int] = ..., server_recv_ns: _Optional[int] = ..., server_send_ns: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("command_id", "run_id", "kind", "int_value", "reason", "issued_ns")
+    __slots__ = ("command_id", "run_id", "kind", "int_value", "reason", "issued_ns", "expires_ns", "rollback_of")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     INT_VALUE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     ISSUED_NS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_NS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_OF_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     run_id: str
     kind: CommandKind
     int_value: int
     reason: str
     issued_ns: int
-    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., int_value: _Optional[int] = ..., reason: _Optional[str] = ..., issued_ns: _Optional[int] = ...) -> None: ...
+    expires_ns: int
+    rollback_of: str
+    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., int_value: _Optional[int] = ..., reason: _Optional[str] = ..., issued_ns: _Optional[int] = ..., expires_ns: _Optional[int] = ..., rollback_of: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("run_id", "rank")
@@ -132,24 +160,70 @@ class SubscribeRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class CommandStatus(_message.Message):
-    __slots__ = ("command_id", "run_id", "rank", "applied", "step", "message")
+    __slots__ = ("command_id", "run_id", "rank", "applied", "step", "message", "stage", "micro_batch", "micro_batches")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     run_id: str
     rank: int
     applied: bool
     step: int
     message: str
-    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., applied: _Optional[bool] = ..., step: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    stage: CommandStage
+    micro_batch: int
+    micro_batches: int
+    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., applied: _Optional[bool] = ..., step: _Optional[int] = ..., message: _Optional[str] = ..., stage: _Optional[_Union[CommandStage, str]] = ..., micro_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ...) -> None: ...
 
 class StatusAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class CommandBatch(_message.Message):
+    __slots__ = ("commands",)
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedCompositeFieldContainer[Command]
+    def __init__(self, commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
+
+class ControlRequest(_message.Message):
+    __slots__ = ("run_id", "op", "kind", "int_value", "action_id", "reason", "by", "approve", "rule", "expected")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    ACTION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    APPROVE_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    op: ControlOp
+    kind: CommandKind
+    int_value: int
+    action_id: str
+    reason: str
+    by: str
+    approve: bool
+    rule: str
+    expected: str
+    def __init__(self, run_id: _Optional[str] = ..., op: _Optional[_Union[ControlOp, str]] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., int_value: _Optional[int] = ..., action_id: _Optional[str] = ..., reason: _Optional[str] = ..., by: _Optional[str] = ..., approve: _Optional[bool] = ..., rule: _Optional[str] = ..., expected: _Optional[str] = ...) -> None: ...
+
+class ControlReply(_message.Message):
+    __slots__ = ("action_id", "state", "message")
+    ACTION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    action_id: str
+    state: str
+    message: str
+    def __init__(self, action_id: _Optional[str] = ..., state: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class QueryRequest(_message.Message):
     __slots__ = ("sql", "max_rows")

@@ -1,0 +1,84 @@
+"""`tracetop control --collector ADDR --run RUN <command>`: a person's command to a running job.
+
+    set-micro-batch N     a new micro-batch size on every rank, the global batch kept (sent at once)
+    offload on|off        optimizer-state offload (ZeRO 1/2/3 runs)
+    approve ID            send a proposal (the controller's, in advise mode)
+    reject ID             drop a proposal; nothing is sent
+    rollback ID           undo an applied action on every rank (a new action)
+
+The collector refuses a command the run cannot apply at once, with the reason (exit 2), and
+sends nothing. Otherwise it prints the action's id and state; `tracetop actions` follows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import sys
+
+EXIT_REFUSED = 2
+EXIT_UNREACHABLE = 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from tracetop import env
+
+    parser.add_argument("--collector", default=None,
+                        help=f"the collector's address (default ${env.TRACETOP_COLLECTOR}, else {env.DEFAULT_COLLECTOR})")
+    parser.add_argument("--run", default="", help="the run id (required except for approve/reject/rollback)")
+    parser.add_argument("--reason", default="", help="why, in words (stored with the action)")
+    parser.add_argument("--by", default=None, help="who asks (default person:$USER)")
+    parser.add_argument("command", choices=("set-micro-batch", "offload", "approve", "reject", "rollback"))
+    parser.add_argument("value", help="N for set-micro-batch, on|off for offload, the action id otherwise")
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from tracetop import env
+    from tracetop.wire import tracetop_pb2 as pb
+    from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+    by = args.by or f"person:{_user()}"
+    req = pb.ControlRequest(run_id=args.run, reason=args.reason, by=by)
+    if args.command in ("set-micro-batch", "offload"):
+        if not args.run:
+            return _fail(f"{args.command} needs --run RUN (the run id, see `tracetop query ... \"SELECT * FROM runs\"`)")
+        req.op, req.approve, req.rule = pb.PROPOSE, True, "manual"
+        if args.command == "set-micro-batch":
+            if not args.value.isdigit() or int(args.value) < 1:
+                return _fail(f"set-micro-batch {args.value!r}: give a positive whole number of samples, e.g. 2")
+            req.kind, req.int_value = pb.SET_MICRO_BATCH, int(args.value)
+        else:
+            if args.value not in ("on", "off"):
+                return _fail(f"offload {args.value!r}: use on or off")
+            req.kind, req.int_value = pb.OFFLOAD_OPTIMIZER, int(args.value == "on")
+    else:
+        req.op = {"approve": pb.APPROVE, "reject": pb.REJECT, "rollback": pb.ROLLBACK}[args.command]
+        req.action_id = args.value
+    addr = env.collector(args.collector)
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            reply = pb_grpc.ControlStub(channel).Submit(req, timeout=30)
+        except grpc.RpcError as e:
+            code = e.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                print(f"tracetop control: no collector answers at {addr} ({code.name}); start one or pass --collector",
+                      file=sys.stderr)
+                return EXIT_UNREACHABLE
+            print(f"tracetop control: refused, nothing sent: {e.details()}", file=sys.stderr)
+            return EXIT_REFUSED
+    print(f"action {reply.action_id}: {reply.state}" + (f" ({reply.message})" if reply.message else ""))
+    return 0
+
+
+def _fail(msg: str) -> int:
+    print(f"tracetop control: {msg}", file=sys.stderr)
+    return EXIT_REFUSED
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "unknown"

@@ -1,0 +1,228 @@
+"""The controller's thin loop: inputs from a callable, the pure policies (policy.py), actions
+through the Control service. Modes: ``off``, ``advise`` (the default: proposals a person
+approves with `tracetop control approve ID`), ``auto`` (approved by the controller itself).
+
+Each tick (``tick_s``), per run the inputs source reports:
+1. verify: an applied action ``verify_steps`` steps old is kept (``verified``) or rolled back on
+   every rank (``policy.verify``: throughput fell more than ``max_throughput_drop``, or a larger
+   micro-batch did not gain ``min_throughput_gain``), compared over the steps before and after it;
+2. gate: no change while a hang or straggler alert fires, while an action is in flight, during
+   the cooldown, beyond the hourly cap;
+3. decide: at most one proposal; a problem given up on is reported once as "cannot fix" (an
+   Alert to the sink, and a `cannot_fix` row in `actions`).
+Every decision is kept with its reason (``decisions``, the newest 200).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import difflib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Protocol
+
+from collector.control import policy
+from collector.control.actions import OPEN
+from collector.control.policy import ControlInputs, Memory, Settings
+from collector.live.model import FIRING, Alert
+
+log = logging.getLogger("tracetop.collector")
+
+MODES = ("off", "advise", "auto")
+
+
+class SettingsError(ValueError):
+    """A bad [controller] table or flag; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    mode: str = "advise"
+    tick_s: float = 2.0
+    policy: Settings = Settings()
+
+
+def settings_from_table(table: dict[str, Any], *, mode: str | None = None) -> ControllerSettings:
+    """The TOML's [controller] table: ``mode``, ``tick_s`` and every field of ``policy.Settings``
+    (units in the keys: ``cooldown_s``, ``verify_steps``, shares as 0..1). The flag's mode wins."""
+    known = {f.name: f for f in fields(Settings)}
+    top = {"mode", "tick_s"}
+    pol: dict[str, Any] = {}
+    for key, value in table.items():
+        if key in top:
+            continue
+        if key not in known:
+            near = difflib.get_close_matches(key, list(known) + list(top), n=1)
+            raise SettingsError(f"[controller] {key!r} is not a setting" + (f"; did you mean {near[0]!r}?" if near else ""))
+        want = int if known[key].type in ("int", int) else float
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise SettingsError(f"[controller] {key} = {value!r}: give a number")
+        pol[key] = want(value)
+    m = mode or table.get("mode", "advise")
+    if m not in MODES:
+        raise SettingsError(f"[controller] mode = {m!r}: use one of {', '.join(MODES)}")
+    tick = float(table.get("tick_s", 2.0))
+    if tick <= 0:
+        raise SettingsError(f"[controller] tick_s = {tick}: give a positive number of seconds")
+    return ControllerSettings(mode=m, tick_s=tick, policy=Settings(**pol))
+
+
+def load_settings(path: str | None, *, mode: str | None = None) -> ControllerSettings:
+    table: dict[str, Any] = {}
+    if path:
+        import tomllib
+
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f).get("controller", {}) or {}
+        except OSError as e:
+            raise SettingsError(f"--controller-config {path}: {e.strerror}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise SettingsError(f"--controller-config {path}: not valid TOML: {e}") from e
+    return settings_from_table(table, mode=mode)
+
+
+class InputsSource(Protocol):
+    """Where the controller's inputs come from (inputs.RowInputs: the committed rows; after the
+    merge, an adapter over the live engine's state)."""
+
+    def read(self) -> list[ControlInputs]: ...
+
+    def samples_per_s(self, run_id: str, first_step: int, last_step: int) -> float: ...
+
+    def memory_share(self, run_id: str, first_step: int, last_step: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Logged:
+    run_id: str
+    step: int
+    outcome: str  # act | hold | cannot_fix | verified | rolled_back | proposed
+    reason: str
+
+
+class Controller:
+    def __init__(self, service: Any, source: InputsSource, settings: ControllerSettings, *,
+                 clock_s: Callable[[], float] = time.time, alert_sink: Any = None) -> None:
+        self.service = service
+        self.source = source
+        self.settings = settings
+        self.clock_s = clock_s
+        self.alert_sink = alert_sink
+        self.memory: dict[str, Memory] = {}
+        self.decisions: collections.deque[Logged] = collections.deque(maxlen=200)
+        self.changes: dict[str, list[tuple[float, int]]] = collections.defaultdict(list)  # run -> (time, step)
+        self._latest: list[ControlInputs] = []
+        self._last_hold: dict[str, str] = {}
+
+    def gather(self) -> None:
+        """The inputs (called off the event loop: the source runs SQL)."""
+        self._latest = self.source.read()
+        self._windows = {}
+        for inp in self._latest:
+            for a in self._to_verify(inp):
+                k = self.settings.policy.verify_steps
+                self._windows[a.action_id] = (
+                    self.source.samples_per_s(inp.run_id, a.step - k, a.step - 1),
+                    self.source.samples_per_s(inp.run_id, a.step + 1, a.step + k),
+                    self.source.memory_share(inp.run_id, a.step - k, a.step - 1),
+                    self.source.memory_share(inp.run_id, a.step + 1, a.step + k))
+
+    def _to_verify(self, inp: ControlInputs) -> list[Any]:
+        k = self.settings.policy.verify_steps
+        return [a for a in list(self.service.actions.values())
+                if a.run_id == inp.run_id and a.state == "applied" and a.step is not None and a.step >= 0
+                and inp.step >= a.step + k and a.kind in ("micro_batch", "offload")]
+
+    def decide_and_act(self) -> None:
+        if self.settings.mode == "off":
+            return
+        for inp in self._latest:
+            try:
+                self.tick(inp)
+            except Exception:
+                log.exception("collector: controller failed on run %s", inp.run_id)
+
+    def tick(self, inp: ControlInputs) -> None:
+        s = self.settings.policy
+        run = inp.run_id
+        mem = self.memory.get(run, Memory())
+        if inp.samples_per_s > mem.best_samples_per_s:
+            mem = dataclasses.replace(mem, best_samples_per_s=inp.samples_per_s, best_micro_batch=inp.micro_batch)
+        # 1. verify what was applied
+        for a in self._to_verify(inp):
+            before, after, m0, m1 = getattr(self, "_windows", {}).get(a.action_id, (math.nan,) * 4)
+            v = policy.verify(before, after, a.rule, s, m0, m1)
+            if not v.keep and a.proposed_by != "controller":  # a person's change: said, not undone
+                v = policy.Verdict(True, f"{v.text.replace('rolled back: ', 'not verified: ', 1)} "
+                                   f"(a person's change: the controller does not roll it back)")
+            if v.keep:
+                self.service.verified(a.action_id, v.text)
+                self._log(run, inp.step, "verified", f"action {a.action_id}: {v.text}")
+            else:
+                if a.rule == "grow" or a.kind == "micro_batch":
+                    mem = dataclasses.replace(mem, no_gain=mem.no_gain | {a.value})
+                a.verification = v.text
+                self.service.rollback(a.action_id, by="controller", reason=v.text, rule="verify")
+                self.changes[run].append((self.clock_s(), inp.step))
+                self._log(run, inp.step, "rolled_back", f"action {a.action_id}: {v.text}")
+        # 2. gate
+        now = self.clock_s()
+        recent = [c for c in self.changes[run] if now - c[0] < 3600]
+        last_t, last_step = (recent[-1] if recent else (-math.inf, -(10**9)))
+        open_action = next((a.action_id for a in self.service.actions.values()
+                            if a.run_id == run and a.state in OPEN), "")
+        why = policy.gate(inp, s, now_s=now, last_change_s=last_t, last_change_step=last_step,
+                          changes_last_hour=len(recent), open_action=open_action)
+        if why:
+            self.memory[run] = mem
+            self._hold(run, inp.step, why)
+            return
+        # 3. decide
+        d, mem = policy.decide(inp, mem, s)
+        if d.outcome == "act":
+            if d.kind == "offload" and d.value:
+                mem = dataclasses.replace(mem, optimizer_ms_before_offload=inp.optimizer_ms)
+            try:
+                a = self.service.propose(run, d.kind, d.value, by="controller", rule=d.rule, reason=d.reason,
+                                         expected=d.expected, approve=self.settings.mode == "auto")
+            except Exception as e:  # refused (the run changed meanwhile): a hold with the reason
+                self._hold(run, inp.step, f"proposal refused: {e}")
+            else:
+                mem = mem.counted(d.problem)
+                self.changes[run].append((now, inp.step))
+                self._log(run, inp.step, "proposed" if self.settings.mode == "advise" else "act",
+                          f"action {a.action_id}: {d.reason}")
+        elif d.outcome == "cannot_fix":
+            self._cannot_fix(inp, d)
+        else:
+            self._hold(run, inp.step, d.reason)
+        self.memory[run] = mem
+
+    def _cannot_fix(self, inp: ControlInputs, d: policy.Decision) -> None:
+        self._log(inp.run_id, inp.step, "cannot_fix", d.reason)
+        self.service.record_cannot_fix(inp.run_id, d.problem, d.reason)
+        if self.alert_sink is not None:
+            now = int(self.clock_s() * 1e9)
+            share, who = inp.memory_share()
+            alert = Alert(rule="controller_cannot_fix", signal=d.problem, severity="critical", state=FIRING,
+                          run_id=inp.run_id, scope="run", labels={"problem": d.problem}, first_step=inp.step,
+                          last_step=inp.step, first_ns=now, last_ns=now, value=share, threshold=self.settings.policy.memory_high,
+                          message=d.reason)
+            try:
+                self.alert_sink.publish([alert], [alert])
+            except Exception:
+                log.exception("collector: alert sink failed")
+
+    def _hold(self, run: str, step: int, why: str) -> None:
+        if self._last_hold.get(run) != why:  # the same hold once, not every tick
+            self._last_hold[run] = why
+            self._log(run, step, "hold", why)
+
+    def _log(self, run: str, step: int, outcome: str, reason: str) -> None:
+        self.decisions.append(Logged(run, step, outcome, reason))
+        log.info("controller: run %s step %d: %s: %s", run, step, outcome, reason)

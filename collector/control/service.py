@@ -1,0 +1,323 @@
+"""The collector's Control service: actions in (a person, or the controller), commands out to
+rank 0's hooks (``Poll``, or a held ``Subscribe`` stream), every rank's status back (``Report``), the `actions` table.
+
+Everything runs on the collector's event loop thread; the `actions` / `action_ranks` rows are
+written through a cursor of their own (DuckDB allows it beside the writer thread's; the tables
+are the control path's alone), at every change, so the file always shows each action's state.
+
+A command is refused at once, with the reason, and nothing is stored or sent, when the run is
+unknown (no RUN_START rows), or the run cannot apply it (see ``check.refusal``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import grpc
+
+from collector.control import actions as act
+from collector.control.check import RunShape, refusal
+from tracetop.wire import tracetop_pb2 as pb
+from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+log = logging.getLogger("tracetop.collector")
+
+DEFAULT_TTL_S = 600.0
+
+
+class ControlError(Exception):
+    """A request refused: ``code`` is the gRPC status it is answered with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ControlService:
+    def __init__(self, con, *, ttl_s: float = DEFAULT_TTL_S, clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self._cur = con.cursor()
+        self.ttl_ns = int(ttl_s * 1e9)
+        self._clock_ns = clock_ns
+        self.actions: dict[str, act.Action] = {}
+        self.subscribers: dict[str, set[asyncio.Queue]] = defaultdict(set)
+        self.listeners: list[Callable[[act.Action], None]] = []  # the controller hears of changes
+        self._next_id = 1
+        self._load()
+
+    def close(self) -> None:
+        self._cur.close()
+
+    # ------------------------------------------------------------------ what the file knows
+    def _load(self) -> None:
+        rows = self._cur.execute(f"SELECT {', '.join(act.Action.COLUMNS)} FROM actions").fetchall()
+        for row in rows:
+            d = dict(zip(act.Action.COLUMNS, row))
+            a = act.Action(**d)
+            self.actions[a.action_id] = a
+            if a.action_id.isdigit():
+                self._next_id = max(self._next_id, int(a.action_id) + 1)
+
+    def runs(self) -> list[str]:
+        return [r[0] for r in self._cur.execute("SELECT DISTINCT run_id FROM run_start ORDER BY 1").fetchall()]
+
+    def shape(self, run_id: str) -> RunShape | None:
+        row = self._cur.execute(
+            "SELECT max(world_size), count(DISTINCT rank), max(dp), max(pp), max(zero_stage), max(micro_batch), "
+            "max(micro_batches), any_value(ds_config_json) FROM run_start WHERE run_id = ?", [run_id]).fetchone()
+        if row is None or row[0] is None:
+            return None
+        world, started, dp, pp, zero, mb, mbs, cfg = row
+        offload = False
+        try:
+            zo = json.loads(cfg or "{}").get("zero_optimization", {}) or {}
+            offload = (zo.get("offload_optimizer") or {}).get("device", "none") not in ("none", None)
+        except (ValueError, AttributeError):
+            pass
+        per_rank = (mb or 0) * (mbs or 0)
+        done = sorted((a for a in self.actions.values() if a.run_id == run_id and a.done_ns
+                       and a.state in ("applied", "verified", "rolled_back")), key=lambda a: a.done_ns or 0)
+        for a in done:
+            if a.kind == "micro_batch" and per_rank and per_rank % a.value == 0:
+                mb, mbs = a.value, per_rank // a.value
+            elif a.kind == "offload":
+                offload = bool(a.value)
+        return RunShape(run_id, int(world), int(started), int(dp or 1), int(pp or 1), int(zero if zero is not None else -1),
+                        int(mb or -1), int(mbs or -1), offload)
+
+    # ------------------------------------------------------------------ requests
+    def propose(self, run_id: str, kind: str, value: int, *, by: str, rule: str = "manual", reason: str = "",
+                expected: str = "", approve: bool = False, rollback_of: str | None = None) -> act.Action:
+        shape = self.shape(run_id)
+        if shape is None:
+            known = self.runs()
+            raise ControlError(grpc.StatusCode.NOT_FOUND,
+                               f"no run {run_id!r} in this collector (no RUN_START rows); it knows "
+                               f"{known[:10] or 'no runs yet'}. Check --run, or wait for the run's first rows")
+        why = refusal(shape, kind, int(value))
+        if why:
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION, why)
+        for other in self.actions.values():
+            if other.run_id == run_id and other.state in act.OPEN and other.state != "proposed":
+                raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"action {other.action_id} ({other.shown()}) is still {other.state} on run {run_id}; "
+                                   "one change at a time: wait for its outcome (`tracetop actions`)")
+        now = self._clock_ns()
+        previous = shape.micro_batch if kind == "micro_batch" else int(shape.offload)
+        a = act.Action(str(self._next_id), run_id, kind, int(value), previous, rollback_of, "proposed", rule, reason,
+                       expected, by, now, shape.world_size, updated_ns=now)
+        self._next_id += 1
+        self.actions[a.action_id] = a
+        if approve:
+            self._approve(a, by)
+        else:
+            self._changed(a)
+        return a
+
+    def approve(self, action_id: str, by: str) -> act.Action:
+        a = self._get(action_id)
+        if a.state != "proposed":
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"action {action_id} is {a.state}, not proposed: only a proposal can be approved")
+        why = refusal(self.shape(a.run_id) or _no_shape(a.run_id), a.kind, a.value)
+        if why:
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION, f"action {action_id} can no longer be sent: {why}")
+        self._approve(a, by)
+        return a
+
+    def dismiss(self, action_id: str, by: str, reason: str = "") -> act.Action:
+        a = self._get(action_id)
+        if a.state != "proposed":
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"action {action_id} is {a.state}, not proposed: only a proposal can be rejected")
+        a.state, a.done_ns = "dismissed", self._clock_ns()
+        a.outcome = f"rejected by {by}" + (f": {reason}" if reason else "") + "; nothing sent"
+        self._changed(a)
+        return a
+
+    def rollback(self, action_id: str, by: str, reason: str = "", rule: str = "manual") -> act.Action:
+        a = self._get(action_id)
+        if a.state not in ("applied", "verified"):
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"action {action_id} is {a.state}: only an applied action can be rolled back")
+        if a.previous_value is None:
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION, f"action {action_id} does not know what it replaced")
+        return self.propose(a.run_id, a.kind, a.previous_value, by=by, rule=rule, approve=True, rollback_of=a.action_id,
+                            reason=reason or f"roll back action {action_id} ({a.shown()})",
+                            expected=f"back to {a.kind}={a.previous_value}")
+
+    def verified(self, action_id: str, text: str) -> None:
+        a = self._get(action_id)
+        if a.state == "applied":
+            a.state, a.verification, a.verified_ns = "verified", text, self._clock_ns()
+            self._changed(a)
+
+    def record_cannot_fix(self, run_id: str, problem: str, reason: str) -> act.Action:
+        """The controller gave up on a problem: a row of its own in `actions` (nothing sent)."""
+        now = self._clock_ns()
+        shape = self.shape(run_id)
+        a = act.Action(str(self._next_id), run_id, problem, 0, None, None, "cannot_fix", problem, reason,
+                       "", "controller", now, shape.world_size if shape else 0, done_ns=now, outcome=reason,
+                       updated_ns=now)
+        self._next_id += 1
+        self.actions[a.action_id] = a
+        self._changed(a)
+        return a
+
+    def _get(self, action_id: str) -> act.Action:
+        a = self.actions.get(action_id)
+        if a is None:
+            raise ControlError(grpc.StatusCode.NOT_FOUND, f"no action {action_id!r} (see `tracetop actions`)")
+        return a
+
+    def _approve(self, a: act.Action, by: str) -> None:
+        now = self._clock_ns()
+        a.state, a.approved_by, a.approved_ns = "approved", by, now
+        a.expires_ns = now + self.ttl_ns
+        self._changed(a)
+        self._dispatch(a)
+
+    def _command(self, a: act.Action) -> pb.Command:
+        return pb.Command(command_id=a.action_id, run_id=a.run_id, kind=act.KIND_CODES[a.kind], int_value=a.value,
+                          reason=a.reason, issued_ns=a.approved_ns or 0, expires_ns=a.expires_ns or 0,
+                          rollback_of=a.rollback_of or "")
+
+    def _dispatch(self, a: act.Action, queues: set | None = None) -> None:
+        queues = self.subscribers.get(a.run_id) if queues is None else queues
+        if not queues:
+            return  # sent when rank 0 subscribes (before it expires)
+        cmd = self._command(a)
+        for q in queues:
+            q.put_nowait(cmd)
+        if a.state == "approved":
+            a.state, a.sent_ns = "sent", self._clock_ns()
+            self._changed(a)
+
+    def on_status(self, s: pb.CommandStatus) -> None:
+        a = self.actions.get(s.command_id)
+        if a is None or a.run_id != s.run_id:
+            log.warning("collector: status for unknown action %r of run %r from rank %d", s.command_id, s.run_id, s.rank)
+            return
+        stage = act.STAGES.get(int(s.stage)) or ("applied" if s.applied else "refused")
+        now = self._clock_ns()
+        r = act.RankReport(s.rank, stage, int(s.step), s.message, int(s.micro_batch), int(s.micro_batches), now)
+        self._cur.execute("INSERT INTO action_ranks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                          [a.action_id, a.run_id, r.rank, r.stage, r.step, r.message, r.micro_batch, r.micro_batches, now])
+        before = a.state
+        act.report(a, r, s.applied, now)
+        if a.state == "applied" and a.rollback_of and before != "applied":
+            target = self.actions.get(a.rollback_of)
+            if target is not None and target.state in ("applied", "verified"):
+                target.state, target.verified_ns = "rolled_back", now
+                target.verification = f"rolled back by action {a.action_id} at step {a.step}: {a.reason}"
+                self._changed(target)
+        self._changed(a)
+
+    def sweep(self) -> list[act.Action]:
+        """Mark lost what rank 0 did not receive before it expired."""
+        now = self._clock_ns()
+        lost = []
+        for a in self.actions.values():
+            if a.state in ("approved", "sent") and a.expires_ns and now > a.expires_ns + act.LOST_GRACE_NS:
+                a.state, a.done_ns, a.marked_lost = "lost", now, True
+                how = "sent to rank 0's subscription" if a.sent_ns else "rank 0 never subscribed"
+                a.outcome = (f"{a.shown()} lost: {how}, but rank 0 did not report receiving it before it expired; "
+                             "rank 0 hands no expired command to the ranks, so nothing was applied anywhere")
+                self._changed(a)
+                lost.append(a)
+            elif a.state == "received" and a.expires_ns and now > a.expires_ns + self.ttl_ns:
+                a.state, a.done_ns = "incomplete", now
+                missing = sorted(set(range(a.ranks_expected)) - set(a.finals))
+                a.outcome = (f"{a.shown()}: {len(a.finals)} of {a.ranks_expected} ranks reported; ranks "
+                             f"{missing[:16]} never did (did the job end, or a rank die?)")
+                self._changed(a)
+        return lost
+
+    def _changed(self, a: act.Action) -> None:
+        a.updated_ns = self._clock_ns()
+        self._cur.execute("DELETE FROM actions WHERE action_id = ?", [a.action_id])
+        self._cur.execute(f"INSERT INTO actions VALUES ({', '.join('?' * len(a.COLUMNS))})", list(a.row()))
+        for fn in self.listeners:
+            try:
+                fn(a)
+            except Exception:
+                log.exception("collector: action listener failed")
+
+    # ------------------------------------------------------------------ gRPC
+    async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
+        q: asyncio.Queue = asyncio.Queue()
+        run = request.run_id
+        # what is waiting for this run (approved while nobody listened, or sent to a stream now gone)
+        for a in sorted(self.actions.values(), key=lambda a: int(a.action_id) if a.action_id.isdigit() else 0):
+            if a.run_id == run and a.state in ("approved", "sent"):
+                self._dispatch(a, {q})
+        self.subscribers[run].add(q)
+        try:
+            while True:
+                cmd = await q.get()
+                await context.write(cmd)
+        finally:
+            self.subscribers[run].discard(q)
+
+    async def Poll(self, request: pb.SubscribeRequest, context) -> pb.CommandBatch:
+        batch = pb.CommandBatch()
+        for a in sorted(self.actions.values(), key=lambda a: int(a.action_id) if a.action_id.isdigit() else 0):
+            if a.run_id == request.run_id and a.state in ("approved", "sent"):
+                batch.commands.append(self._command(a))
+                if a.state == "approved":
+                    a.state, a.sent_ns = "sent", self._clock_ns()
+                    self._changed(a)
+        return batch
+
+    async def Report(self, request: pb.CommandStatus, context) -> pb.StatusAck:
+        self.on_status(request)
+        return pb.StatusAck()
+
+    async def Submit(self, request: pb.ControlRequest, context: grpc.aio.ServicerContext) -> pb.ControlReply:
+        by = request.by or "person"
+        try:
+            if request.op == pb.PROPOSE:
+                kind = {v: k for k, v in act.KIND_CODES.items()}.get(int(request.kind))
+                if kind is None:
+                    raise ControlError(grpc.StatusCode.INVALID_ARGUMENT, "PROPOSE needs kind SET_MICRO_BATCH or OFFLOAD_OPTIMIZER")
+                a = self.propose(request.run_id, kind, int(request.int_value), by=by, rule=request.rule or "manual",
+                                 reason=request.reason, expected=request.expected, approve=request.approve)
+            elif request.op == pb.APPROVE:
+                a = self.approve(request.action_id, by)
+            elif request.op == pb.REJECT:
+                a = self.dismiss(request.action_id, by, request.reason)
+            elif request.op == pb.ROLLBACK:
+                a = self.rollback(request.action_id, by, request.reason)
+            else:
+                raise ControlError(grpc.StatusCode.INVALID_ARGUMENT, "op must be PROPOSE, APPROVE, REJECT or ROLLBACK")
+        except ControlError as e:
+            await context.abort(e.code, e.message)
+        return pb.ControlReply(action_id=a.action_id, state=a.state, message=a.outcome or a.reason)
+
+
+def _no_shape(run_id: str) -> RunShape:
+    return RunShape(run_id, 0, 0, 1, 1, -1, -1, -1, False)
+
+
+class ControlServicer(pb_grpc.ControlServicer):
+    """Binds the generated servicer to one ControlService."""
+
+    def __init__(self, service: ControlService) -> None:
+        self.s = service
+
+    async def Subscribe(self, request, context):  # noqa: N802 (the generated names)
+        await self.s.Subscribe(request, context)
+
+    async def Report(self, request, context):  # noqa: N802
+        return await self.s.Report(request, context)
+
+    async def Poll(self, request, context):  # noqa: N802
+        return await self.s.Poll(request, context)
+
+    async def Submit(self, request, context):  # noqa: N802
+        return await self.s.Submit(request, context)

@@ -1,0 +1,113 @@
+"""The closed loop's tests: a real collector process, a real trainer under torchrun in the
+background, and a client speaking the collector's Control and Query services."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tests.helpers import ROOT
+from tracetop.wire import tracetop_pb2 as pb
+from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+
+class Client:
+    def __init__(self, addr: str) -> None:
+        self.channel = grpc.insecure_channel(addr)
+        self.control = pb_grpc.ControlStub(self.channel)
+        self.query = pb_grpc.QueryStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def sql(self, sql: str) -> list[dict]:
+        from collector import readonly
+
+        reply = self.query.Sql(pb.QueryRequest(sql=sql), timeout=60)
+        return readonly.from_ipc(reply.arrow_ipc).to_pylist()
+
+    def set_micro_batch(self, run: str, n: int, by: str = "person:test") -> pb.ControlReply:
+        return self.control.Submit(pb.ControlRequest(run_id=run, op=pb.PROPOSE, kind=pb.SET_MICRO_BATCH, int_value=n,
+                                                     approve=True, by=by, rule="manual"), timeout=30)
+
+    def offload(self, run: str, on: bool) -> pb.ControlReply:
+        return self.control.Submit(pb.ControlRequest(run_id=run, op=pb.PROPOSE, kind=pb.OFFLOAD_OPTIMIZER,
+                                                     int_value=int(on), approve=True, by="person:test"), timeout=30)
+
+    def op(self, op: int, action_id: str) -> pb.ControlReply:
+        return self.control.Submit(pb.ControlRequest(op=op, action_id=action_id, by="person:test"), timeout=30)
+
+    def action(self, action_id: str) -> dict:
+        rows = self.sql(f"SELECT * FROM actions WHERE action_id = '{action_id}'")
+        return rows[0] if rows else {}
+
+    def wait_action(self, action_id: str, states: tuple[str, ...], timeout_s: float = 180.0) -> dict:
+        return wait_for(lambda: (a := self.action(action_id)) and a["state"] in states and a, timeout_s,
+                        f"action {action_id} in {states}", lambda: self.action(action_id))
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, show: Callable[[], Any] = lambda: None) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last: {show()}")
+
+
+class Trainer:
+    """``torchrun -m reference_trainer`` (or any module) in the background, in its own session."""
+
+    def __init__(self, tmp: Path, *, nproc: int, args: list[str], env: dict[str, str], module: str = "reference_trainer",
+                 script: str | None = None) -> None:
+        self.rank_dir = tmp / "ranks"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+        target = [script] if script else ["-m", module, "--quiet", "--rank-log-dir", str(self.rank_dir)]
+        e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                 TRACETOP_COMMAND_POLL_S="0.5", **env)
+        self.log = open(tmp / "trainer.log", "w")
+        self.proc = subprocess.Popen([*launcher, *target, *args], cwd=ROOT, env=e, stdout=self.log,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.tmp = tmp
+
+    def wait(self, timeout_s: float = 400.0) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"trainer did not finish in {timeout_s} s:\n{self.output()[-3000:]}") from None
+        finally:
+            self.log.close()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def output(self) -> str:
+        return (self.tmp / "trainer.log").read_text()
+
+    def rank_rows(self) -> dict[int, list[dict]]:
+        import json
+
+        return {int(p.stem[4:]): [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+                for p in sorted(self.rank_dir.glob("rank*.jsonl"))}
+
+
+def changes(rows: list[dict]) -> list[tuple[int, tuple[int, int]]]:
+    """(step, (micro_batch, micro_batches)) wherever the shape differs from the step before."""
+    out = []
+    for a, b in zip(rows, rows[1:]):
+        if (a["micro_batch"], a["micro_batches"]) != (b["micro_batch"], b["micro_batches"]):
+            out.append((b["step"], (b["micro_batch"], b["micro_batches"])))
+    return out

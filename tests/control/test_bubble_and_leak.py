@@ -1,0 +1,130 @@
+"""Two more closed-loop runs on the committed rows (real collector, real 2-rank reference runs):
+
+- bubble, advise mode: PP2 with 2 micro-batches (the 1F1B bubble is at least 1/3) and a bubble
+  threshold of 0.30: the controller proposes more micro-batches and nothing else happens until a
+  person approves; then both ranks change at one step and the bubble falls.
+- the leak (--inject-mem-growth), auto mode: memory no batch shape can fix. At most
+  max_actions_per_problem (2) changes, then one "cannot fix" (an actions row), and nothing more:
+  the micro-batch only ever goes down (no oscillation)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from tests.control.harness import Client, Trainer, changes, wait_for
+from tests.helpers import start_collector
+from tracetop.wire import tracetop_pb2 as pb
+
+pytestmark = pytest.mark.slow
+
+
+def _start(tmp, toml: str, mode: str, run_id: str, args: list[str]):
+    (tmp / "c.toml").write_text(toml)
+    c = start_collector(tmp, extra_args=["--controller", mode, "--controller-config", str(tmp / "c.toml")])
+    t = Trainer(tmp, nproc=2, args=args, env={"TRACETOP_ENDPOINT": c.addr, "TRACETOP_RUN_ID": run_id,
+                                              "TRACETOP_FLUSH_S": "0.5", "TRACETOP_COMMAND_EVERY_STEPS": "5"})
+    return c, Client(c.addr), t
+
+
+def _by_rank(rows):
+    by = {}
+    for r in rows:
+        by.setdefault(r["rank"], []).append(r)
+    return by
+
+
+@pytest.fixture(scope="module")
+def bubble(tmp_path_factory):
+    run = "loop-bubble-1"
+    # The small model (7 M parameters): with tiny, DeepSpeed's per-instruction overhead outweighs the
+    # compute on this CPU and more micro-batches do not shrink the bubble (measured: 0.69 -> 0.70).
+    c, client, t = _start(tmp_path_factory.mktemp("bubble"), "[controller]\ntick_s = 0.5\ncooldown_s = 1\n"
+                          "cooldown_steps = 3\nverify_steps = 100\nbubble_threshold = 0.30\n", "advise", run,
+                          ["--model", "small", "--pp", "2", "--micro-batch", "8", "--micro-batches", "2", "--steps", "45"])
+    out = {}
+    try:
+        p = wait_for(lambda: client.sql("SELECT * FROM actions WHERE state = 'proposed'"), 300, "a proposal", t.output)[0]
+        out["proposal"] = p
+        seen = client.sql(f"SELECT max(step) AS s FROM step WHERE run_id = '{run}'")[0]["s"]
+        wait_for(lambda: client.sql(f"SELECT max(step) AS s FROM step WHERE run_id = '{run}'")[0]["s"] >= seen + 5,
+                 120, "5 more steps")
+        out["while_proposed"] = client.action(p["action_id"])
+        client.op(pb.APPROVE, p["action_id"])
+        out["applied"] = client.wait_action(p["action_id"], ("applied", "verified", "rejected", "lost"))
+        out["rc"] = t.wait()
+        out["steps"] = client.sql(f"SELECT rank, step, micro_batch, micro_batches FROM step WHERE run_id = '{run}' "
+                                  "ORDER BY rank, step")
+        out["bubble"] = client.sql(f"SELECT stage, step, bubble_rate FROM bubble_by_stage WHERE run_id = '{run}'")
+        out["log"] = t.output()
+    finally:
+        t.kill()
+        client.close()
+        c.stop()
+    return out
+
+
+def test_bubble_proposal_waits_for_a_person_then_applies_and_the_bubble_falls(bubble):
+    assert bubble["rc"] == 0, bubble["log"][-3000:]
+    p = bubble["proposal"]
+    assert (p["rule"], p["kind"], p["value"], p["proposed_by"], p["approved_by"]) == ("bubble", "micro_batch", 4,
+                                                                                     "controller", None), p
+    assert "above 30%" in p["reason"] and "2 micro-batches over 2 stages" in p["reason"]
+    assert bubble["while_proposed"]["state"] == "proposed"  # 5 steps later, nothing sent
+    a = bubble["applied"]
+    assert a["approved_by"] == "person:test" and a["ranks_applied"] == 2, a
+    s = a["step"]
+    for rows in list(_by_rank(bubble["steps"]).values()):
+        assert changes(rows)[0] == (s, (4, 4)), changes(rows)
+        assert all(r["micro_batch"] == 8 for r in rows if r["step"] < s)  # nothing before the approval
+    rates = {}
+    for r in bubble["bubble"]:
+        rates.setdefault(r["step"], []).append(r["bubble_rate"])
+    mean = {k: statistics.mean(v) for k, v in rates.items() if len(v) == 2}  # over both stages
+    before = statistics.median(v for k, v in mean.items() if s - 10 <= k < s)
+    after = statistics.median(v for k, v in mean.items() if s + 1 <= k <= s + 10)
+    assert after < before - 0.03, (before, after)
+
+
+@pytest.fixture(scope="module")
+def leak(tmp_path_factory):
+    run = "loop-leak-1"
+    c, client, t = _start(tmp_path_factory.mktemp("leak"), "[controller]\ntick_s = 0.5\ncooldown_s = 1\n"
+                          "cooldown_steps = 5\nverify_steps = 5\nmax_actions_per_problem = 2\n"
+                          # the memory policy's bound is under test, not verification: on this loaded
+                          # 2-core machine 5-step medians of throughput swing by half (seen: one
+                          # rolled back at 0.5, then the run went 4 -> 2 -> 4 -> 1)
+                          "max_throughput_drop = 0.9\n", "auto", run,
+                          ["--micro-batch", "4", "--micro-batches", "2", "--steps", "130", "--memory-budget-mb", "500",
+                           "--inject-mem-growth", "0:6", "--inject-straggler", "0:40"])
+    out = {}
+    try:
+        wait_for(lambda: client.sql("SELECT * FROM actions WHERE state = 'cannot_fix'"), 400, "cannot fix",
+                 lambda: client.sql("SELECT action_id, state, value, reason FROM actions"))
+        out["rc"] = t.wait()
+        out["actions"] = client.sql("SELECT * FROM actions ORDER BY try_cast(action_id AS INT)")
+        out["steps"] = client.sql(f"SELECT rank, step, micro_batch, micro_batches FROM step WHERE run_id = '{run}' "
+                                  "ORDER BY rank, step")
+        out["log"] = t.output()
+    finally:
+        t.kill()
+        client.close()
+        c.stop()
+    return out
+
+
+def test_the_leak_gets_at_most_the_configured_actions_then_cannot_fix(leak):
+    assert leak["rc"] == 0, leak["log"][-3000:]
+    acts = leak["actions"]
+    changes_made = [a for a in acts if a["kind"] in ("micro_batch", "offload")]
+    gave_up = [a for a in acts if a["state"] == "cannot_fix"]
+    assert 1 <= len(changes_made) <= 2, acts
+    assert all(a["rule"] == "memory" and a["state"] in ("applied", "verified") for a in changes_made), changes_made
+    assert len(gave_up) == 1 and gave_up[0] is acts[-1], acts  # nothing after giving up
+    assert "cannot fix" in gave_up[0]["reason"] and "leak" in gave_up[0]["reason"]
+    by = _by_rank(leak["steps"])
+    assert changes(by[0]) == changes(by[1])  # every change on both ranks at one step
+    for rows in by.values():
+        mbs = [r["micro_batch"] for r in rows]
+        assert mbs == sorted(mbs, reverse=True)  # only ever down: no oscillation

@@ -1,0 +1,455 @@
+"""Commands into a running job: every rank applies one at the same step boundary, or none does.
+
+Path: the collector -> rank 0's subscriber thread (``Control.Poll`` every ``TRACETOP_COMMAND_POLL_S``,
+default 5 s; no stream held open) -> an inbox ->
+every K steps (``TRACETOP_COMMAND_EVERY_STEPS``, default 10) all ranks join one fixed-size
+broadcast (8 int64, 64 bytes) from rank 0 on a gloo group the hooks create beside the training's
+groups -> each rank applies the command through the trainer's entry point -> one fixed-size
+all-reduce (MIN) of "did it apply here" -> each rank reports its outcome (``Control.Report``).
+
+Why no hang and no device sync: the broadcast runs only at a step boundary (before a step, on the
+training thread, outside every training collective), and every rank reaches every boundary
+because the step numbers are the training loop's own. It is a CPU tensor on a gloo group, so the
+device is never touched and the training's groups (NCCL on GPU) see no extra call. Most
+boundaries it carries "nothing" (word 0 is 0) and that is all that happens: the all-reduce and
+the trainer's entry point run only when a command came, and then on every rank, since every rank
+read the same broadcast. A failure of the gloo group itself (its timeout, default 600 s) turns
+the command path off on that rank, logged; the training goes on.
+
+All or none, and how it is guaranteed:
+
+1. Every rank receives the same command at the same boundary (one broadcast from rank 0), so
+   every rank calls its entry point for it before the same step S.
+2. Right after, still before step S, every rank contributes ``world_size`` if it applied the
+   command and its own rank if it could not, to one all-reduce MIN. Every rank gets the same
+   answer: ``world_size`` (all applied) or the lowest failing rank.
+3. If any rank failed, every rank that applied it undoes it at once (the entry point called with
+   the value in force before), still before step S. So step S runs with the old setting on every
+   rank, or with the new one on every rank; no training step ever runs with ranks disagreeing.
+4. Each rank reports: applied, rejected (its reason), undone (and why), or undo failed (its
+   reason; the only case the guarantee cannot cover, reported as such, never hidden).
+
+A command is handed to the ranks only before its ``expires_ns`` (rank 0's clock): a command
+delayed past it is dropped at rank 0 and reported, and the collector marks it lost; a late
+delivery never applies it.
+
+Two ways a trainer applies commands:
+
+- ``tracer.on_command(kind, fn)`` (any trainer: plain PyTorch DDP, HF, Lightning): the Tracer
+  runs the boundary when a step begins; ``fn(value)`` applies (raise to refuse); the undo calls
+  ``fn(previous)`` with ``current()`` read before applying (default for ``micro_batch``: the
+  Tracer's micro_batch; for ``offload``: the last value applied, off at first).
+- the reference trainer's seam: ``tracing.adjustments(step)`` (-> ``receive``),
+  ``adjustment_result`` (-> ``settle``), ``adjustment_undone`` (-> ``undone``).
+
+Every rank must use the same one, with the same K: the hooks' configuration is the same on every
+rank of a job (it comes from the same environment).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tracetop import env as tenv
+
+log = logging.getLogger("trainer_hooks")
+
+#: wire CommandKind number -> the trainer-side key (the same keys as the reference trainer's --adjust)
+KINDS = {1: "micro_batch", 2: "offload"}
+KIND_CODES = {v: k for k, v in KINDS.items()}
+WORDS = 8  # the broadcast: [has command, action id, kind, value, is rollback, 0, 0, 0]
+DEFAULT_EVERY_STEPS = 10
+DEFAULT_POLL_S = 5.0
+GROUP_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A command every rank received at ``step``'s boundary."""
+
+    step: int
+    action_id: int
+    key: str
+    value: Any  # int for micro_batch, bool for offload
+    rollback: bool
+
+
+def every_steps_from_env() -> int:
+    raw = tenv.get(tenv.TRACETOP_COMMAND_EVERY_STEPS, str(DEFAULT_EVERY_STEPS)) or ""
+    try:
+        k = int(raw)
+    except ValueError:
+        from trainer_hooks.identity import SetupError
+
+        raise SetupError(f"trainer_hooks: {tenv.TRACETOP_COMMAND_EVERY_STEPS}={raw!r} is not a whole number of "
+                         f"steps; use e.g. {DEFAULT_EVERY_STEPS}, or 0 to turn commands off") from None
+    return max(0, k)
+
+
+class CommandBus:
+    """One rank's end of the command path (see the module docstring). Made by the Tracer; costs
+    nothing until a boundary is reached (no thread, no group, no channel before that)."""
+
+    def __init__(self, tracer: Any, *, every_steps: int | None = None, endpoint: str | None = None,
+                 drop: str | None = None, channel_factory: Callable[[str], Any] | None = None,
+                 clock_ns: Callable[[], int] = time.time_ns, subscribe: bool = True) -> None:
+        self.t = tracer
+        self.subscribe = subscribe  # False: no subscriber thread on rank 0 (the broadcast benchmark)
+        self.poll_s = _poll_s()
+        self.every_steps = every_steps_from_env() if every_steps is None else max(0, int(every_steps))
+        self.endpoint = endpoint
+        self.drop = drop if drop is not None else (tenv.get(tenv.TRACETOP_TEST_DROP_COMMANDS) or "")
+        self._channel_factory = channel_factory
+        self._clock_ns = clock_ns
+        self.handlers: dict[str, tuple[Callable[[Any], Any], Callable[[], Any] | None]] = {}
+        self.external = False  # the reference trainer's seam drives the boundary
+        self.broken = False
+        self.closed = False
+        self._group: Any = None
+        self._ready = False
+        self._buf: Any = None
+        self._flag: Any = None
+        self._bcast: Any = None
+        self._allreduce: Any = None
+        self._min: Any = None
+        self._offload_state = False
+        self.inbox: collections.deque = collections.deque()
+        self._seen: set[int] = set()
+        self._subscriber: threading.Thread | None = None
+        self._reporter: threading.Thread | None = None
+        self._outbox: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._channel: Any = None
+        self._stream: Any = None
+        self.stats = {"boundaries": 0, "commands": 0, "received": 0, "dropped": 0, "reports_sent": 0,
+                      "reports_failed": 0, "boundary_ns": 0}
+
+    # ------------------------------------------------------------------ API
+    @property
+    def driving(self) -> bool:
+        """True when the Tracer should run the boundary itself (handlers registered, no seam)."""
+        return bool(self.handlers) and not self.external and self.every_steps > 0 and not self.broken
+
+    def on_command(self, kind: str, fn: Callable[[Any], Any], current: Callable[[], Any] | None = None) -> None:
+        if kind not in KIND_CODES:
+            raise ValueError(f"on_command({kind!r}): the commands are {sorted(KIND_CODES)}")
+        self.handlers[kind] = (fn, current)
+
+    def boundary(self, step: int) -> None:
+        """The on_command flow at ``step``'s boundary (all ranks)."""
+        p = self.receive(step)
+        if p is None:
+            return
+        fn, current = self.handlers.get(p.key, (None, None))
+        previous = self._current(p.key, current)
+        ok, message = True, ""
+        if fn is None:
+            ok, message = False, f"this trainer registered no handler for {p.key} (tracer.on_command)"
+        else:
+            try:
+                fn(p.value)
+            except Exception as e:
+                ok, message = False, f"{type(e).__name__}: {e}"
+        if self.settle(p, ok, message) or not ok:
+            return
+        try:
+            fn(previous)  # type: ignore[misc]
+            self.undone(p, True, f"{p.key} back to {previous}")
+        except Exception as e:
+            self.undone(p, False, f"undo to {p.key}={previous} failed: {type(e).__name__}: {e}")
+
+    def _current(self, key: str, current: Callable[[], Any] | None) -> Any:
+        if current is not None:
+            return current()
+        return self.t.micro_batch if key == "micro_batch" else self._offload_state
+
+    # ------------------------------------------------------------------ the collective part
+    def receive(self, step: int) -> Pending | None:
+        """At every K-th step's boundary, on every rank: one broadcast from rank 0. Returns the
+        command every rank received, or None (most boundaries)."""
+        if self.every_steps <= 0 or self.broken or self.closed or step % self.every_steps:
+            return None
+        t0 = time.perf_counter_ns()
+        try:
+            if not self._ready:
+                self._setup()
+                if self.broken:
+                    return None
+            buf = self._buf
+            buf.zero_()
+            if self.t.rank == 0:
+                self._fill(buf)
+            if self._group is not None:
+                self._bcast(buf, src=self._src, group=self._group)
+            self.stats["boundaries"] += 1
+            words = buf.tolist()
+        except Exception as e:
+            self._break("broadcast", e)
+            return None
+        finally:
+            self.stats["boundary_ns"] += time.perf_counter_ns() - t0
+        if not words[0]:
+            return None
+        self.stats["commands"] += 1
+        key = KINDS.get(int(words[2]), "")
+        value: Any = bool(words[3]) if key == "offload" else int(words[3])
+        return Pending(step, int(words[1]), key, value, bool(words[4]))
+
+    def settle(self, p: Pending, applied: bool, message: str = "") -> bool:
+        """Right after applying (or failing to), on every rank: True when every rank applied it.
+        Reports this rank's result, except when it must undo (``undone`` reports then)."""
+        lowest_failed = self.t.world_size
+        try:
+            if self._group is not None:
+                flag = self._flag
+                flag[0] = self.t.world_size if applied else self.t.rank
+                self._allreduce(flag, op=self._min, group=self._group)
+                lowest_failed = int(flag[0])
+            elif not applied:
+                lowest_failed = self.t.rank
+        except Exception as e:
+            self._break("agreement", e)
+            lowest_failed = -1
+        all_ok = lowest_failed >= self.t.world_size
+        if all_ok:
+            self._in_force(p)
+            self._report(p, True, message or f"{p.key}={p.value} applied at step {p.step}")
+        elif not applied:
+            self._report(p, False, message or "refused here")
+        else:
+            self._why_undo = (f"rank {lowest_failed} could not apply it" if lowest_failed >= 0
+                              else "the ranks could not agree (the command group failed)")
+        return all_ok
+
+    def undone(self, p: Pending, ok: bool, message: str = "") -> None:
+        """This rank applied ``p``, another could not: it undid it (``ok``) or failed to."""
+        why = getattr(self, "_why_undo", "another rank could not apply it")
+        stage = 2 if ok else 3  # CommandStage UNDONE / UNDO_FAILED
+        self._report(p, False, f"applied, then undone before step {p.step}: {why}; {message}".rstrip("; "),
+                     stage=stage)
+
+    def _in_force(self, p: Pending) -> None:
+        t = self.t
+        if p.key == "micro_batch":
+            mb, mbs = int(t.micro_batch), int(t.micro_batches)
+            if mb > 0 and mbs > 0 and (mb * mbs) % p.value == 0:
+                t.micro_batches = mb * mbs // p.value
+            t.micro_batch = p.value
+        elif p.key == "offload":
+            self._offload_state = bool(p.value)
+
+    def _setup(self) -> None:
+        import torch
+
+        self._buf = torch.zeros(WORDS, dtype=torch.int64)
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._src = 0
+        dist = None
+        try:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()) or self.t.world_size <= 1:
+                dist = None
+        except ImportError:
+            dist = None
+        if dist is None and self.t.world_size > 1:
+            # Several ranks but no process group to agree through: applying on rank 0 alone would
+            # break "all or none", so this job takes no commands.
+            self.broken = True
+            log.warning("trainer_hooks: rank %d: world size %d but torch.distributed is not initialized; "
+                        "commands are off (they need every rank to agree)", self.t.rank, self.t.world_size)
+            self._ready = True
+            return
+        if dist is not None:
+            from datetime import timedelta
+
+            # Beside the training's groups: every rank creates it here, at its first boundary.
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+            self._src = dist.get_global_rank(self._group, 0) if hasattr(dist, "get_global_rank") else 0
+            # the originals: tracetop does not time its own calls as the training's collectives
+            self._bcast = getattr(dist.broadcast, "__wrapped__", dist.broadcast)
+            self._allreduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)
+            self._min = dist.ReduceOp.MIN
+        if self.t.rank == 0 and self.subscribe:
+            self._start_subscriber()
+        self._ready = True
+
+    def _fill(self, buf: Any) -> None:
+        """Rank 0: the next command from the inbox that has not expired."""
+        now = self._clock_ns()
+        while self.inbox:
+            cmd = self.inbox.popleft()
+            if cmd.expires_ns and now > cmd.expires_ns:
+                self._report_raw(cmd.command_id, False, -1, "expired at rank 0 before a step boundary came; "
+                                 "not handed to any rank, nothing applied")
+                continue
+            buf[0], buf[1], buf[2], buf[3] = 1, int(cmd.command_id), int(cmd.kind), int(cmd.int_value)
+            buf[4] = 1 if cmd.rollback_of else 0
+            return
+
+    def _break(self, where: str, e: BaseException) -> None:
+        self.broken = True
+        self.t._hook_error(f"commands {where}", e)
+        log.warning("trainer_hooks: rank %d turns the command path off (%s failed: %r); training goes on",
+                    self.t.rank, where, e)
+
+    # ------------------------------------------------------------------ threads: subscribe, report
+    def _target(self) -> str:
+        return self.endpoint or getattr(self.t, "endpoint", None) or tenv.endpoint()
+
+    def _make_channel(self) -> Any:
+        if self._channel is None:
+            if self._channel_factory is not None:
+                self._channel = self._channel_factory(self._target())
+            else:
+                import grpc
+
+                self._channel = grpc.insecure_channel(self._target())
+        return self._channel
+
+    def _start_subscriber(self) -> None:
+        self._subscriber = threading.Thread(target=self._run_subscriber, name="tracetop-commands", daemon=True)
+        self._subscriber.start()
+
+    def _run_subscriber(self) -> None:
+        """Rank 0: ``Control.Poll`` every ``poll_s`` (a unary call; between calls the thread sleeps
+        in a plain wait: no gRPC stream held open, whose polling would cost CPU all run long)."""
+        import grpc
+
+        from tracetop.wire import tracetop_pb2 as pb
+        from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+        wait_s = self.poll_s
+        while not self._stop.wait(wait_s):
+            try:
+                stub = pb_grpc.ControlStub(self._make_channel())
+                batch = stub.Poll(pb.SubscribeRequest(run_id=self.t.run_id, rank=self.t.rank), timeout=10)
+                for cmd in batch.commands:
+                    self._take(cmd)
+                wait_s = self.poll_s
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                wait_s = min(30.0, max(self.poll_s, wait_s * 2))
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    wait_s = 60.0
+                    if "unimplemented" not in self.t._warned:
+                        self.t._warned.add("unimplemented")
+                        log.warning("trainer_hooks: %s has no Control service (an agent older than the control "
+                                    "relay?): this run receives no commands", self._target())
+            except Exception as e:
+                self.t._hook_error("commands subscriber", e)
+
+    def _take(self, cmd: Any) -> None:
+        """Rank 0's subscriber: one command from the collector."""
+        try:
+            action_id = int(cmd.command_id)
+        except ValueError:
+            self._report_raw(cmd.command_id, False, -1, "command id is not a number; not applied")
+            return
+        if action_id in self._seen:
+            return  # resent after a reconnect
+        if self.drop and _matches(self.drop, cmd):
+            self.stats["dropped"] += 1  # the test seam: lost between the collector and rank 0
+            return
+        self._seen.add(action_id)
+        if cmd.expires_ns and self._clock_ns() > cmd.expires_ns:
+            self._report_raw(cmd.command_id, False, -1, "arrived at rank 0 after it expired; not applied")
+            return
+        self.stats["received"] += 1
+        self.inbox.append(cmd)
+        self._report_raw(cmd.command_id, False, -1, "received by rank 0; applied at the next boundary", stage=1)
+
+    def _report(self, p: Pending, applied: bool, message: str, stage: int = 0) -> None:
+        self._report_raw(str(p.action_id), applied, p.step, message, stage=stage)
+
+    def _report_raw(self, command_id: str, applied: bool, step: int, message: str, stage: int = 0) -> None:
+        t = self.t
+        self._outbox.append((command_id, applied, step, message, stage, int(t.micro_batch), int(t.micro_batches)))
+        if self._reporter is None:
+            self._reporter = threading.Thread(target=self._run_reporter, name="tracetop-reports", daemon=True)
+            self._reporter.start()
+        self._wake.set()
+
+    def _run_reporter(self) -> None:
+        from tracetop.wire import tracetop_pb2 as pb
+        from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+        while True:
+            self._wake.wait(1.0)
+            self._wake.clear()
+            while self._outbox:
+                cid, applied, step, message, stage, mb, mbs = self._outbox[0]
+                status = pb.CommandStatus(command_id=cid, run_id=self.t.run_id, rank=self.t.rank, applied=applied,
+                                          step=step, message=message, stage=stage, micro_batch=mb, micro_batches=mbs)
+                for attempt in range(5):
+                    try:
+                        pb_grpc.ControlStub(self._make_channel()).Report(status, timeout=10)
+                        self.stats["reports_sent"] += 1
+                        break
+                    except Exception as e:
+                        if attempt == 4:
+                            self.stats["reports_failed"] += 1
+                            self.t._hook_error("commands report", e)
+                        elif self._stop.wait(0.5 * (attempt + 1)):
+                            break
+                self._outbox.popleft()
+            if self._stop.is_set():
+                return
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the threads after the last reports are out (up to timeout_s)."""
+        if self.closed:
+            return
+        self.closed = True
+        deadline = time.monotonic() + timeout_s
+        while self._outbox and self._reporter is not None and time.monotonic() < deadline:
+            self._wake.set()
+            time.sleep(0.02)
+        self._stop.set()
+        self._wake.set()
+        stream = self._stream
+        if stream is not None:
+            try:
+                stream.cancel()
+            except Exception:
+                pass
+        for th in (self._subscriber, self._reporter):
+            if th is not None:
+                th.join(timeout=2.0)
+        if self._channel is not None:
+            try:
+                self._channel.close()
+            except Exception:
+                pass
+
+
+def _poll_s() -> float:
+    raw = tenv.get(tenv.TRACETOP_COMMAND_POLL_S, str(DEFAULT_POLL_S)) or ""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        from trainer_hooks.identity import SetupError
+
+        raise SetupError(f"trainer_hooks: {tenv.TRACETOP_COMMAND_POLL_S}={raw!r}: give a positive number of seconds, "
+                         f"e.g. {DEFAULT_POLL_S:g}")
+    return value
+
+
+def _matches(spec: str, cmd: Any) -> bool:
+    """TRACETOP_TEST_DROP_COMMANDS: ``all``, or ``KEY=VALUE`` entries, comma-separated."""
+    key = KINDS.get(int(cmd.kind), "")
+    value = ("on" if cmd.int_value else "off") if key == "offload" else str(cmd.int_value)
+    for item in spec.split(","):
+        item = item.strip()
+        if item in ("all", "1") or item == f"{key}={value}":
+            return True
+    return False
