@@ -182,6 +182,7 @@ class Agent:
             clock_ns=self.clock_ns,
             high_water=getattr(self.shipper, "replayed_high_water", {}),
             control_target=cfg.collector,
+            control_auth=cfg.auth,
         ).start()
         if cfg.clock_interval_s > 0:
             exchange, self._close_clock = grpc_exchange(cfg.collector, auth=cfg.auth)

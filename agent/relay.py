@@ -93,8 +93,11 @@ class Relay:
         clock_ns: Callable[[], int] = time.time_ns,
         high_water: dict[str, int] | None = None,
         control_target: str | None = None,
+        control_auth: Any = None,
     ) -> None:
         self.shipper = shipper
+        # how the forwarded Control calls prove themselves to the collector (tracetop.wire.auth.ClientAuth)
+        self.control_auth = control_auth
         # the collector, for the control relay: rank 0's hooks on this node poll commands and every
         # rank reports through the agent they ship to (Control.Poll / Report, forwarded as they are)
         self.control_target = control_target
@@ -180,9 +183,13 @@ class Relay:
 
             with self._lock:
                 if self._control_channel is None:
-                    self._control_channel = grpc.insecure_channel(self.control_target)  # type: ignore[arg-type]
+                    if self.control_auth is not None:
+                        self._control_channel = self.control_auth.channel(self.control_target)
+                    else:
+                        self._control_channel = grpc.insecure_channel(self.control_target)  # type: ignore[arg-type]
+            metadata = tuple(self.control_auth.metadata()) if self.control_auth is not None else ()
             try:
-                return getattr(pb_grpc.ControlStub(self._control_channel), name)(request, timeout=10)
+                return getattr(pb_grpc.ControlStub(self._control_channel), name)(request, timeout=10, metadata=metadata)
             except grpc.RpcError as e:
                 context.abort(e.code(), f"agent relay -> collector {self.control_target}: {e.details()}")
 

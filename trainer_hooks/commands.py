@@ -309,10 +309,16 @@ class CommandBus:
             if self._channel_factory is not None:
                 self._channel = self._channel_factory(self._target())
             else:
-                import grpc
+                from tracetop.wire.auth import ClientAuth
 
-                self._channel = grpc.insecure_channel(self._target())
+                # TRACETOP_TOKEN_FILE / TRACETOP_TLS_*: the same credentials the shipper presents
+                self._auth = ClientAuth.from_options()
+                self._channel = self._auth.channel(self._target())
         return self._channel
+
+    def _metadata(self) -> tuple:
+        auth = getattr(self, "_auth", None)
+        return tuple(auth.metadata()) if auth is not None else ()
 
     def _start_subscriber(self) -> None:
         self._subscriber = threading.Thread(target=self._run_subscriber, name="tracetop-commands", daemon=True)
@@ -330,7 +336,8 @@ class CommandBus:
         while not self._stop.wait(wait_s):
             try:
                 stub = pb_grpc.ControlStub(self._make_channel())
-                batch = stub.Poll(pb.SubscribeRequest(run_id=self.t.run_id, rank=self.t.rank), timeout=10)
+                batch = stub.Poll(pb.SubscribeRequest(run_id=self.t.run_id, rank=self.t.rank), timeout=10,
+                                  metadata=self._metadata())
                 for cmd in batch.commands:
                     self._take(cmd)
                 wait_s = self.poll_s
@@ -390,7 +397,7 @@ class CommandBus:
                                           step=step, message=message, stage=stage, micro_batch=mb, micro_batches=mbs)
                 for attempt in range(5):
                     try:
-                        pb_grpc.ControlStub(self._make_channel()).Report(status, timeout=10)
+                        pb_grpc.ControlStub(self._make_channel()).Report(status, timeout=10, metadata=self._metadata())
                         self.stats["reports_sent"] += 1
                         break
                     except Exception as e:

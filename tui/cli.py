@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"a running collector's address (default ${env.TRACETOP_COLLECTOR} or {env.DEFAULT_COLLECTOR})")
     parser.add_argument("--run", default=None, help="the run to show (default: the newest)")
     parser.add_argument("--interval-s", type=float, default=0.5, help="seconds between live snapshots (default 0.5)")
+    from tracetop.wire.auth import add_client_arguments
+
+    add_client_arguments(parser)
 
 
 def make_app(args: argparse.Namespace):
@@ -33,7 +36,13 @@ def make_app(args: argparse.Namespace):
         raise SystemExit("tracetop ui: give a FILE or --collector ADDR, not both")
     if args.file:
         return TracetopApp(FileSource(args.file, args.run))
-    return TracetopApp(CollectorSource(env.collector(args.collector), args.run), interval_s=args.interval_s)
+    from tracetop.wire.auth import AuthSetupError, client_auth_from_args
+
+    try:
+        auth = client_auth_from_args(args)
+    except AuthSetupError as e:
+        raise SystemExit(f"tracetop ui: {e}") from None
+    return TracetopApp(CollectorSource(env.collector(args.collector), args.run, auth=auth), interval_s=args.interval_s)
 
 
 def run(args: argparse.Namespace) -> int:

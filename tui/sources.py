@@ -138,8 +138,12 @@ class CollectorSource:
 
     live = True
 
-    def __init__(self, addr: str, run_id: str | None = None, *, connect_timeout_s: float = 3.0) -> None:
+    def __init__(self, addr: str, run_id: str | None = None, *, connect_timeout_s: float = 3.0, auth=None) -> None:
+        from tracetop.wire.auth import ClientAuth
+
         self.addr = addr
+        self.auth = auth or ClientAuth()  # TLS and a bearer token for a collector that demands them
+        self.metadata = tuple(self.auth.metadata())
         self.run_id = run_id or ""
         self.description = addr
         self.connect_timeout_s = connect_timeout_s
@@ -151,7 +155,7 @@ class CollectorSource:
 
         from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 
-        self.channel = grpc.insecure_channel(self.addr, options=[("grpc.max_receive_message_length", 256 << 20)])
+        self.channel = self.auth.channel(self.addr, options=[("grpc.max_receive_message_length", 256 << 20)])
         try:
             grpc.channel_ready_future(self.channel).result(timeout=self.connect_timeout_s)
         except grpc.FutureTimeoutError:
@@ -170,6 +174,10 @@ class CollectorSource:
 
         code = e.code() if hasattr(e, "code") else None
         details = e.details() if hasattr(e, "details") else str(e)
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return SourceError("not allowed", f"the collector at {self.addr} refused: {details}",
+                               "give its token: tracetop ui --collector ADDR --token-file FILE (or TRACETOP_TOKEN_FILE), "
+                               "and --tls-ca PEM if it serves TLS")
         if code == grpc.StatusCode.NOT_FOUND:
             return SourceError("unknown run", details, "pick a run with --run RUN (or leave it out for the newest)")
         if code == grpc.StatusCode.UNIMPLEMENTED:
@@ -186,7 +194,7 @@ class CollectorSource:
 
         from tracetop.wire import tracetop_pb2 as pb
 
-        self._call = self.stub.Watch(pb.WatchRequest(run_id=self.run_id, interval_s=interval_s))
+        self._call = self.stub.Watch(pb.WatchRequest(run_id=self.run_id, interval_s=interval_s), metadata=self.metadata)
         try:
             for msg in self._call:
                 s = snap.decode(msg.arrow_ipc)
@@ -213,7 +221,7 @@ class CollectorSource:
         from tracetop.wire import tracetop_pb2 as pb
 
         try:
-            reply = self.stub.Sql(pb.QueryRequest(sql=text), timeout=30)
+            reply = self.stub.Sql(pb.QueryRequest(sql=text), timeout=30, metadata=self.metadata)
         except grpc.RpcError as e:
             raise self._error(e) from None
         return snap._from_ipc(reply.arrow_ipc)

@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fmt.add_argument("--csv", action="store_true")
     fmt.add_argument("--json", action="store_true")
     parser.add_argument("--max-rows", type=int, default=100_000)
+    from tracetop.wire.auth import add_client_arguments
+
+    add_client_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

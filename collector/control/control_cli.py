@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--by", default=None, help="who asks (default person:$USER)")
     parser.add_argument("command", choices=("set-micro-batch", "offload", "approve", "reject", "rollback"))
     parser.add_argument("value", help="N for set-micro-batch, on|off for offload, the action id otherwise")
+    from tracetop.wire.auth import add_client_arguments
+
+    add_client_arguments(parser)  # a collector with --control-token-file: give that token here
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,10 +59,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         req.op = {"approve": pb.APPROVE, "reject": pb.REJECT, "rollback": pb.ROLLBACK}[args.command]
         req.action_id = args.value
+    from tracetop.wire.auth import AuthSetupError, client_auth_from_args
+
+    try:
+        auth = client_auth_from_args(args)
+    except AuthSetupError as e:
+        return _fail(str(e))
     addr = env.collector(args.collector)
-    with grpc.insecure_channel(addr) as channel:
+    with auth.channel(addr) as channel:
         try:
-            reply = pb_grpc.ControlStub(channel).Submit(req, timeout=30)
+            reply = pb_grpc.ControlStub(channel).Submit(req, timeout=30, metadata=auth.metadata())
         except grpc.RpcError as e:
             code = e.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

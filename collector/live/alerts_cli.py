@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON array of rows")
     parser.add_argument("--csv", action="store_true", help="CSV with a header row")
     parser.add_argument("--max-rows", type=int, default=100_000)
+    from tracetop.wire.auth import add_client_arguments
+
+    add_client_arguments(parser)
 
 
 def _usage(msg: str) -> int:

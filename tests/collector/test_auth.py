@@ -48,6 +48,7 @@ def test_roles_by_method() -> None:
     assert role_of("/tracetop.v1.Query/Watch") == QUERY
     assert role_of("/tracetop.v1.Control/Subscribe") == INGEST  # rank 0's hooks listen for commands
     assert role_of("/tracetop.v1.Control/Report") == INGEST
+    assert role_of("/tracetop.v1.Control/Poll") == INGEST  # rank 0 polls for commands
     assert role_of("/tracetop.v1.Control/Submit") == CONTROL
 
 
@@ -283,3 +284,20 @@ def test_hooks_and_agent_present_their_token(tmp_path: Path) -> None:
     finally:
         assert c.stop() == 0
     assert TOKEN not in c.text()
+
+
+def test_commands_need_the_control_token(tmp_path: Path) -> None:
+    tok = _token_file(tmp_path / "token", TOKEN)
+    ctl = _token_file(tmp_path / "control", CONTROL_TOKEN)
+    c = start_collector(tmp_path, "unix", extra_args=["--token-file", str(tok), "--control-token-file", str(ctl)])
+    try:
+        cmd = [sys.executable, "-m", "tracetop.cli", "control", "--collector", c.addr, "--run", "no-such-run",
+               "set-micro-batch", "2"]
+        r = subprocess.run([*cmd, "--token-file", str(tok)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "ingest token may not" in r.stderr, r.stderr
+        r = subprocess.run([*cmd, "--token-file", str(ctl)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        # through the gate: the Control service itself now answers (and refuses an unknown run by name)
+        assert "no-such-run" in r.stderr + r.stdout and "token" not in r.stderr, r.stderr
+    finally:
+        assert c.stop() == 0
+    assert CONTROL_TOKEN not in c.text() and TOKEN not in c.text()
