@@ -1,8 +1,16 @@
-"""`tracetop demo`: a collector, a 4-rank reference run (PP2 x DP2, one injected straggler) with the
-hooks on, then a per-rank summary read back from the DuckDB file.
+"""`tracetop demo [--headless] [--steps 60]`: the whole loop on one machine, every part real.
 
-Everything is real: torchrun launches four DeepSpeed processes on gloo, their hooks ship over gRPC
-to a collector process, which stores into DuckDB; the summary is SQL over that file.
+A collector (live judgments on, the controller in auto), a node agent with fake GPUs (the
+hardware edge; agent/fake_nvml.py), and a 4-rank reference run (PP2 x DP2 on gloo) whose
+activations need more memory than its declared budget and one of whose ranks turns into a
+straggler halfway. What happens, in order:
+- the live engine flags the memory above 0.90 of the budget, the controller shrinks the
+  micro-batch (the global batch kept) and every rank applies it at one and the same step;
+- later rank --straggler-rank computes --straggler-ms longer each step: a straggler alert names it;
+- the CPU pipeline's bubble and exposed communication are what they are, and their rules say so.
+With a terminal the TUI watches the run live; without one (or with --headless) the demo prints the
+per-rank summary, the alerts and the actions. The file stays at DIR/demo.duckdb for
+`tracetop ui`, `tracetop report` and `tracetop query`.
 """
 
 from __future__ import annotations
@@ -14,53 +22,111 @@ import sys
 import time
 from pathlib import Path
 
+#: the controller's settings for a short demo: it looks every half second and verifies over few steps
+DEMO_CONTROLLER = """[controller]
+mode = "auto"
+tick_s = 0.5
+cooldown_s = 1
+cooldown_steps = 5
+verify_steps = 6
+max_throughput_drop = 0.6   # CPU: a smaller micro-batch is slower per sample; the demo keeps it anyway
+"""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, default=Path("demo-out"), help="where the DuckDB file goes (default demo-out/)")
-    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    parser.add_argument("--straggler", default="1:60", help="RANK:MS injected on one rank (default 1:60)")
-    parser.add_argument("--nproc", type=int, default=4, help="processes (default 4: PP2 x DP2)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser.add_argument("--headless", action="store_true", help="no TUI: print the summary, alerts and actions")
+    parser.add_argument("--straggler-rank", type=int, default=3, help="the rank that turns slow (default 3)")
+    parser.add_argument("--straggler-ms", type=int, default=150, help="how much slower, per step (default 150)")
+    parser.add_argument("--straggler-from", type=int, default=None,
+                        help="from which step (default: half the steps, after the controller has acted)")
 
 
 def run(args: argparse.Namespace) -> int:
     import duckdb
 
-    from collector.loadgen import CollectorProcess
     from collector.report import render, summarize
+    from tracetop import procs
 
+    if args.steps < 20:
+        print("tracetop demo: --steps must be at least 20 (the controller needs steps to act and verify)", file=sys.stderr)
+        return 2
+    headless = args.headless or not (sys.stdout.isatty() and sys.stdin.isatty())
     workdir: Path = args.dir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     db = workdir / "demo.duckdb"
     for stale in (db, db.with_suffix(".duckdb.wal")):
         stale.unlink(missing_ok=True)
+    (workdir / "controller.toml").write_text(DEMO_CONTROLLER)
     listen = f"unix://{workdir / 'collector.sock'}"
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
+    strag_from = args.straggler_from if args.straggler_from is not None else args.steps // 2
 
-    print(f"tracetop demo: collector on {listen}, file {db}", flush=True)
-    collector = CollectorProcess(db, listen)
+    print(f"tracetop demo: collector on {listen} (rules on, controller auto), file {db}", flush=True)
+    collector = procs.collector(db, listen, extra_args=["--controller", "auto", "--controller-config",
+                                                        str(workdir / "controller.toml")],
+                                log_path=workdir / "collector.log")
     collector.start()
-    env = dict(os.environ, TRACETOP_ENDPOINT=listen, TRACETOP_RUN_ID=run_id, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    agent = procs.agent(listen, f"unix://{workdir / 'agent.sock'}", spool_dir=workdir / "spool",
+                        extra_args=["--fake-gpus", "4", "--run-id", f"{run_id}-agent", "--clock-interval-s", "5"],
+                        log_path=workdir / "agent.log")
+    agent.start()
+    env = dict(os.environ, TRACETOP_ENDPOINT=listen, TRACETOP_RUN_ID=run_id, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               TRACETOP_FLUSH_S="0.5", TRACETOP_COMMAND_EVERY_STEPS="5")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
         "-m", "reference_trainer", "--tp", "1", "--pp", "2", "--steps", str(args.steps),
-        "--inject-straggler", args.straggler,
+        "--micro-batch", "4", "--micro-batches", "2", "--activation-mb-per-sample", "40", "--memory-budget-mb", "700",
+        "--inject-straggler", f"{args.straggler_rank}:{args.straggler_ms}@{strag_from}", "--quiet",
     ]
     print("tracetop demo: " + " ".join(cmd[2:]), flush=True)
+    rc = 1
     try:
-        rc = subprocess.call(cmd, env=env)
+        with open(workdir / "train.log", "w") as log:
+            train = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            if not headless:
+                # the TUI in the foreground while the run goes on; q leaves it, the run finishes
+                subprocess.call([sys.executable, "-m", "tracetop.cli", "ui", "--collector", listen, "--run", run_id])
+            rc = train.wait()
     finally:
-        collector.stop()
+        if "train" in locals() and train.poll() is None:
+            train.kill()
+        time.sleep(1.5)  # the last shipments and the controller's verification land
+        agent.stop(timeout_s=60)
+        collector.stop(timeout_s=120)
     if rc != 0:
-        print(f"tracetop demo: the training run failed (exit {rc}); the collector log is {collector.log_path}", file=sys.stderr)
+        print(f"tracetop demo: the training run failed (exit {rc}); see {workdir / 'train.log'} and "
+              f"{workdir / 'collector.log'}", file=sys.stderr)
         return rc
     con = duckdb.connect(str(db), read_only=True)
     try:
         summary = summarize(con, run_id)
+        alerts = con.execute("SELECT severity, rule, state, fired_step, message FROM alerts WHERE run_id = ? "
+                             "ORDER BY fired_step, rule", [run_id]).fetchall()
+        actions = con.execute("SELECT action_id, kind, value, state, step, reason, outcome FROM actions WHERE run_id = ? "
+                              "ORDER BY proposed_ns", [run_id]).fetchall()
+        shape = con.execute("SELECT step, min(micro_batch), max(micro_batch), min(micro_batches), max(micro_batches), "
+                            "count(*) FROM step WHERE run_id = ? GROUP BY step ORDER BY step", [run_id]).fetchall()
     finally:
         con.close()
     print()
     print(render(summary))
     print()
-    print(f"injected: rank {args.straggler.split(':')[0]} computes {args.straggler.split(':')[1]} ms longer every step")
-    print(f'explore: tracetop query {db} "SELECT * FROM step_summary"')
+    print(f"alerts ({len(alerts)}):")
+    for sev, rule, state, step, msg in alerts:
+        print(f"  [{state} {sev}] {rule} (fired at step {step}): {msg}")
+    print(f"actions ({len(actions)}):")
+    for aid, kind, value, state, step, reason, outcome in actions:
+        at = f" at step {step}" if step is not None and step >= 0 else ""
+        print(f"  #{aid} {kind}={value}: {state}{at} — {reason}" + (f"; {outcome}" if outcome else ""))
+    for (_, mb0, _, mbs0, _, _), (step, mb, mb_max, mbs, mbs_max, _) in zip(shape, shape[1:]):
+        if (mb, mbs) != (mb0, mbs0):
+            agree = "every rank runs" if (mb, mbs) == (mb_max, mbs_max) else "ranks DISAGREE:"
+            print(f"  {agree} micro-batch {mb} x {mbs} from step {step}")
+    print()
+    print(f"injected: activations of 40 MiB a sample against a 700 MiB budget; rank {args.straggler_rank} computes "
+          f"{args.straggler_ms} ms longer from step {strag_from}")
+    print(f"explore: tracetop ui {db}   |   tracetop report {db} -o {workdir / 'report.html'}   |   "
+          f'tracetop query {db} "SELECT * FROM stragglers WHERE is_straggler"')
     return 0

@@ -1,0 +1,40 @@
+"""`tracetop demo --headless --steps 60` end to end (the must-show of the post-mortem issue): the
+collector judged the run (a straggler alert naming the injected rank, a memory alert), the
+controller acted in auto mode, and every rank's STEP rows show the micro-batch change at one step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import duckdb
+import pytest
+
+from tests.helpers import ROOT
+
+
+@pytest.mark.slow
+def test_demo_headless_judges_and_acts(tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "tracetop.cli", "demo", "--headless", "--steps", "60", "--dir", str(tmp_path)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "actions (" in r.stdout and "alerts (" in r.stdout
+    con = duckdb.connect(str(tmp_path / "demo.duckdb"), read_only=True)
+    try:
+        (run,) = con.execute("SELECT run_id FROM runs WHERE run_id LIKE 'demo-%'").fetchone()
+        stragglers = con.execute("SELECT DISTINCT rank FROM alerts WHERE run_id = ? AND rule = 'straggler'", [run]).fetchall()
+        assert stragglers == [(3,)], stragglers  # the injected rank, and no rank that waited for it
+        assert con.execute("SELECT count(*) FROM alerts WHERE run_id = ? AND rule = 'memory'", [run]).fetchone()[0] > 0
+        acts = con.execute("SELECT kind, value, state, step FROM actions WHERE run_id = ? AND kind = 'micro_batch' "
+                           "ORDER BY proposed_ns", [run]).fetchall()
+        assert acts and acts[0][2] in ("applied", "verified"), acts
+        kind, value, _, step = acts[0]
+        # every rank ran the old shape before `step` and the new one from it
+        per_rank = con.execute("SELECT rank, min(step) FILTER (WHERE micro_batch = ?), max(step) FILTER (WHERE micro_batch <> ?)"
+                               " FROM step WHERE run_id = ? GROUP BY rank ORDER BY rank", [value, value, run]).fetchall()
+        assert len(per_rank) == 4 and {first for _, first, _ in per_rank} == {step}, per_rank
+        assert all(last_old == step - 1 for _, _, last_old in per_rank), per_rank
+        samples = con.execute("SELECT DISTINCT micro_batch * micro_batches FROM step WHERE run_id = ?", [run]).fetchall()
+        assert samples == [(8,)]  # the global batch kept
+    finally:
+        con.close()
