@@ -24,7 +24,7 @@ $(VENV)/.ready: pyproject.toml
 	touch $@
 
 test: setup
-	$(VPY) -m pytest -q -ra
+	$(VPY) -m pytest -q -ra --durations=25
 
 test-fast: setup
 	$(VPY) -m pytest -q -ra -m 'not slow'

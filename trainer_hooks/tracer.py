@@ -532,7 +532,7 @@ class Tracer:
                      shape: tuple[float, int, int, int]) -> None:
         s = acc.sums
         if not isinstance(shape[0], float):  # a device loss: its copy is done (GPU path: the emitter, event ready)
-            shape = (_resolve_loss(shape[0]), shape[1], shape[2])
+            shape = (_resolve_loss(shape[0]), *shape[1:])  # (loss, micro_batch, micro_batches, step peak)
         secs = dur / 1e9 if dur > 0 else _NAN
         tps = tokens / secs if tokens >= 0 else _NAN
         sps = samples / secs if samples >= 0 else _NAN

@@ -47,9 +47,10 @@ def test_report_holds_each_plot_and_nothing_from_the_network(report: Path) -> No
     assert set(R.SECTIONS) <= set(sections)
     for sid in PLOTTED:
         assert "<svg" in sections[sid], f"section {sid} has no plot"
-    # this run has no offload and the file no alerts/actions tables: each section says so
+    # this run has no offload and took no action: each section says so; its alerts are drawn
     assert "<svg" not in sections["offload"] and "no offload" in sections["offload"]
-    assert "no alerts table" in sections["alerts"] and "no actions table" in sections["actions"]
+    assert "<svg" in sections["alerts"] and "straggler" in sections["alerts"]
+    assert "<svg" not in sections["actions"]
     assert "nothing was dropped" in sections["gaps"]
     assert "<script" not in text
     assert not re.search(r'(src|href)\s*=\s*"https?:', text)
@@ -86,23 +87,33 @@ def test_heatmap_marks_the_straggler_row() -> None:
 
 
 def test_alerts_and_actions_sections_when_the_tables_exist(tmp_path: Path) -> None:
-    db = tmp_path / "with-alerts.duckdb"
+    """The fixture's own alerts (the live engine's), plus an action added to its actions table; a
+    copy without either table says so in both sections."""
+    db = tmp_path / "with-actions.duckdb"
     shutil.copy(FIXTURE, db)
     con = duckdb.connect(str(db))
     run_id = R.latest_run(con)
     t0 = con.execute("SELECT min(start_ns) FROM step").fetchone()[0]
-    con.execute("CREATE TABLE alerts (run_id VARCHAR, rule VARCHAR, rank INTEGER, step BIGINT, fired_ns BIGINT)")
-    con.execute("INSERT INTO alerts VALUES (?, 'straggler', 3, 24, ?), (?, 'grad_sync_slow', -1, 30, ?)",
-                [run_id, t0 + 10**9, run_id, t0 + 2 * 10**9])
-    con.execute("CREATE TABLE actions (run_id VARCHAR, action VARCHAR, step BIGINT, applied_ns BIGINT)")
-    con.execute("INSERT INTO actions VALUES (?, 'micro_batch=2', 28, ?)", [run_id, t0 + 3 * 10**9])
+    rules = {r for (r,) in con.execute("SELECT DISTINCT rule FROM alerts WHERE run_id = ?", [run_id]).fetchall()}
+    con.execute("INSERT INTO actions (action_id, run_id, kind, value, state, step, proposed_ns, done_ns, updated_ns) "
+                "VALUES ('1', ?, 'micro_batch', 2, 'applied', 28, ?, ?, ?)", [run_id, t0 + 10**9, t0 + 3 * 10**9, t0 + 3 * 10**9])
     con.close()
     out = tmp_path / "r.html"
     r = _report(db, "-o", out, "--run", run_id)
     assert r.returncode == 0, r.stderr
     sections = _sections(out.read_text())
-    assert "<svg" in sections["alerts"] and "straggler" in sections["alerts"] and "grad_sync_slow" in sections["alerts"]
-    assert "<svg" in sections["actions"] and "micro_batch=2" in sections["actions"]
+    assert "straggler" in rules and "<svg" in sections["alerts"] and all(rule in sections["alerts"] for rule in rules)
+    assert "<svg" in sections["actions"] and "micro_batch" in sections["actions"]
+    bare = tmp_path / "bare.duckdb"
+    shutil.copy(FIXTURE, bare)
+    con = duckdb.connect(str(bare))
+    con.execute("DROP TABLE alerts")
+    con.execute("DROP TABLE actions")
+    con.close()
+    r = _report(bare, "-o", tmp_path / "b.html", "--run", run_id)
+    assert r.returncode == 0, r.stderr
+    sections = _sections((tmp_path / "b.html").read_text())
+    assert "no alerts table" in sections["alerts"] and "no actions table" in sections["actions"]
 
 
 def test_progress_bar_draws_to_the_end() -> None:
