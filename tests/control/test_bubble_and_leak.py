@@ -96,8 +96,11 @@ def leak(tmp_path_factory):
                           # 2-core machine 5-step medians of throughput swing by half (seen: one
                           # rolled back at 0.5, then the run went 4 -> 2 -> 4 -> 1)
                           "max_throughput_drop = 0.9\n", "auto", run,
-                          ["--micro-batch", "4", "--micro-batches", "2", "--steps", "130", "--memory-budget-mb", "500",
-                           "--inject-mem-growth", "0:6", "--inject-straggler", "0:40"])
+                          # both ranks 60 ms slower a step (no straggler): the run must outlast the controller's
+                          # two actions and their verification in wall time; on a quiet machine 130 plain steps
+                          # took 8.8 s and ended before the second action was sent
+                          ["--micro-batch", "4", "--micro-batches", "2", "--steps", "250", "--memory-budget-mb", "500",
+                           "--inject-mem-growth", "0:6", "--inject-straggler", "0:60", "--inject-straggler", "1:60"])
     out = {}
     try:
         wait_for(lambda: client.sql("SELECT * FROM actions WHERE state = 'cannot_fix'"), 400, "cannot fix",
