@@ -77,18 +77,23 @@ def test_memory_above_budget_shrinks_on_every_rank_at_one_step_rollback_then_ver
     not tried again), verified, the peak under 0.90 of the budget."""
     assert auto["rc"] == 0, auto["log"][-3000:]
     acts = auto["actions"]
-    first, back, third = acts[0], acts[1], acts[2]
+    first = acts[0]
     assert (first["kind"], first["value"], first["rule"], first["proposed_by"], first["approved_by"]) == (
         "micro_batch", 2, "memory", "controller", "controller"), first
     assert "of its 0.59 GiB budget" in first["reason"] and "keeps 8 samples" in first["reason"]
     assert first["state"] == "rolled_back" and first["ranks_applied"] == 2, first
     assert "rolled back: throughput" in first["verification"] and "a fall of more than 50%" in first["verification"]
-    assert (back["rollback_of"], back["value"], back["rule"]) == (first["action_id"], 4, "verify"), back
-    assert back["state"] in ("applied", "verified")
-    assert (third["value"], third["rule"], third["state"]) == (1, "memory", "verified"), third
-    expected = [(first["step"], (2, 4)), (back["step"], (4, 2)), (third["step"], (1, 8))]
+    # the rollback and the next memory action are found by what they are, not by their order: the
+    # controller may propose micro-batch 1 in the same tick in which it rolls 2 back
+    back = [a for a in acts if a["rollback_of"] == first["action_id"]]
+    assert len(back) == 1 and (back[0]["value"], back[0]["rule"]) == (4, "verify"), acts
+    assert back[0]["state"] in ("applied", "verified")
+    third = [a for a in acts if a["rule"] == "memory" and a["value"] == 1]
+    assert third and third[-1]["state"] == "verified", acts
+    applied = sorted((a["step"], a["value"]) for a in acts if a["state"] in ("applied", "verified", "rolled_back"))
+    expected = [(step, (value, 8 // value)) for step, value in applied]
     for rows in list(_by_rank(auto["steps"]).values()) + list(auto["trainer"].values()):
-        assert changes(rows)[:3] == expected
+        assert changes(rows)[:len(expected)] == expected  # every rank changed at the same steps
         assert {r["micro_batch"] * r["micro_batches"] for r in rows} == {8}  # samples per step unchanged
     shape = {(r["rank"], r["step"]): r["micro_batch"] for r in auto["steps"]}
     for rank, rows in _by_rank(auto["memory"]).items():

@@ -37,8 +37,13 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
         time.sleep(2.5)  # the last steps settle and are judged
         strag = sql(c.addr, "SELECT run_id, rank, first_step, message FROM alerts WHERE signal = 'straggler'").to_pylist()
         assert strag == []
-        # ...and the runs were judged: other rules did fire on them (exposed comm is >30% on gloo CPU runs)
+        # ...and the engine was judging: another rule fired on the clean run (exposed comm is >30% on
+        # gloo CPU runs; the balanced run's delay is a sleep, not comm, so its share depends on the
+        # machine's load and is not asserted), and the view flags no rank of either run
         other = sql(c.addr, "SELECT DISTINCT run_id FROM alerts WHERE signal = 'comm_share'").column(0).to_pylist()
-        assert set(other) == {"clean", "balanced"}
+        assert "clean" in other
+        judged = sql(c.addr, "SELECT run_id, count(*) AS n, count(*) FILTER (WHERE is_straggler) AS flagged FROM stragglers "
+                             "WHERE run_id IN ('clean', 'balanced') GROUP BY run_id ORDER BY run_id").to_pylist()
+        assert [(r["run_id"], r["flagged"]) for r in judged] == [("balanced", 0), ("clean", 0)] and all(r["n"] > 0 for r in judged)
     finally:
         c.stop()
