@@ -52,10 +52,31 @@ def _peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
-           collector_args: tuple[str, ...] = ()) -> dict:
+def _commit_delays(db: Path, where: str = ""):
+    """From the file's ingest_log: rows per batch, the row-weighted p50 / p99 of record -> commit (ms),
+    and the first record / last commit (ns)."""
     import duckdb
     import numpy as np
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        n, first_ns, committed_ns, t_first, t_last = con.execute(
+            "SELECT list(n), list(first_record_ns), list(committed_ns), min(first_record_ns), max(committed_ns) "
+            f"FROM ingest_log {where}"
+        ).fetchone()
+    finally:
+        con.close()
+    n = np.asarray(n, dtype=np.int64)
+    delay_ms = (np.asarray(committed_ns, dtype=np.int64) - np.asarray(first_ns, dtype=np.int64)) / 1e6
+    order = np.argsort(delay_ms)
+    cum = np.cumsum(n[order]) / n.sum()
+    p50 = float(delay_ms[order][np.searchsorted(cum, 0.50)])
+    p99 = float(delay_ms[order][np.searchsorted(cum, 0.99)])
+    return n, p50, p99, t_first, t_last
+
+
+def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
+           collector_args: tuple[str, ...] = ()) -> dict:
     import psutil
 
     from collector.loadgen import CollectorProcess, collect_sources, count_stored, release, start_sources
@@ -76,20 +97,7 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
     peak_rss = _peak_rss_mb(collector.proc.pid)
     collector.stop()
 
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        n, first_ns, committed_ns, t_first, t_last = con.execute(
-            "SELECT list(n), list(first_record_ns), list(committed_ns), min(first_record_ns), max(committed_ns) "
-            "FROM ingest_log WHERE kind = 'step'"
-        ).fetchone()
-    finally:
-        con.close()
-    n = np.asarray(n, dtype=np.int64)
-    delay_ms = (np.asarray(committed_ns, dtype=np.int64) - np.asarray(first_ns, dtype=np.int64)) / 1e6
-    order = np.argsort(delay_ms)
-    cum = np.cumsum(n[order]) / n.sum()
-    p50 = float(delay_ms[order][np.searchsorted(cum, 0.50)])
-    p99 = float(delay_ms[order][np.searchsorted(cum, 0.99)])
+    n, p50, p99, t_first, t_last = _commit_delays(db, "WHERE kind = 'step'")
     counts = count_stored(db, "bench")
     stored = sum(s for s, _ in counts["per_source"].values())
     cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
@@ -112,8 +120,6 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
                listen: str | None = None) -> dict:
     """The realistic mix of `ranks` ranks for `duration_s`: what one collector stores, at what delay,
     CPU and memory, and how fast its file grows. Offered vs stored says whether it keeps up."""
-    import duckdb
-    import numpy as np
     import psutil
 
     from collector.loadgen import (
@@ -144,18 +150,7 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
     cpu1, wall1 = ps.cpu_times(), time.monotonic()
     peak_rss = _peak_rss_mb(collector.proc.pid)
     collector.stop()
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        n, first_ns, committed_ns, t_first, t_last = con.execute(
-            "SELECT list(n), list(first_record_ns), list(committed_ns), min(first_record_ns), max(committed_ns) "
-            "FROM ingest_log"
-        ).fetchone()
-    finally:
-        con.close()
-    n = np.asarray(n, dtype=np.int64)
-    delay_ms = (np.asarray(committed_ns, dtype=np.int64) - np.asarray(first_ns, dtype=np.int64)) / 1e6
-    order = np.argsort(delay_ms)
-    cum = np.cumsum(n[order]) / n.sum()
+    n, p50, p99, t_first, t_last = _commit_delays(db)
     sent = sum(r["sent"] for r in results)
     stored = int(n.sum())
     per_step = sum(MIX_PER_RANK_STEP.values())
@@ -176,8 +171,8 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
         "kept_up": bool(stored == sent and stored / ((t_last - t_first) / 1e9) >= 0.95 * offered),
         "sources_late_steps": int(sum(r["late_steps"] for r in results)),
         "sources_max_lag_s": max(r["max_lag_s"] for r in results),
-        "p50_ms": round(float(delay_ms[order][np.searchsorted(cum, 0.50)]), 1),
-        "p99_ms": round(float(delay_ms[order][np.searchsorted(cum, 0.99)]), 1),
+        "p50_ms": round(p50, 1),
+        "p99_ms": round(p99, 1),
         "collector_cpu_pct": round(100 * cpu_s / (wall1 - wall0), 1),
         "collector_peak_rss_mb": round(max(peak_rss, rss_max), 1),
         "sources_cpu_pct": round(100 * sum(r["cpu_s"] for r in results) / (wall1 - wall0), 1),
