@@ -33,9 +33,20 @@ DDP allows one comm hook, ever, per module. A hook the user registers after the 
 wrapped (``DDP.register_comm_hook`` is re-pointed while a Tracer is installed; if ours is already
 in, the user's goes inside it, so the user's call still works). A hook registered *before* the
 Tracer existed, or a built-in C++ hook, cannot be wrapped: that module's buckets are not timed and
-a warning says how to fix it. On GPU (``device="cuda"``) buckets are not timed yet (their
-completion would need CUDA events recorded in the callback; not written, as nothing here has run
-on a GPU): the DDP rows are missing there, nothing else changes.
+a warning says how to fix it.
+
+On GPU (the Tracer's device clock, CUDA events): a bucket's future completes on the host long
+before its all-reduce does (NCCL marks it complete at enqueue; its ``then`` callbacks run at once
+on a stream made to wait for the all-reduce), so host clocks time nothing there. Instead two
+events per bucket: one recorded on the current stream in the hook (done on the device when the
+bucket's gradients are), one recorded in the completion callback, on the stream the future's
+callbacks run on (done when the all-reduce is). The pass's last completion hands the pass to the
+emitter (one deque append, as every GPU phase and collective does); the emitter, once every
+event of it is done (``query()``), writes each bucket's row (``elapsed_time`` of its pair) and adds
+the exposed wait, ``max(done) - ready(last bucket)`` in device time, to the step's communication,
+at its place in recording order (inside the ``backward`` phase: DDP's finalize makes the training
+stream wait for the buckets, so backward's device time holds that wait). The training thread
+never asks the device anything: no ``synchronize``, no ``query``, no ``elapsed_time``.
 """
 
 from __future__ import annotations
@@ -59,6 +70,10 @@ MAX_WATCHED_CALLS = 250_000
 #: the op name of a DDP bucket row ("all_reduce" prefix: busbw takes the all-reduce factor)
 DDP_OP = "all_reduce_ddp"
 
+#: the Tracer's deferred-queue code of one DDP backward pass on the device clock (GPU path;
+#: the Tracer's own codes are 0-5)
+OP_PASS = 6
+
 
 class _RowSpec:
     """What the Tracer's signature table needs to name a DDP bucket row (like collectives._Spec)."""
@@ -78,13 +93,17 @@ class _Pass:
     """One backward pass of one DDP module: written by the training thread at each hook call,
     read by the completion callbacks (the n-th completion, by ticket, closes the pass)."""
 
-    __slots__ = ("n", "ready_last_ns", "dones", "tickets")
+    __slots__ = ("n", "ready_last_ns", "dones", "tickets", "buckets", "ev_last")
 
     def __init__(self) -> None:
         self.n = -1  # buckets in this pass: known once the last one (is_last()) was handed over
         self.ready_last_ns = 0
         self.dones: list[int] = []
         self.tickets = itertools.count()  # next() is one C call: atomic under the GIL
+        # device clock: (step, wall0, bytes, sig, ready event, done event) per bucket, and the
+        # ready event of the last bucket
+        self.buckets: list[tuple] = []
+        self.ev_last: Any = None
 
 
 class _Cell:
@@ -267,10 +286,6 @@ def _attach(t: Any, ddp: Any) -> None:
     """Put the timed default hook on a DDP module that has none."""
     if getattr(ddp, "_tracetop_cell", None) is not None or not _state.time_buckets:
         return  # timed already (a hook the user registered while we were installed, or an earlier Tracer)
-    if t._cuda is not None:
-        _warn_once("ddp-gpu", "trainer_hooks: DDP gradient buckets are not timed on GPU yet (CPU/gloo only); "
-                   "their all-reduce rows are missing and their wait counts as backward compute")
-        return
     if ddp._comm_hooks or _builtin_hook(ddp):
         name = ddp._comm_hooks[0][0] if ddp._comm_hooks else _builtin_hook(ddp)
         _warn_once("ddp-hook", "trainer_hooks: a DDP module already has the comm hook %r, registered before the "
@@ -354,8 +369,10 @@ def _timed(cell: _Cell) -> Any:
     def timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses annotations other than its own
         t = _state.sink
         inner, inner_state = cell.inner, cell.state
-        if t is None or t._cuda is not None or not hasattr(bucket, "buffer"):
-            return inner(inner_state, bucket)  # no Tracer, GPU, or the Python reducer's (grad, param)
+        if t is None or not hasattr(bucket, "buffer"):
+            return inner(inner_state, bucket)  # no Tracer, or the Python reducer's (grad, param)
+        if t._cuda is not None:
+            return _timed_on_device(t, cell, inner, inner_state, bucket, local)
         try:
             i = bucket.index()
             if i == 0:
@@ -413,3 +430,78 @@ def _timed(cell: _Cell) -> Any:
     timed_hook.__qualname__ = getattr(cell.inner, "__qualname__", timed_hook.__name__)
     timed_hook._tracetop_timed = True  # type: ignore[attr-defined]
     return timed_hook
+
+
+# ----------------------------------------------------------------------------- the device clock (GPU)
+
+
+def _timed_on_device(t: Any, cell: _Cell, inner: Any, inner_state: Any, bucket: Any, local: Any) -> Any:
+    """One bucket on the device clock (the module docstring says why events, and which)."""
+    cuda = t._cuda
+    try:
+        i = bucket.index()
+        if i == 0:
+            cell.current = _Pass()
+        p = cell.current
+        buf = bucket.buffer()
+        nbytes = buf.numel() * buf.element_size()
+        key = (_BUCKET, cell.group, buf.dtype, True, None)
+        sig = t._sig_cache.get(key)
+        if sig is None:
+            sig = t._new_sig(_BUCKET, cell.group, buf, True, None, key)
+        step = t.step_n
+        wall0 = t._step_wall0 + (perf_counter_ns() - t._step_perf0)
+        ev0 = cuda.mark()  # the current stream: done on the device once this bucket's gradients are
+        if bucket.is_last():
+            p.ev_last = ev0
+            p.n = i + 1
+        t.events += 1
+    except Exception as e:
+        t._hook_error("ddp", e)
+        return inner(inner_state, bucket)
+    unwrap = inner is _allreduce_mean
+    if unwrap:
+        fut = _allreduce_mean_raw(inner_state, bucket)
+    else:
+        inside = local.inside
+        local.inside = True  # the inner hook's dist.all_reduce is this row, not a row of its own
+        try:
+            fut = inner(inner_state, bucket)
+        finally:
+            local.inside = inside
+    buckets, tickets, deferred = p.buckets, p.tickets, t._deferred
+
+    def done(f: Any) -> Any:
+        # a CUDA future runs its callbacks on a stream made to wait for the all-reduce (NCCL: at
+        # once, on the thread that issued it; gloo: on its thread): an event recorded here is done
+        # on the device when the bucket is
+        try:
+            buckets.append((step, wall0, nbytes, sig, ev0, cuda.mark()))
+            if next(tickets) == p.n - 1:  # the pass's last completion: hand it to the emitter
+                deferred.append((OP_PASS, buckets, p.ev_last, None))
+        except Exception as e:  # a raise here would fail backward()
+            t._hook_error("ddp", e)
+        return f.value()[0] if unwrap else f.value()
+
+    return fut.then(done)
+
+
+def pass_ready(cuda: Any, buckets: list[tuple], ev_last: Any) -> bool:
+    """Emitter: every event of one pass is done on the device (``query()``: never a wait)."""
+    if not cuda.ready(ev_last):
+        return False
+    return all(cuda.ready(b[4]) and cuda.ready(b[5]) for b in buckets)
+
+
+def resolve_pass(t: Any, acc: Any, cuda: Any, buckets: list[tuple], ev_last: Any) -> None:
+    """Emitter, in recording order: one row per bucket (ready -> done on the device) and the
+    exposed wait (the last completion after the last bucket was ready) into the step's
+    communication time (``acc``: the accumulator of the step being resolved)."""
+    exposed = 0
+    rc = t._rc
+    for step, wall0, nbytes, sig, ev0, ev1 in buckets:
+        rc.append((step, wall0, cuda.elapsed_ns(ev0, ev1), nbytes, sig))
+        exposed = max(exposed, cuda.elapsed_ns(ev_last, ev1))
+    acc.comm_ns += exposed
+    for b in buckets:
+        cuda.release(b[4], b[5])

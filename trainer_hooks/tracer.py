@@ -757,7 +757,12 @@ class Tracer:
             op, payload, a, b = q[0]
             if b is not None and not cuda.ready(b):
                 return
+            if op == ddp.OP_PASS and not ddp.pass_ready(cuda, payload, a):
+                return
             q.popleft()
+            if op == ddp.OP_PASS:  # one DDP backward pass: its bucket rows and exposed wait
+                ddp.resolve_pass(self, acc, cuda, payload, a)
+                continue
             if op == 0:
                 acc.stack.append(acc.comm_ns)
                 continue
@@ -871,15 +876,18 @@ def _agree_run_id(ident: Identity, explicit: str | None) -> str:
 class _CudaClock:
     """CUDA events from a pool, recorded on the current stream; resolved by the emitter only."""
 
-    def __init__(self) -> None:
+    def __init__(self, event: Any = None) -> None:
         import torch
 
         self._torch = torch
+        self._event = event if event is not None else torch.cuda.Event  # a test's fake: torch.cuda.Event's API
         self._pool: list[Any] = []
 
     def mark(self) -> Any:
-        pool = self._pool
-        ev = pool.pop() if pool else self._torch.cuda.Event(enable_timing=True)
+        try:  # marks come from several threads (training, autograd, a process group's): pop, not test-then-pop
+            ev = self._pool.pop()
+        except IndexError:
+            ev = self._event(enable_timing=True)
         ev.record()
         return ev
 
