@@ -1,6 +1,6 @@
 """``tracetop bench gpu --out DIR [--cpu] [--json]``: the GPU path, proved in one device call.
 
-Five parts, each in processes of its own, each with a time limit inside one budget
+Six parts, each in processes of its own, each with a time limit inside one budget
 (``--budget-s``, default 480 s). A part that fails or runs out of time is recorded in the JSON
 with its error, its figures' keys set to null, and the next part runs. Writes two files into DIR:
 ``gpu.json`` (every figure; rewritten after each part, so a run cut short keeps what it had) and
@@ -15,6 +15,12 @@ with its error, its figures' keys set to null, and the next part runs. Writes tw
    part 2 adds ``deepspeed_warn_mode``: the same trainer under "warn", each synchronization
    attributed to its innermost frame outside torch (DeepSpeed and the trainer's ``float(loss)``
    synchronize by design, so "error" cannot run them).
+1b. ``ddp`` (``bench_gpu_child ddp``): DDP's gradient buckets on CUDA events (issue 9): a plain
+   ``DistributedDataParallel`` model of several buckets over an NCCL group of one under
+   ``set_sync_debug_mode("error")``, a control without hooks, then the Tracer finding the DDP
+   module and timing its buckets through the comm hook; bucket rows and their bytes against the
+   gradient bytes, durations against their steps', the steps' device time against the loop's
+   host wall clock, and that only the emitter asked the events.
 2. ``overhead`` (``bench_gpu_child hooks``, which runs ``trainer_hooks/_bench_child.py``): the
    larger preset (``1b``) on DeepSpeed, bf16, hooks switched on and off every 2 steps in random
    ABBA/BAAB quads, as ``tracetop bench hooks`` does; the figure is the wall step time (the
@@ -67,6 +73,11 @@ FIGURES: dict[str, tuple[str, ...]] = {
              "control_passed",
              "control_error", "hooks_passed", "hooks_error", "hook_errors", "syncs_added_by_hooks", "step_rows", "step_rows_under_check",
              "collective_rows", "resolved_by_threads", "verdict", "deepspeed_warn_mode"),
+    "ddp": ("applicable", "mode", "backend", "model", "steps", "control_passed", "control_error", "hooks_passed",
+            "hooks_error", "hook_errors", "syncs_added_by_hooks", "timed_by_comm_hook", "grad_bytes", "bucket_rows",
+            "step_rows", "step_rows_under_check", "buckets_per_step", "bucket_bytes_per_step", "bytes_match",
+            "bucket_ms_median", "bucket_ms_max", "bucket_over_step_max", "exposed_ms_median", "steps_device_s",
+            "loop_wall_s", "steps_over_wall", "resolved_by_threads", "emitter_resolves", "verdict"),
     "overhead": ("model", "steps", "block_steps", "quads", "off_step_ms", "overhead_wall_pct",
                  "overhead_wall_ci95_low_pct", "overhead_wall_ci95_high_pct", "goal_pct", "meets_goal",
                  "overhead_cpu_pct", "training_thread_pct", "hook_threads_upper_pct", "hook_us_per_step",
@@ -96,7 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-model", default=None, help="preset of part 5 (default 350m; --cpu tiny)")
     p.add_argument("--steps", type=int, default=None, help="steps of the overhead run (default 400; --cpu 96)")
     p.add_argument("--nvml-s", type=float, default=None, help="seconds of the agent part (default 30; --cpu 3)")
-    p.add_argument("--parts", default="sync,overhead,nvml,offload",
+    p.add_argument("--parts", default="sync,ddp,overhead,nvml,offload",
                    help="comma-separated parts to run (timing comes with overhead); default all")
     p.add_argument("--keep", default=None, help="keep the temporary files (collector db, raw logs) in this folder")
 
@@ -297,8 +308,9 @@ class Bench:
         t = time.monotonic()
         try:
             figures = fn()
+            failed = figures.pop("_failed", None)  # a part that ran but failed its check keeps its figures
             part.update(figures)
-            part.update(ok=True, error=None)
+            part.update(ok=failed is None, error=failed)
         except Exception as e:
             part.update(ok=False, error=f"{type(e).__name__}: {e}" if not isinstance(e, PartFailed) else str(e))
             self.log(f"{name}: FAILED: {part['error']}")
@@ -314,6 +326,18 @@ class Bench:
         self.spawn("sync", argv, 120 if self.cpu else 150)
         figures = json.loads(out.read_text())
         self.size_overhead_run(figures.get("micro_batch_step_ms"))
+        return figures
+
+    def part_ddp(self) -> dict[str, Any]:
+        out = self.tmp / "ddp.json"
+        argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "ddp", str(out), "--steps", "8",
+                *(["--cpu"] if self.cpu else [])]
+        self.spawn("ddp", argv, 90)
+        figures = json.loads(out.read_text())
+        if not (figures.get("rehearsal_ok") if self.cpu else figures.get("hooks_passed")):
+            # failed, its figures kept (they say why)
+            figures["_failed"] = (f"ddp: {figures.get('verdict')} (hooks_error={figures.get('hooks_error')}, "
+                                  f"bytes_match={figures.get('bytes_match')}, emitter_resolves={figures.get('emitter_resolves')})")
         return figures
 
     def size_overhead_run(self, micro_batch_step_ms: float | None) -> None:
@@ -426,6 +450,7 @@ class Bench:
         collector = self.start_collector()
         try:
             self.run_part("sync", self.part_sync, 20)
+            self.run_part("ddp", self.part_ddp, 20)
             self.run_part("overhead", self.part_overhead, 40)
             self.run_part("nvml", self.part_nvml, self.nvml_s + 10)
             self.run_part("offload", self.part_offload, 30)
@@ -461,9 +486,9 @@ def _loadavg() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    unknown = [p for p in args.parts.split(",") if p.strip() and p.strip() not in ("sync", "overhead", "nvml", "offload")]
+    unknown = [p for p in args.parts.split(",") if p.strip() and p.strip() not in ("sync", "ddp", "overhead", "nvml", "offload")]
     if unknown:
-        print(f"tracetop bench gpu: unknown part(s) {', '.join(unknown)}; use sync, overhead, nvml, offload "
+        print(f"tracetop bench gpu: unknown part(s) {', '.join(unknown)}; use sync, ddp, overhead, nvml, offload "
               "(timing comes with overhead)", file=sys.stderr)
         return 2
     out = Path(args.out)

@@ -27,6 +27,17 @@
   interface), which puts it on its GPU accounting path: the emitter resolves every event.
   Then a microbenchmark of the host cost per recorded event (CPU path: ``trainer_hooks.bench``'s;
   and on GPU the CUDA-event path). OUT.extra.json gets these figures.
+* ``ddp OUT --steps N [--cpu]``: DDP's gradient buckets on the GPU path (issue 9). A plain
+  ``DistributedDataParallel`` model (several buckets) over a process group of one (NCCL on GPU:
+  it refuses two ranks on one GPU; a group of one still runs DDP's reducer and its comm hook;
+  gloo on CPU), every batch on the device beforehand, under ``set_sync_debug_mode("error")``: N
+  steps without hooks (the control), then the Tracer (CUDA events; the DDP module found at its
+  first forward and its buckets timed through the comm hook) for N steps, with the emitter
+  resolving meanwhile. Figures: bucket rows per step and their bytes against the model's gradient
+  bytes, bucket durations against their step's, the steps' device time against the host wall
+  clock of the loop (bracketed by synchronizations outside the check), and which threads asked
+  the device clock (only ``tracetop-emitter`` may). On CPU the same code runs with the Tracer's
+  own ``_CudaClock`` over ``HostEvent`` (``torch.cuda.Event``'s API on the host clock).
 * ``offload OUT WARMUP <trainer flags>``: part 5's trainer side, the ZeRO shape with optimizer
   offload: the hooks' OFFLOAD rows of the steps from WARMUP on and the wall-clock window
   (``time.time_ns``) they span, for comparison with NVML's PCIe counters sampled meanwhile by
@@ -106,7 +117,7 @@ class Tee:
     def __init__(self, host_clock: bool = False) -> None:
         self.host_clock = host_clock  # no GPU: give the tracer a HostClock (the deferred path on CPU)
         self.steps: list[dict[str, int]] = []
-        self.collectives: list[tuple[int, int, int]] = []  # (step, duration_ns, bytes)
+        self.collectives: list[tuple[int, int, int, str]] = []  # (step, duration_ns, bytes, op)
         self.offloads: list[tuple[int, str, str, int, int]] = []  # (step, direction, what, bytes, duration_ns)
         self.clocks: list[WatchedClock] = []
 
@@ -122,8 +133,9 @@ class Tee:
                     for row in zip(*(cols[k].tolist() for k in keys)):
                         self.steps.append(dict(zip(keys, row)))
                 elif kind == Kind.COLLECTIVE:
+                    codes, names = cols["op"]
                     self.collectives += list(zip(cols["step"].tolist(), cols["duration_ns"].tolist(),
-                                                 cols["bytes"].tolist()))
+                                                 cols["bytes"].tolist(), [names[c] for c in codes.tolist()]))
             except Exception as e:  # the tee must not change what the hooks do
                 print(f"bench_gpu_child: tee failed: {e!r}", file=sys.stderr)
             return record_many(kind, cols)
@@ -436,6 +448,215 @@ class _Null:
         return False
 
 
+# ----------------------------------------------------------------------------- DDP buckets
+
+
+class HostEvent:
+    """``torch.cuda.Event``'s API on the host clock, done as soon as recorded: with the Tracer's
+    own ``_CudaClock`` over it, the CPU rehearsal runs the hooks' CUDA-event code (the pool, the
+    DDP comm hook's device path, the emitter's resolution) without a GPU."""
+
+    def __init__(self, enable_timing: bool = False, **_: Any) -> None:
+        self.t_ns = 0
+
+    def record(self, stream: Any = None) -> None:
+        self.t_ns = time.perf_counter_ns()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.t_ns - self.t_ns) / 1e6
+
+
+def ddp_figures(buckets: list[tuple[int, int, int]], steps: list[dict[str, int]], grad_bytes: int, n_steps: int,
+                loop_wall_s: float | None) -> dict[str, Any]:
+    """The DDP part's figures from the hooks' rows (pure): ``buckets`` (step, duration_ns, bytes)
+    of op all_reduce_ddp, ``steps`` the STEP rows of the traced loop."""
+    per_step: dict[int, list[tuple[int, int]]] = {}
+    for step, dur, nbytes in buckets:
+        per_step.setdefault(step, []).append((dur, nbytes))
+    step_dur = {s["step"]: s["duration_ns"] for s in steps}
+    counts = sorted({len(v) for v in per_step.values()})
+    sums = sorted({sum(b for _, b in v) for v in per_step.values()})
+    durs = [d for v in per_step.values() for d, _ in v]
+    over_step = [d / step_dur[st] for st, v in per_step.items() for d, _ in v if step_dur.get(st, 0) > 0]
+    exposed = [s["comm_exposed_ns"] for s in steps]
+    total_step_s = sum(step_dur.values()) / 1e9
+    return {
+        "grad_bytes": grad_bytes,
+        "bucket_rows": len(buckets), "step_rows": len(steps),
+        "steps_with_buckets": len(per_step),
+        "buckets_per_step": counts[0] if len(counts) == 1 else counts,
+        "bucket_bytes_per_step": sums[0] if len(sums) == 1 else sums,
+        "bytes_match": sums == [grad_bytes] and len(per_step) == n_steps,
+        "bucket_ms_median": statistics.median(durs) / 1e6 if durs else None,
+        "bucket_ms_max": max(durs) / 1e6 if durs else None,
+        "bucket_over_step_max": max(over_step) if over_step else None,
+        "exposed_ms_median": statistics.median(exposed) / 1e6 if exposed else None,
+        "steps_device_s": total_step_s,
+        "loop_wall_s": loop_wall_s,
+        "steps_over_wall": total_step_s / loop_wall_s if loop_wall_s else None,
+    }
+
+
+def _ddp(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="bench_gpu_child ddp")
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--cpu", action="store_true")
+    a = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from trainer_hooks import Tracer
+
+    on_gpu = not a.cpu and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    backend = "nccl" if on_gpu else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1, **({"device_id": device} if on_gpu else {}))
+    width, layers, cap_mb = (2048, 8, 25) if on_gpu else (256, 4, 0.25)  # GPU: 134 MB of fp32 gradients
+    torch.manual_seed(0)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = DDP(torch.nn.Sequential(*mods).to(device), bucket_cap_mb=cap_mb,
+                **({"device_ids": [0]} if on_gpu else {}))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+    grad_bytes = sum(q.numel() * q.element_size() for q in model.parameters() if q.requires_grad)
+    data = [torch.randn(64, width, device=device, generator=None) for _ in range(2)]
+
+    def step(n: int, tracer: Any) -> None:
+        ph = tracer.phase if tracer is not None else (lambda name: _Null())
+        with tracer.step(n) if tracer is not None else _Null():
+            with ph("forward"):
+                loss = model(data[n % 2]).square().mean()
+            with ph("backward"):
+                loss.backward()
+            with ph("optimizer"):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    def check(mode: Any) -> None:
+        if on_gpu:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    result: dict[str, Any] = {"applicable": on_gpu, "backend": f"{backend}, a group of one process",
+                              "model": f"{layers} x Linear({width}, {width}), fp32, bucket_cap_mb={cap_mb}",
+                              "steps": a.steps, "mode": "error" if on_gpu else None}
+    # outside the check: DDP rebuilds its buckets after the first pass, and its logger measures its
+    # CUDA timers (synchronizing) in its first 10 iterations (then every 100th: the loop stays below)
+    for n in range(12):
+        step(n, None)
+    sync()
+    tee = Tee()
+    tracer = None
+    error_sites: list[str] = []
+    try:
+        check("error")
+        try:
+            for n in range(a.steps):
+                step(n, None)
+            result.update(control_passed=True, control_error=None)
+        except RuntimeError as e:  # the plain DDP loop synchronizes: the check below cannot be strict
+            owner, site = sync_site(traceback.extract_tb(e.__traceback__), threading.current_thread().name)
+            result.update(control_passed=False, control_error=f"{str(e).splitlines()[0][:200]} at {site} ({owner})")
+        check(0)
+        sync()
+        if result["control_passed"] or not on_gpu:
+            check("error")
+        else:
+            result["mode"] = "off (the plain DDP loop synchronizes: see control_error)"
+        t0 = 0.0
+        try:
+            tracer = Tracer(run_id="bench-gpu-ddp", rank=0, world_size=1, drain_interval_s=0.2, heartbeat_s=0.5,
+                            **({"device": "cuda"} if on_gpu else {"device_clock": _HostCudaClock(HostEvent)}))
+            tee.attach(tracer)
+            real_hook_error = tracer._hook_error
+
+            def hook_error(where: str, e: BaseException) -> None:
+                if len(error_sites) < 8:
+                    site = sync_site(traceback.extract_tb(e.__traceback__), threading.current_thread().name)[1]
+                    error_sites.append(f"{where}: {str(e).splitlines()[0][:120]} at {site}")
+                real_hook_error(where, e)
+
+            tracer._hook_error = hook_error
+            t0 = time.perf_counter()  # the device is idle (synchronized above): the loop's wall clock starts
+            for n in range(a.steps):
+                step(n, tracer)
+            result["hooks_error"] = None
+        except RuntimeError as e:
+            owner, site = sync_site(traceback.extract_tb(e.__traceback__), threading.current_thread().name)
+            result["hooks_error"] = f"{str(e).splitlines()[0][:200]} at {site} ({owner})"
+        check(0)
+        sync()  # the loop's device work is done: the host wall clock of the loop ends here
+        result["loop_wall_s"] = time.perf_counter() - t0 if t0 else None
+        if result["mode"] == "error":
+            check("error")
+        time.sleep(1.5)  # the emitter resolves, drains and beats, under the check again
+        result["step_rows_under_check"] = len(tee.steps)
+    finally:
+        check(0)
+        sync()
+    if tracer is not None:
+        tracer.close()
+    buckets = [c for c in tee.collectives if c[3] == "all_reduce_ddp"]
+    figures = ddp_figures([c[:3] for c in buckets], [s for s in tee.steps if s["step"] >= 0], grad_bytes, a.steps,
+                          result.pop("loop_wall_s"))
+    result.update(figures)
+    resolved = tee.resolved_by()
+    result.update({
+        "hook_errors": tracer.errors if tracer is not None else None,
+        "hook_error_sites": error_sites,
+        "timed_by_comm_hook": bool(getattr(model._comm_hooks[0][0], "_tracetop_timed", False)) if model._comm_hooks else False,
+        "resolved_by_threads": resolved,
+        "emitter_resolves": bool(resolved) and set(resolved) == {"tracetop-emitter"},
+    })
+    ok = (result["hooks_error"] is None and result["hook_errors"] == 0 and result["bytes_match"]
+          and result["emitter_resolves"] and result["step_rows_under_check"] == a.steps)
+    if on_gpu:
+        result["hooks_passed"] = ok and result["mode"] == "error"
+        result["syncs_added_by_hooks"] = 0 if result["hooks_passed"] else None
+        result["verdict"] = ("pass: every bucket timed on CUDA events, its bytes the gradients', resolved by the emitter, "
+                             "no synchronization under 'error'" if result["hooks_passed"] else
+                             "FAIL: see hooks_error / hook_errors / bytes_match / emitter_resolves / mode")
+    else:
+        result["hooks_passed"] = None
+        result["syncs_added_by_hooks"] = None
+        result["verdict"] = ("rehearsal: the CUDA-event code path over host events ("
+                             + ("rows, bytes and resolution as on a GPU" if ok else "FAILED: see the figures")
+                             + "); set_sync_debug_mode checks CUDA only: not applicable on CPU")
+        result["rehearsal_ok"] = ok
+    dist.destroy_process_group()
+    Path(a.out).write_text(json.dumps(result))
+    return 0 if (ok or on_gpu) else 1
+
+
+class _HostCudaClock:
+    """Made lazily (the Tracer's _CudaClock imports torch): see _ddp."""
+
+    def __new__(cls, event: Any) -> Any:
+        from trainer_hooks.tracer import _CudaClock
+
+        class HostCudaClock(_CudaClock):
+            def memory(self) -> tuple[int, int, int]:
+                return -1, -1, -1
+
+        return HostCudaClock(event=event)
+
+
 # ----------------------------------------------------------------------------- parts 2 and 3
 
 
@@ -623,7 +844,9 @@ def main(argv: list[str]) -> int:
         return _hooks(rest)
     if mode == "offload":
         return _offload(rest)
-    print(f"bench_gpu_child: unknown mode {mode!r}; use sync, hooks or offload", file=sys.stderr)
+    if mode == "ddp":
+        return _ddp(rest)
+    print(f"bench_gpu_child: unknown mode {mode!r}; use sync, hooks, ddp or offload", file=sys.stderr)
     return 2
 
 

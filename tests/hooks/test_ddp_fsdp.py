@@ -32,6 +32,7 @@ RUNS = {
     "fsdp1": (2, "tests/hooks/dp_trainer.py", ["--mode", "fsdp1", "--size", "small", "--steps", "3"]),
     "hf": (2, "tests/hooks/hf_trainer.py", ["--steps", str(FRAMEWORK_STEPS)]),
     "lightning": (2, "tests/hooks/pl_trainer.py", ["--steps", str(FRAMEWORK_STEPS)]),
+    "lightning_hook": (2, "tests/hooks/pl_trainer.py", ["--steps", str(FRAMEWORK_STEPS), "--comm-hook"]),
 }
 
 
@@ -184,3 +185,21 @@ def test_hf_trainer_two_processes(runs) -> None:
 def test_lightning_two_processes(runs) -> None:
     db, tmp = runs
     _framework_checks(db, tmp, "lightning")
+
+
+@pytest.mark.slow
+def test_lightning_ddp_comm_hook_is_wrapped_and_its_buckets_timed(runs) -> None:
+    """DDPStrategy(ddp_comm_hook=the user's fp16 hook): the hook Lightning registers is the timed
+    wrapper around the user's own, which is called for every bucket; rows as without it."""
+    db, tmp = runs
+    _framework_checks(db, tmp, "lightning_hook")
+    for rank in range(2):
+        got = json.loads((tmp / "lightning_hook" / f"rank{rank}.json").read_text())
+        assert got["module"] == "DistributedDataParallel", got
+        assert got["registered_hook_timed"] and got["timed_inner_is_users_hook"], got
+        (buckets,) = query(db, "SELECT count(*) FROM collective WHERE run_id = 'lightning_hook' AND op = 'all_reduce_ddp' "
+                               "AND rank = ?", rank)[0]
+        assert got["hook_calls"] == buckets >= FRAMEWORK_STEPS, (got, buckets)
+        # the user's hook all-reduces with dist.all_reduce inside our row: not counted twice
+        assert query(db, "SELECT count(*) FROM collective WHERE run_id = 'lightning_hook' AND op = 'all_reduce' "
+                         "AND rank = ? AND step >= 0", rank) == [(0,)]

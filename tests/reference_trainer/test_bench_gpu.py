@@ -165,6 +165,17 @@ def test_cpu_rehearsal_writes_every_figure(tmp_path: Path) -> None:
     assert sync["step_rows"] == sync["step_rows_under_check"] == sync["steps"] and sync["hook_errors"] == 0
     assert sync["collective_rows"] == sync["steps"] * sync["collectives_per_step"]
 
+    ddp = res["parts"]["ddp"]  # the DDP comm hook's CUDA-event path over host events; no sync check on CPU
+    assert ddp["applicable"] is False and ddp["hooks_passed"] is None and "not applicable on CPU" in ddp["verdict"]
+    assert ddp["timed_by_comm_hook"] is True and ddp["hook_errors"] == 0 and ddp["control_passed"] is True
+    assert ddp["step_rows"] == ddp["step_rows_under_check"] == ddp["steps"]
+    # 4 Linear(256, 256) in fp32 with 0.25 MB buckets: one bucket a layer, their bytes the gradients'
+    assert ddp["grad_bytes"] == 4 * 4 * (256 * 256 + 256) == ddp["bucket_bytes_per_step"] and ddp["bytes_match"] is True
+    assert ddp["buckets_per_step"] == 4 and ddp["bucket_rows"] == 4 * ddp["steps"]
+    assert 0 < ddp["bucket_over_step_max"] <= 1.0 and ddp["bucket_ms_median"] > 0
+    assert 0.5 < ddp["steps_over_wall"] <= 1.0  # the steps' clock inside the loop's wall clock
+    assert ddp["emitter_resolves"] is True and set(ddp["resolved_by_threads"]) == {"tracetop-emitter"}
+
     over = res["parts"]["overhead"]
     assert over["quads"] >= 5 and over["off_step_ms"] > 0
     assert over["overhead_wall_ci95_low_pct"] <= over["overhead_wall_pct"] <= over["overhead_wall_ci95_high_pct"]
@@ -263,5 +274,5 @@ def test_parts_the_budget_cannot_hold_are_skipped_and_said_so(tmp_path: Path) ->
     r = _cli("--out", str(out), "--cpu", "--budget-s", "1")
     assert r.returncode == 1
     res = json.loads((out / "gpu.json").read_text())
-    for part in ("sync", "overhead", "nvml", "offload"):
+    for part in ("sync", "ddp", "overhead", "nvml", "offload"):
         assert res["parts"][part]["ok"] is False and res["parts"][part]["error"].startswith("skipped:"), part
