@@ -12,9 +12,11 @@ Bytes follow the NCCL-tests "size" convention: the tensor for all_reduce / broad
 send / recv; the whole output for the all-gathers; the whole input for reduce-scatter and
 all-to-all. ``busbw_factor`` gives busbw = algbw x factor for each op.
 
-Async calls (``async_op=True``, ``isend``/``irecv``, ``batch_isend_irecv``) are timed until they
-return and marked ``is_async=1``: the time a training thread spends issuing them. Their completion
-is not waited for (that would add a synchronization).
+Async calls (``async_op=True``, ``isend``/``irecv``, ``batch_isend_irecv``) are marked
+``is_async=1``. Their step's exposed communication is the time a training thread spends issuing
+them; their row's duration is issue to completion, read in the returned Work's future callback
+(:mod:`trainer_hooks.async_done`; never a wait), or until they return where the Work has no
+future (``batch_isend_irecv``'s list, a backend's p2p work without one).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from trainer_hooks import async_done
 
 #: op -> how to find the payload: ("arg", index) one tensor, ("list", index) a list of tensors,
 #: ("lists", index) a list of lists, ("p2p", 0) a list of P2POp, None no payload.
@@ -168,16 +172,21 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         local.inside = True
         sink.pending_sig = sig
+        ret = None
         t0 = sink.pending_t0 = clock()
         try:
-            return fn(*args, **kwargs)
+            ret = fn(*args, **kwargs)
+            return ret
         finally:
             dur = clock() - t0
             local.inside = False
             sink.pending_sig = -1
             try:
                 sink._acc.comm_ns += dur
-                sink._rc.append((sink.step_n, sink._step_wall0 + (t0 - sink._step_perf0), dur, nbytes, sig))
+                wall0 = sink._step_wall0 + (t0 - sink._step_perf0)
+                # an async call's Work: its row is written at completion (trainer_hooks.async_done)
+                if ret is None or not async_done.track(sink, ret, sink.step_n, wall0, t0, nbytes, sig):
+                    sink._rc.append((sink.step_n, wall0, dur, nbytes, sig))
                 sink.events += 1
             except Exception as e:
                 sink._hook_error("collective", e)
@@ -199,12 +208,18 @@ def _device_timed(sink: Any, spec: _Spec, fn: Callable[..., Any], args: tuple, k
         sink._hook_error("collective", e)
         return fn(*args, **kwargs)
     local.inside = True
+    ret = None
     try:
-        return fn(*args, **kwargs)
+        ret = fn(*args, **kwargs)
+        return ret
     finally:
         local.inside = False
         try:
-            sink._collective_exit(token)
+            if ret is not None and async_done.track_device(sink, ret, token):  # timed to completion
+                sink.pending_sig = -1
+                sink.events += 1
+            else:
+                sink._collective_exit(token)
         except Exception as e:
             sink._hook_error("collective", e)
 

@@ -72,8 +72,9 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 def _by_op(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows by op in issue order (an async call's row is written at its completion, after later calls')."""
     got: dict[str, list[dict]] = {}
-    for r in rows:
+    for r in sorted(rows, key=lambda r: r["start_ns"]):
         got.setdefault(r["op"], []).append(r)
     return got
 
@@ -98,10 +99,15 @@ def test_bytes_equal_tensor_sizes_and_nesting_counts_once(ranks) -> None:
 
 def test_collective_time_is_exposed_comm_not_compute(ranks) -> None:
     for got in ranks:
-        total = sum(r["duration_ns"] for r in got["rows"])
-        assert got["step"]["comm_exposed_ns"] == total
+        # the async all_reduce (64 B) is timed to its completion; only the time it took to return
+        # (no longer than that) is exposed. Every other call here is exposed whole (gloo's isend /
+        # irecv works have no future: timed until they return)
+        timed_to_completion = [r for r in got["rows"] if r["op"] == "all_reduce" and r["is_async"] == 1]
+        assert len(timed_to_completion) == 1
+        total = sum(r["duration_ns"] for r in got["rows"] if r not in timed_to_completion)
+        assert total <= got["step"]["comm_exposed_ns"] <= total + timed_to_completion[0]["duration_ns"]
         # the all_reduce inside the forward phase is not forward compute
-        inside = [r for r in got["rows"] if r["op"] == "all_reduce"][-1]["duration_ns"]
+        inside = _by_op(got["rows"])["all_reduce"][-1]["duration_ns"]
         assert got["step"]["forward_ns"] >= 0 and got["step"]["forward_ns"] < got["step"]["duration_ns"] - inside + 1
 
 
