@@ -582,7 +582,7 @@ def _ddp(argv: list[str]) -> int:
         t0 = 0.0
         try:
             tracer = Tracer(run_id="bench-gpu-ddp", rank=0, world_size=1, drain_interval_s=0.2, heartbeat_s=0.5,
-                            **({"device": "cuda"} if on_gpu else {"device_clock": _HostCudaClock(HostEvent)}))
+                            **({"device": "cuda"} if on_gpu else {"device_clock": _host_cuda_clock()}))
             tee.attach(tracer)
             real_hook_error = tracer._hook_error
 
@@ -644,17 +644,15 @@ def _ddp(argv: list[str]) -> int:
     return 0 if (ok or on_gpu) else 1
 
 
-class _HostCudaClock:
-    """Made lazily (the Tracer's _CudaClock imports torch): see _ddp."""
+def _host_cuda_clock() -> Any:
+    """The Tracer's own _CudaClock over HostEvent (no device memory to read)."""
+    from trainer_hooks.tracer import _CudaClock
 
-    def __new__(cls, event: Any) -> Any:
-        from trainer_hooks.tracer import _CudaClock
+    class HostCudaClock(_CudaClock):
+        def memory(self) -> tuple[int, int, int]:
+            return -1, -1, -1
 
-        class HostCudaClock(_CudaClock):
-            def memory(self) -> tuple[int, int, int]:
-                return -1, -1, -1
-
-        return HostCudaClock(event=event)
+    return HostCudaClock(event=HostEvent)
 
 
 # ----------------------------------------------------------------------------- parts 2 and 3

@@ -80,6 +80,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ddp", action="store_true",
                    help="instead: the DDP comm hook's own cost, 2 gloo ranks, timed vs plain DDP (trainer_hooks/bench_ddp.py)")
     p.add_argument("--ddp-steps", type=int, default=1200, help="steps of the --ddp bench (default 1200)")
+    p.add_argument("--ddp-device-clock", action="store_true",
+                   help="--ddp with the Tracer on its GPU path (its CUDA clock over host events): the device path's host cost")
 
 
 class _Collector:

@@ -7,6 +7,11 @@ Two ranks on gloo (spawned here), each holding three DDP copies of one model (8 
 * ``python``: DDP's own Python ``default_hooks.allreduce_hook``, registered directly, untimed;
 * ``timed``: the Tracer's comm hook (``trainer_hooks.ddp``).
 
+``--ddp-device-clock``: the Tracer runs its GPU path (its own ``_CudaClock`` over ``_HostEvent``,
+``torch.cuda.Event``'s API on the host clock, every event done at once), so ``timed`` takes the
+comm hook's CUDA-event path: two event records and one hand-over per pass on the training side,
+the resolution on the emitter's (in the process CPU).
+
 All three run inside ``tracer.step`` / ``tracer.phase`` with the same Tracer, so only the hook
 differs. Steps go in groups of three blocks, one per arm, in a random order (the same on both
 ranks, which must run the same model in the same step). Per group, the difference per step of:
@@ -32,7 +37,23 @@ from pathlib import Path
 from typing import Any
 
 
-def _worker(rank: int, port: int, steps: int, block: int, out: str) -> None:
+class _HostEvent:
+    """torch.cuda.Event's API on the host clock, done when recorded (see --ddp-device-clock)."""
+
+    def __init__(self, enable_timing: bool = False, **_: Any) -> None:
+        self.t_ns = 0
+
+    def record(self, stream: Any = None) -> None:
+        self.t_ns = time.perf_counter_ns()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end.t_ns - self.t_ns) / 1e6
+
+
+def _worker(rank: int, port: int, steps: int, block: int, out: str, device_clock: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -55,7 +76,16 @@ def _worker(rank: int, port: int, steps: int, block: int, out: str) -> None:
     arms = {"plain": DDP(model(), bucket_cap_mb=0.25), "python": DDP(model(), bucket_cap_mb=0.25),
             "timed": DDP(model(), bucket_cap_mb=0.25)}
     mem = MemoryTransport()
-    tracer = Tracer(rank=rank, world_size=2, run_id="bench-ddp", transport=mem, heartbeat_s=60)
+    clock = None
+    if device_clock:
+        from trainer_hooks.tracer import _CudaClock
+
+        class HostClock(_CudaClock):
+            def memory(self) -> tuple[int, int, int]:
+                return -1, -1, -1
+
+        clock = HostClock(event=_HostEvent)
+    tracer = Tracer(rank=rank, world_size=2, run_id="bench-ddp", transport=mem, heartbeat_s=60, device_clock=clock)
     # the bench's reach inside: keep "plain" on DDP's built-in path and "python" on its own hook
     tddp._state.seen.add(arms["plain"])
     tddp._state.seen.add(arms["python"])
@@ -127,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         port = s.getsockname()[1]
         s.close()
         out = str(Path(tmp) / "rank0.json")
-        mp.start_processes(_worker, args=(port, steps, block, out), nprocs=2, start_method="spawn", join=True)
+        device_clock = bool(getattr(args, "ddp_device_clock", False))
+        mp.start_processes(_worker, args=(port, steps, block, out, device_clock), nprocs=2, start_method="spawn", join=True)
         got: dict[str, Any] = json.loads(Path(out).read_text())
     res = summarize([tuple(x) for x in got["samples"]], block, warmup=42)  # type: ignore[misc]
     buckets = got["buckets"] / max(1, got["timed_steps"])
@@ -139,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         "timing_process_cpu_pct": round(100 * res["timed_minus_python_process_cpu_us"] / res["plain_process_cpu_us"], 2),
         "python_hook_process_cpu_pct": round(100 * res["python_minus_plain_process_cpu_us"] / res["plain_process_cpu_us"], 2),
         "hook_errors": got["errors"], "steps": steps, "wall_s": round(time.monotonic() - t0, 1),
+        "clock": "device path (CUDA-event code over host events)" if device_clock else "cpu",
     })
     if args.json:
         print(json.dumps(result))
