@@ -61,7 +61,8 @@ def _auth_kwargs(auth: Any) -> dict[str, Any]:
     """The shipper's TLS credentials and bearer metadata from a ClientAuth (nothing without one)."""
     if auth is None:
         return {}
-    return {"channel_credentials": auth.channel_credentials(), "call_metadata": auth.metadata() or None}
+    return {"channel_credentials": auth.channel_credentials(), "call_metadata": auth.metadata() or None,
+            "channel_options": auth.channel_options() or None}
 
 
 class PidRanks:
