@@ -20,6 +20,12 @@ What is promised, and checked:
   ``survivor_exit_after_kill_s``), and their step times before the kill are reported beside a run
   of the same layout without the kill (``baseline``).
 
+Not promised: a rank killed before anything of it was stored (not one heartbeat) is unknown to the
+collector, so it gets no unclosed row (its peers' RUN_START rows still give the world size); the
+hooks' first heartbeat comes ``TRACETOP_HEARTBEAT_S`` (default 5 s; here 0.5) after they start.
+The unclosed row waits ``--unclosed-after-s`` (default 30 s; here 3) of silence, so a rank cut off
+longer than that but alive gets one too, followed by a ``resumed:seq=N`` row when it is heard again.
+
 Ground truth is the trainer's own per-rank step log (``--rank-log-dir``): the steps each rank
 completed, which are the STEP rows its hooks recorded.
 """
@@ -120,7 +126,7 @@ VIAS = ("direct", "agent", "mixed")
 
 def rank_kill(workdir: Path, *, via: str = "agent", nproc: int = 2, steps: int = 40,
               kill_ranks: tuple[int, ...] = (1,), kill_step: int = 25, silent_s: float = 3.0,
-              unclosed_after_s: float = 3.0, baseline: bool = True, heartbeat_s: float = 1.0,
+              unclosed_after_s: float = 3.0, baseline: bool = True, heartbeat_s: float = 0.5,
               timeout_s: float = 300.0) -> dict:
     """Run the scenario and count. ``via``: "direct" (hooks ship to the collector), "agent" (through
     a node agent), "mixed" (odd ranks through the agent, even ranks directly: one run covers both

@@ -16,12 +16,12 @@ from collector.bench_rank_kill import rank_kill
 
 pytestmark = pytest.mark.slow
 
-KILLED, KILL_STEP = (1, 2), 12
+KILLED, KILL_STEP = (1, 2), 15
 
 
 def test_ranks_killed_mid_step_direct_and_through_the_agent(tmp_path: Path) -> None:
     r = rank_kill(tmp_path, via="mixed", nproc=4, steps=20, kill_step=KILL_STEP, kill_ranks=KILLED,
-                  baseline=False, heartbeat_s=0.5)
+                  baseline=False, heartbeat_s=0.2)  # several heartbeats before the kill, even on a quiet machine
     print(r)
     assert {r["killed"][k]["ships_via"] for k in KILLED} == {"agent", "direct"}
     for k in KILLED:
@@ -42,5 +42,5 @@ def test_ranks_killed_mid_step_direct_and_through_the_agent(tmp_path: Path) -> N
     assert r["lost_unmarked"] == 0 and rank_kill_held(r), r
     # telemetry never holds the survivors: they end in their own failure path, well inside their
     # gloo timeout (60 s)
-    assert set(r["survivor_rc"]) == {0, 3} and r["survivor_exit_after_kill_s"] < 45, r
+    assert set(r["survivor_rc"]) == {0, 3} and r["survivor_exit_after_kill_s"] < 55, r
     assert r["collector_exit_code"] == 0 and r["agent_exit_code"] == 0, r
