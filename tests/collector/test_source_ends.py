@@ -5,6 +5,8 @@ form, with real processes killed -9, is tests/collector/test_chaos_rank_kill.py.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from collector.live.engine import Evaluator
@@ -108,3 +110,22 @@ def test_a_run_whose_ranks_all_stopped_without_closing_singles_none_out() -> Non
     ev = Evaluator(RULES, window=8, settle_s=0.0, run_end_s=600.0)
     ev.ingest(Kind.HEARTBEAT, "r", _beats(["closed", "closed"], [10 * S, 11 * S]), 11 * S)
     assert [a for a in ev.evaluate_timer(30 * S) if a.state == "firing"] == []
+
+
+def test_the_hooks_last_heartbeat_at_a_clean_close_says_closed() -> None:
+    from tracetop.wire.transport import MemoryTransport
+    from trainer_hooks.tracer import Tracer
+
+    mem = MemoryTransport()
+    tracer = Tracer(rank=0, world_size=1, run_id="c", transport=mem, wrap_collectives=False, heartbeat_s=0.05)
+    with tracer.step(0):
+        time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while not len(mem.rows(Kind.HEARTBEAT)["phase"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert "closed" not in list(mem.rows(Kind.HEARTBEAT)["phase"])  # beats while it runs are not closes
+    tracer.close()
+    hb = mem.rows(Kind.HEARTBEAT)
+    last = int(np.argmax(hb["start_ns"]))
+    assert hb["phase"][last] == "closed" and list(hb["phase"]).count("closed") == 1
