@@ -216,8 +216,14 @@ def rank_kill_held(r: dict) -> bool:
 
 
 def _run_rank_kill(args: argparse.Namespace, workdir: Path) -> int:
+    import sys
+
     from collector.bench_rank_kill import rank_kill
 
+    if not 0 < args.kill_step < args.steps:
+        print(f"tracetop bench chaos: --kill-step {args.kill_step} must lie in 1..{args.steps - 1} (--steps "
+              f"{args.steps}): rank 1 is killed in that step, after at least one whole step", file=sys.stderr)
+        return 2
     vias = ("direct", "agent") if args.via == "both" else (args.via,)
     results = [rank_kill(workdir / via, via=via, steps=args.steps, kill_step=args.kill_step) for via in vias]
     if args.json:
