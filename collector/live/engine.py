@@ -285,10 +285,13 @@ class Evaluator:
 
     def _hang_obs(self, rule: Rule, run: RunState, now_ns: int) -> list[judge.Obs]:
         heard = np.nonzero(run.hb_ns > 0)[0]
-        # a rank whose last heartbeat is its clean close (phase "closed") ended; it is never silent.
-        # The ranks that did not close are judged alone: one killed while its peers closed is named.
+        # a rank whose last heartbeat is its clean close (phase "closed") ended: it is never silent, so
+        # silent_rank judges the ranks that did not close alone (one killed while its peers closed is
+        # named). stuck_collective keeps every rank: a closed one is a rank that left the collective
+        # (e.g. the hung rank ended by its timeout), which must not turn its waiters into culprits.
         closed = heard[run.hb_phase[heard] == "closed"]
-        heard = heard[run.hb_phase[heard] != "closed"]
+        if rule.signal == "silent_rank":
+            heard = heard[run.hb_phase[heard] != "closed"]
         if len(heard) == 0:
             return []
         # a run whose every rank fell silent without any closing has ended (or died whole): nothing

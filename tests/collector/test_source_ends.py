@@ -129,3 +129,28 @@ def test_the_hooks_last_heartbeat_at_a_clean_close_says_closed() -> None:
     hb = mem.rows(Kind.HEARTBEAT)
     last = int(np.argmax(hb["start_ns"]))
     assert hb["phase"][last] == "closed" and list(hb["phase"]).count("closed") == 1
+
+
+def test_a_closed_rank_still_counts_for_stuck_collective() -> None:
+    """The hung rank ends by its timeout and closes while its peers still wait in their collectives:
+    they are waiters, not culprits (stuck_collective keeps the closed rank in its judgment)."""
+    stuck = parse("""
+[rule.stuck_collective]
+signal = "stuck_collective"
+stuck_s_above = 3
+severity = "critical"
+""")
+    ev = Evaluator(stuck, window=8, settle_s=0.0, run_end_s=600.0)
+    hb = _beats(["closed", "comm", "comm"], [20 * S, 20 * S, 20 * S], step=12)
+    hb["pending_op"] = (np.array([0, 1, 1], np.int32), ("", "all_reduce"))
+    hb["pending_role"] = (np.array([0, 1, 1], np.int32), ("", "dp"))
+    hb["pending_since_ns"] = np.array([-1, 10 * S, 10 * S], np.int64)
+    hb["step"] = np.array([13, 12, 12], np.int64)  # rank 0 went on, then ended: 1 and 2 were left behind
+    before = Evaluator(stuck, window=8, settle_s=0.0, run_end_s=600.0)
+    ev.ingest(Kind.HEARTBEAT, "r", hb, 20 * S)
+    # the same heartbeats with rank 0 idle instead of closed: the judgment must be the same
+    idle = dict(hb, phase=(np.array([0, 1, 1], np.int32), ("idle", "comm")))
+    before.ingest(Kind.HEARTBEAT, "r", idle, 20 * S)
+    fired = sorted(a.labels["rank"] for a in ev.evaluate_timer(21 * S) if a.state == "firing")
+    assert fired == sorted(a.labels["rank"] for a in before.evaluate_timer(21 * S) if a.state == "firing")
+    assert fired == ["1", "2"]
