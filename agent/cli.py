@@ -39,11 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metrics-addr", default="127.0.0.1", help="address of the metrics endpoint (default loopback)"
     )
-    p.add_argument(
-        "--insecure-bind",
-        action="store_true",
-        help="allow a non-loopback --metrics-addr (the endpoint has no TLS or token auth yet)",
-    )
+    g = p.add_argument_group("who may scrape /metrics (a non-loopback --metrics-addr needs TLS or a token)")
+    g.add_argument("--metrics-token-file", metavar="FILE", default=None,
+                   help="scrapes must send `Authorization: Bearer <a token in FILE>` (401 otherwise); "
+                        "default: the --token-file the agent presents to the collector, if any")
+    g.add_argument("--metrics-tls-cert", metavar="PEM", default=None, help="serve /metrics over HTTPS with this certificate")
+    g.add_argument("--metrics-tls-key", metavar="PEM", default=None, help="its private key")
+    g.add_argument("--metrics-tls-client-ca", metavar="PEM", default=None,
+                   help="mutual TLS: scrapers must present a certificate this CA signed")
     p.add_argument(
         "--spool-dir",
         default=None,
@@ -90,10 +93,19 @@ def run(args: argparse.Namespace) -> int:
     if args.spool_max_mb <= 0:
         print(f"tracetop agent: --spool-max-mb must be > 0, got {args.spool_max_mb}", file=sys.stderr)
         return 2
-    if args.metrics_addr not in ("127.0.0.1", "localhost", "::1") and not args.insecure_bind:
+    from tracetop.wire.auth import AuthSetupError, ServerAuth
+
+    try:
+        metrics_auth = ServerAuth.from_files(
+            token_file=args.metrics_token_file or args.token_file or env.get(env.TRACETOP_TOKEN_FILE),
+            tls_cert=args.metrics_tls_cert, tls_key=args.metrics_tls_key, tls_client_ca=args.metrics_tls_client_ca)
+    except AuthSetupError as e:
+        print(f"tracetop agent: /metrics: {e}", file=sys.stderr)
+        return 2
+    if args.metrics_addr not in ("127.0.0.1", "localhost", "::1") and not metrics_auth.closed:
         print(
-            f"tracetop agent: refusing --metrics-addr {args.metrics_addr}: not loopback, and the endpoint has no "
-            "TLS or token auth yet; scrape through a local proxy, or pass --insecure-bind on a trusted network",
+            f"tracetop agent: refusing --metrics-addr {args.metrics_addr}: not loopback, and /metrics would be open "
+            "to anyone; give --metrics-tls-cert/--metrics-tls-key (HTTPS) or --metrics-token-file (a bearer token)",
             file=sys.stderr,
         )
         return 2
@@ -102,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         from agent.fake_nvml import FakeNVML
 
         backend = FakeNVML(args.fake_gpus)
-    from tracetop.wire.auth import AuthSetupError, client_auth_from_args
+    from tracetop.wire.auth import client_auth_from_args
 
     try:
         auth = client_auth_from_args(args)
@@ -116,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         interval_s=args.interval_s,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,
+        metrics_auth=metrics_auth,
         spool_dir=args.spool_dir
         or env.get(env.TRACETOP_SPOOL_DIR, env.DEFAULT_SPOOL_DIR)
         or env.DEFAULT_SPOOL_DIR,
@@ -137,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     gpus = len(agent.nvml.handles) if agent.nvml else 0
     from tracetop.procs import announce_agent
 
-    metrics_url = f"http://{cfg.metrics_addr}:{agent.metrics_port}/metrics" if agent.metrics_port is not None else None
+    scheme = "https" if metrics_auth.tls_cert is not None else "http"
+    metrics_url = f"{scheme}://{cfg.metrics_addr}:{agent.metrics_port}/metrics" if agent.metrics_port is not None else None
     listening = agent.relay.addresses() if agent.relay else cfg.listen
     print(announce_agent(listening, gpus, cfg.collector, str(cfg.spool_dir), metrics_url), flush=True)
     try:

@@ -44,6 +44,8 @@ class AgentConfig:
     interval_s: float = 1.0
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"
+    #: who may scrape /metrics (tracetop.wire.auth.ServerAuth: a token, TLS); None: anyone on loopback
+    metrics_auth: Any = None
     spool_dir: str = env.DEFAULT_SPOOL_DIR
     spool_max_bytes: int = 1024 * MiB
     run_id: str | None = None
@@ -61,7 +63,8 @@ def _auth_kwargs(auth: Any) -> dict[str, Any]:
     """The shipper's TLS credentials and bearer metadata from a ClientAuth (nothing without one)."""
     if auth is None:
         return {}
-    return {"channel_credentials": auth.channel_credentials(), "call_metadata": auth.metadata() or None}
+    return {"channel_credentials": auth.channel_credentials(), "call_metadata": auth.metadata() or None,
+            "channel_options": auth.channel_options() or None}
 
 
 class PidRanks:
@@ -172,7 +175,7 @@ class Agent:
         )
         self.metrics = AgentMetrics(self.node, stats=self.stats)
         if cfg.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.metrics_addr)
+            self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.metrics_addr, cfg.metrics_auth)
         if self.nvml is not None:
             self.xid = XidWatcher(self.nvml, self._on_xid, clock_ns=self.clock_ns).start()
         self.relay = Relay(

@@ -140,11 +140,20 @@ class AgentMetrics:
         if self.stats is not None:
             yield from agent_families(self.node, self.stats())
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
-        """Start the HTTP endpoint in a thread of its own; returns the bound port (port 0 = any)."""
-        from prometheus_client import start_http_server
+    def serve(self, port: int, addr: str = "127.0.0.1", auth: Any = None) -> int:
+        """Start the HTTP endpoint in a thread of its own; returns the bound port (port 0 = any).
 
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        ``auth`` (tracetop.wire.auth.ServerAuth): with a token, a scrape needs ``Authorization:
+        Bearer <token>`` (401 otherwise); with TLS it is HTTPS. None or empty: open (loopback only,
+        which agent/cli.py enforces)."""
+        if auth is not None and auth.closed:
+            from tracetop.wire.auth import serve_metrics_http
+
+            server, _thread = serve_metrics_http(port, addr, self.registry, auth)
+        else:
+            from prometheus_client import start_http_server
+
+            server, _thread = start_http_server(port, addr=addr, registry=self.registry)
         self._server = server
         return int(server.server_port)
 

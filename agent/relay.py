@@ -9,9 +9,12 @@ so the collector's per-source high-water mark removes any duplicate the relay se
 
 A full spool: the batch is not acked and the stream ends with RESOURCE_EXHAUSTED (the hook keeps
 the batch and everything after it, and resends them on reconnect; refusing only one batch and
-accepting the next would let the collector's high-water mark pass over it). Each refused batch is
-counted (`spool_full`, a metric) and recorded once as a GAP row of the agent's own source with
-reason `spool_full` and origin_source the hook's source id.
+accepting the next would let the collector's high-water mark pass over it). Each refusal is
+counted (`spool_full`, the metric `tracetop_agent_spool_full_events_total`) and logged once per
+batch. A refusal is not a loss, so it writes no GAP row: the hook still holds the batch, and if it
+must drop it later (its unacked budget, its row buffers) its own ledger records exactly that loss
+(`unacked_full`, `queue_full`), once. (A GAP row here counted every refused row as lost, and
+counted it twice when the hook then dropped it.)
 
 A batch resent after it was spooled (seq <= the highest seq spooled for its source) is acked
 without spooling it again.
@@ -30,7 +33,6 @@ from typing import Any
 
 import grpc
 
-from tracetop.events import Kind
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.codec import Rejection, parse_batch, receive
 
@@ -281,6 +283,7 @@ class Relay:
             yield pb.Ack(source_id=source, seq=seq)
 
     def _spool_full(self, batch: Any) -> None:
+        """Count a refusal (every one) and log it once per batch; no GAP row (see the module doc)."""
         key = (batch.source_id, batch.seq)
         with self._lock:
             self.stats_["spool_full"] += 1
@@ -289,16 +292,6 @@ class Relay:
                 self._refused.add(key)
         if first:
             log.warning(
-                "agent relay: spool full, refused batch %s/%s (%d rows)", batch.source_id, batch.seq, batch.n
-            )
-            self.shipper.record(
-                Kind.GAP,
-                -1,
-                -1,
-                self.clock_ns(),
-                0,
-                batch.kind.name.lower(),
-                batch.n,
-                "spool_full",
-                batch.source_id,
+                "agent relay: spool full, refused batch %s/%s (%d rows); the hook keeps it and resends it",
+                batch.source_id, batch.seq, batch.n,
             )

@@ -25,6 +25,8 @@ SCENARIOS = {
     "partition": "a loopback proxy between sources and collector stalls, then resets, for --fault-s each",
     "agent-kill": "sources ship through a node agent (disk spool); kill -9 the agent --kills times",
     "full-spool": "through an agent whose spool is tiny, with the collector down for --fault-s",
+    "rank-kill": "a real 2-rank training run (gloo); one rank SIGKILLs itself mid-step; hooks ship directly and "
+                 "through an agent (--via); see collector/bench_rank_kill.py",
     "none": "no fault: the baseline for the sources' per-step telemetry cost",
 }
 
@@ -41,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-source pacing in events/s so the run outlasts the faults (default: chosen)")
     parser.add_argument("--dir", type=Path, default=None, help="keep the DuckDB file here (default: a temp dir)")
     parser.add_argument("--listen", default=None, help="collector address (default: a unix socket in the dir)")
+    parser.add_argument("--via", choices=("direct", "agent", "mixed", "both"), default="both",
+                        help="rank-kill: the hooks ship to the collector, through an agent, odd ranks through the "
+                             "agent (mixed), or one direct and one agent run (both, the default)")
+    parser.add_argument("--steps", type=int, default=40, help="rank-kill: training steps (default 40)")
+    parser.add_argument("--kill-step", type=int, default=25, help="rank-kill: the step rank 1 is killed in (default 25)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -61,6 +68,16 @@ def _agent(workdir: Path, collector: str, spool_max_mb: float):
                                    "--clock-interval-s", "0"], log_path=workdir / "agent.log")
 
 
+def _refused_batches(log_path: Path) -> int:
+    """Batches the agent's relay refused for a full spool (it logs each once; a refusal is not a
+    loss, so it is in no GAP row: the source keeps the batch, and records its own drops)."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return 0
+    return text.count("agent relay: spool full, refused batch")
+
+
 def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: Path, listen: str | None = None,
           rate_eps: float = 0.0, scenario: str = "kill", fault_s: float = 60.0) -> dict:
     """Run one scenario; count sent / stored / duplicates / lost / gaps exactly, and what the faults
@@ -70,6 +87,8 @@ def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: P
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown chaos scenario {scenario!r}; choose one of {', '.join(sorted(SCENARIOS))}")
+    if scenario == "rank-kill":
+        raise ValueError("rank-kill runs a real training: collector.bench_rank_kill.rank_kill")
     db = workdir / "chaos.duckdb"
     if scenario == "partition":
         listen = f"127.0.0.1:{_free_port()}"
@@ -166,7 +185,7 @@ def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: P
         "lost": lost,
         "gaps_recorded": counts["gaps_dropped"],
         "lost_unrecorded": lost - counts["gaps_dropped"],
-        "spool_refusals": counts["spool_refusals"],
+        "spool_refusals": _refused_batches(workdir / "agent.log") if agent is not None else 0,
         "faults": faults,
         "kills": faults if scenario in ("kill", "agent-kill") else 0,
         "restart_s_max": round(max(restarts_s), 2) if restarts_s else None,
@@ -185,7 +204,45 @@ def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: P
     return out
 
 
+def rank_kill_held(r: dict) -> bool:
+    """What rank-kill promises (collector/bench_rank_kill.py): nothing stored twice; the survivors lose
+    nothing; each killed rank's stored rows are a prefix of its steps, its source has one unclosed
+    GAP row with the exact last seq, and a silent-rank alert names it; no loss without that mark."""
+    killed = r["killed_ranks"]
+    return (r["duplicates"] == 0 and r["lost_survivors"] == 0 and r["lost_unmarked"] == 0
+            and all(k["by_sigkill"] and k["stored_is_prefix"] for k in r["killed"].values())
+            and r["unclosed_last_seq_exact"] and r["unclosed_ranks"] == killed
+            and {a["rank"] for a in r["silent_rank_alerts"]} == set(killed))
+
+
+def _run_rank_kill(args: argparse.Namespace, workdir: Path) -> int:
+    import sys
+
+    from collector.bench_rank_kill import rank_kill
+
+    if not 0 < args.kill_step < args.steps:
+        print(f"tracetop bench chaos: --kill-step {args.kill_step} must lie in 1..{args.steps - 1} (--steps "
+              f"{args.steps}): rank 1 is killed in that step, after at least one whole step", file=sys.stderr)
+        return 2
+    vias = ("direct", "agent") if args.via == "both" else (args.via,)
+    results = [rank_kill(workdir / via, via=via, steps=args.steps, kill_step=args.kill_step) for via in vias]
+    if args.json:
+        print(json.dumps(results if len(results) > 1 else results[0]))
+    else:
+        for r in results:
+            for key, value in r.items():
+                print(f"{key:>28}: {value}")
+            print()
+    return 0 if all(rank_kill_held(r) for r in results) else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "rank-kill":
+        if args.dir is not None:
+            args.dir.mkdir(parents=True, exist_ok=True)
+            return _run_rank_kill(args, args.dir)
+        with tempfile.TemporaryDirectory(prefix="tracetop-chaos-") as d:
+            return _run_rank_kill(args, Path(d))
     kw = dict(scenario=args.scenario, fault_s=args.fault_s)
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)

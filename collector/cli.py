@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "auto (acts within its bounds); wins over the TOML's [controller] mode")
     parser.add_argument("--controller-config", default=None, metavar="TOML",
                         help="a TOML file whose [controller] table sets the policies' thresholds and bounds")
+    parser.add_argument("--unclosed-after-s", type=float, default=None,
+                        help="a rank's telemetry silent this long without its clean close gets a GAP row "
+                             "(reason unclosed:last_seq=N; default 30, 0 = off)")
     parser.add_argument("--command-ttl-s", type=float, default=None,
                         help="a command rank 0 has not received this long after approval is marked lost (default 600)")
 
@@ -144,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
                 baseline=args.baseline,
                 command_ttl_s=args.command_ttl_s,
                 controller=controller,
+                unclosed_after_s=args.unclosed_after_s,
             )
         except (ListenError, SchemaError) as e:
             exports.close()

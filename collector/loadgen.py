@@ -192,18 +192,15 @@ def count_stored(db: Path, run_id: str, relay_run_ids: tuple[str, ...] = ()) -> 
             "SELECT rank, count(*) AS stored, count(DISTINCT step) AS distinct_steps FROM step WHERE run_id = ? GROUP BY rank",
             [run_id],
         ).fetchall()
-        # rows recorded as lost (a spool_full row is a refusal: the hook keeps the batch and resends it)
-        # a relay (agent) records drops of the sources' rows under its own run id
+        # rows recorded as lost; a relay (agent) records drops of the sources' rows under its own run id.
+        # (Files from before the fix may hold `spool_full` rows: refusals, not losses; left out.)
         runs = [run_id, *relay_run_ids]
         marks = ", ".join("?" * len(runs))
         gaps = con.execute(f"SELECT coalesce(sum(dropped), 0) FROM gap WHERE run_id IN ({marks}) AND kind = 'step' "
                            "AND reason <> 'spool_full'", runs).fetchone()[0]
-        refused = con.execute(f"SELECT coalesce(sum(dropped), 0) FROM gap WHERE run_id IN ({marks}) "
-                              "AND reason = 'spool_full'", runs).fetchone()[0]
     finally:
         con.close()
-    return {"per_source": {int(r): (int(s), int(d)) for r, s, d in rows}, "gaps_dropped": int(gaps),
-            "spool_refusals": int(refused)}
+    return {"per_source": {int(r): (int(s), int(d)) for r, s, d in rows}, "gaps_dropped": int(gaps)}
 
 
 #: What one rank sends per step in a "realistic" mix (issue: hardening, the 16,384-rank bench):

@@ -72,40 +72,6 @@ def serve_metrics(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1
 
 
 def _serve_guarded(port: int, addr: str, registry: CollectorRegistry, auth):
-    import ssl
-    import threading
-    from socketserver import ThreadingMixIn
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+    from tracetop.wire.auth import serve_metrics_http  # shared with the agent's /metrics
 
-    from prometheus_client import make_wsgi_app
-
-    metrics_app = make_wsgi_app(registry)
-
-    def app(environ, start_response):
-        reason = auth.check_http(environ.get("HTTP_AUTHORIZATION"))
-        if reason is not None:
-            body = f"{reason}\n".encode()
-            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer"),
-                                                ("Content-Length", str(len(body)))])
-            return [body]
-        return metrics_app(environ, start_response)
-
-    class _Server(ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-
-    class _Quiet(WSGIRequestHandler):
-        def log_message(self, format, *args):  # noqa: A002 - never log requests (headers hold tokens)
-            pass
-
-    httpd = make_server(addr, port, app, _Server, handler_class=_Quiet)
-    cert, key, client_ca = auth.tls_paths
-    if cert:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.load_cert_chain(cert, key)
-        if client_ca:
-            ctx.load_verify_locations(client_ca)
-            ctx.verify_mode = ssl.CERT_REQUIRED
-        httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-    thread = threading.Thread(target=httpd.serve_forever, name="tracetop-metrics", daemon=True)
-    thread.start()
-    return httpd, thread
+    return serve_metrics_http(port, addr, registry, auth)

@@ -327,12 +327,15 @@ class Collector:
     live: object | None = None  # collector.live.engine.LiveEngine when started with rules
     control: object = None  # collector.control.service.ControlService
     tasks: list = field(default_factory=list)  # the control path's loops (lost-command sweep, controller)
+    ends: object | None = None  # collector.source_ends.SourceEnds: sources gone without a clean close
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
         self.service.closing = True
         for task in self.tasks:
             task.cancel()
+        if self.ends is not None:
+            await asyncio.to_thread(self.ends.stop)  # type: ignore[attr-defined]
         stopped = asyncio.ensure_future(self.server.stop(grace_s))
         await asyncio.to_thread(self.writer.close)
         if self.live is not None:
@@ -371,6 +374,7 @@ async def start(
     live_window: int = 64,
     command_ttl_s: float | None = None,
     controller: object = None,
+    unclosed_after_s: float | None = None,
 ) -> Collector:
     """Open the file, start the writer and the gRPC server. Call inside a running event loop.
 
@@ -408,6 +412,7 @@ async def start(
         on_commit=live.on_commit if live is not None else None,
     )
     writer.start()
+    ends = _watch_source_ends(writer, unclosed_after_s)
     service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows, query_timeout_s=query_timeout_s)
     max_bytes = int(max_batch_mb * 1024 * 1024)
     server = grpc.aio.server(
@@ -427,6 +432,8 @@ async def start(
         creds = auth.server_credentials()
         port = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
     except RuntimeError as e:
+        if ends is not None:
+            ends.stop()
         writer.close()
         if live is not None:
             live.close()
@@ -445,7 +452,40 @@ async def start(
     exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
     tasks = control_loop.start_tasks(control, con, controller)
     return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports, live,
-                     control, tasks)
+                     control, tasks, ends)
+
+
+def _watch_source_ends(writer: Writer, after_s: float | None):
+    """collector/source_ends.py: a GAP row for each rank source gone silent without a clean close
+    (after ``after_s``; None: the default; 0: off). Its rows go through the writer like any batch."""
+    from collector.source_ends import DEFAULT_AFTER_S, SourceEnds
+
+    if after_s is not None and after_s <= 0:
+        return None
+    ends = SourceEnds(after_s=after_s if after_s is not None else DEFAULT_AFTER_S)
+    live_commit = writer.on_commit
+
+    def on_commit(batches) -> None:
+        ends.on_commit(batches)
+        if live_commit is not None:
+            live_commit(batches)
+
+    writer.on_commit = on_commit
+
+    class _NoAcks(StreamSink):
+        def deliver(self, item) -> None:
+            pass
+
+    sink = _NoAcks()
+
+    def submit(raw) -> bool:
+        got = receive(raw)
+        if isinstance(got, Rejection):  # a bug of ours: say so, write nothing
+            log.error("collector: own GAP batch refused: %s: %s", got.fault, got.message)
+            return False
+        return writer.submit(Pending(sink, got, batch_to_arrow(got)))
+
+    return ends.start(submit)
 
 
 class Handle:

@@ -224,6 +224,8 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
                    help="that rank allocates and holds MB more every step")
     g.add_argument("--inject-hang", action="append", default=[], metavar="RANK@STEP",
                    help="that rank stops inside a collective at STEP; the others block until the timeout")
+    g.add_argument("--inject-kill", action="append", default=[], metavar="RANK@STEP",
+                   help="that rank kills itself (SIGKILL, no clean exit) in its first forward of STEP")
     g.add_argument("--inject-slow-micro-batch", action="append", default=[], metavar="MB:MS",
                    help="while the micro-batch size is MB, every rank computes MS longer every step")
     g.add_argument("--inject-refuse-command", action="append", default=[], metavar="RANK[:KEY=VALUE]",

@@ -15,6 +15,9 @@ Every fault acts on the real run, never on a reported number:
 - hang RANK@STEP: at STEP, where its first DP reduction would start, that rank enters an
   all-reduce on a (gloo) group nobody else joins, where it stays until the timeout; the others
   block in their next collective with it until theirs.
+- kill RANK@STEP: in its first forward of STEP (mid-step) that rank sends itself SIGKILL: no
+  finally, no atexit, no flush; what its hooks held in memory dies with it. The others fail in
+  their next collective with it (gloo: the peer's connection closed) and end as their code does.
 
 ``StageClock`` also measures, per rank and step, the forward time of the stage module, the
 backward time of the stage and the time in the DP gradient reduction (``--rank-log-dir``).
@@ -28,13 +31,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-KINDS = ("straggler", "comm_delay", "stage_imbalance", "mem_growth", "hang")
+KINDS = ("straggler", "comm_delay", "stage_imbalance", "mem_growth", "hang", "kill")
 _SPEC = {
     "straggler": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MS[@STEP], e.g. 1:200@5"),
     "comm_delay": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MS[@STEP], e.g. 0:150"),
     "stage_imbalance": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "STAGE:FACTOR[@STEP], e.g. 1:3"),
     "mem_growth": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MB[@STEP], e.g. 2:64@3"),
     "hang": (r"^(\d+)@(\d+)$", "RANK@STEP, e.g. 3@10"),
+    "kill": (r"^(\d+)@(\d+)$", "RANK@STEP, e.g. 1@5"),
 }
 
 
@@ -50,7 +54,7 @@ class Fault:
     from_step: int  # first step it acts on
 
     def active(self, step: int) -> bool:
-        return step >= self.from_step if self.kind != "hang" else step == self.from_step
+        return step >= self.from_step if self.kind not in ("hang", "kill") else step == self.from_step
 
 
 def parse_fault(kind: str, text: str) -> Fault:
@@ -59,7 +63,7 @@ def parse_fault(kind: str, text: str) -> Fault:
     flag = "--inject-" + kind.replace("_", "-")
     if not m:
         raise FaultSpecError(f"{flag} {text!r}: expected {form}")
-    if kind == "hang":
+    if kind in ("hang", "kill"):
         return Fault(kind, int(m.group(1)), 0.0, int(m.group(2)))
     amount = float(m.group(2))
     if kind == "stage_imbalance" and amount < 1.0:
@@ -115,6 +119,7 @@ class StageClock:
         self.imbalance = [f for f in faults if f.kind == "stage_imbalance" and f.target == stage]
         self.mem_growth = [f for f in faults if f.kind == "mem_growth" and f.target == rank]
         self.hang = [f for f in faults if f.kind == "hang" and f.target == rank]
+        self.kill = [f for f in faults if f.kind == "kill" and f.target == rank]
         self.needs_hang_group = any(f.kind == "hang" for f in faults)
         self.hang_group: Any = None
         self.device: Any = None
@@ -202,6 +207,8 @@ class StageClock:
 
     # -- forward ------------------------------------------------------------------------------
     def _pre_forward(self, module: Any, args: tuple) -> tuple | None:
+        if any(f.active(self.step) for f in self.kill):
+            _kill_self(self.rank, self.step)
         self._factor()  # on GPU, an imbalanced stage starts its clock with an empty queue
         self._fwd_t0 = self._clock()
         ms = sum(f.amount for f in self.straggler if f.active(self.step))
@@ -245,6 +252,14 @@ class StageClock:
         self.backward_s += self._clock() - self._bwd_t0
         if self.activations:  # this micro-batch's activations are freed with its backward (1F1B: FIFO)
             self.activations.pop(0)
+
+
+def _kill_self(rank: int, step: int) -> None:
+    import os
+    import signal
+
+    print(f"[reference_trainer] rank {rank}: injected kill at step {step}: SIGKILL mid-step", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _markers():

@@ -161,7 +161,7 @@ SCHEMAS: dict[Kind, tuple[Col, ...]] = {
     ),
     Kind.HEARTBEAT: _COMMON
     + (
-        Col("phase", "str"),            # idle | data | forward | backward | optimizer | comm
+        Col("phase", "str"),            # idle | data | forward | backward | optimizer | comm | closed (the last, at a clean close)
         Col("pending_op", "str"),       # the collective this rank is inside of, "" if none
         Col("pending_role", "str"),
         Col("pending_since_ns", "i8"),  # wall clock it entered it, -1 if none
@@ -172,7 +172,7 @@ SCHEMAS: dict[Kind, tuple[Col, ...]] = {
     + (
         Col("kind", "str"),             # the event kind (or "batch") that was dropped
         Col("dropped", "i8"),           # rows (or batches) lost
-        Col("reason", "str"),           # see tracetop/wire/ledger.py: queue_full | bad_row | unacked_full | rejected:<fault> | spool_unreadable | spool_full
+        Col("reason", "str"),           # see tracetop/wire/ledger.py: queue_full | bad_row | unacked_full | rejected:<fault> | spool_unreadable
         Col("origin_source", "str"),    # the source whose data was lost
     ),
     Kind.XID: _COMMON

@@ -29,7 +29,7 @@ _COLLECTOR_RE = re.compile(
 )
 _AGENT_RE = re.compile(
     r"tracetop agent: listening on (?P<address>[^;]+); (?P<gpus>\d+) GPUs; shipping to (?P<collector>\S+); "
-    r"spool (?P<spool>\S+?)(?:, metrics on http://[^:]+:(?P<metrics_port>\d+)/metrics)?$"
+    r"spool (?P<spool>\S+?)(?:, metrics on https?://[^:]+:(?P<metrics_port>\d+)/metrics)?$"
 )
 
 

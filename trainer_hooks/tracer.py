@@ -466,7 +466,7 @@ class Tracer:
             self._commands.close()
             self._stop.set()
             self._emitter.join(timeout=max(2.0, self.close_timeout_s))
-            self._heartbeat()
+            self._heartbeat(closed=True)  # the clean close: collector/source_ends.py watches for it
         except Exception as e:
             self._hook_error("close", e)
         finally:
@@ -739,9 +739,9 @@ class Tracer:
                 self.shipper.record_many(_THROUGHPUT, throughput)
                 self.shipper.record_many(_MEMORY, memory)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, closed: bool = False) -> None:
         op, role, since = self.pending
-        phase = "comm" if op else (self.current_phase if self.in_step else "idle")
+        phase = "closed" if closed else "comm" if op else (self.current_phase if self.in_step else "idle")
         self._record(_HEARTBEAT, self.rank, self.step_n, self._clock_ns(), 0, phase, op, role, since,
                      self._hostname, self._pid)
 
@@ -820,7 +820,8 @@ def _client_auth() -> dict[str, Any]:
         raise SetupError(f"trainer_hooks: {e}") from None
     if auth.token is None and auth.tls_ca is None:
         return {}
-    return {"channel_credentials": auth.channel_credentials(), "call_metadata": auth.metadata() or None}
+    return {"channel_credentials": auth.channel_credentials(), "call_metadata": auth.metadata() or None,
+            "channel_options": auth.channel_options() or None}
 
 
 def _seconds(value: float | None, var: str, default: float, what: str) -> float:

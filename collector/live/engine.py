@@ -285,10 +285,19 @@ class Evaluator:
 
     def _hang_obs(self, rule: Rule, run: RunState, now_ns: int) -> list[judge.Obs]:
         heard = np.nonzero(run.hb_ns > 0)[0]
+        # a rank whose last heartbeat is its clean close (phase "closed") ended: it is never silent, so
+        # silent_rank judges the ranks that did not close alone (one killed while its peers closed is
+        # named). stuck_collective keeps every rank: a closed one is a rank that left the collective
+        # (e.g. the hung rank ended by its timeout), which must not turn its waiters into culprits.
+        closed = heard[run.hb_phase[heard] == "closed"]
+        if rule.signal == "silent_rank":
+            heard = heard[run.hb_phase[heard] != "closed"]
         if len(heard) == 0:
             return []
-        # a run whose every rank fell silent has ended (or died whole): nothing to single out
-        if (now_ns - run.hb_ns[heard]).min() / 1e9 > rule.threshold and rule.signal == "silent_rank":
+        # a run whose every rank fell silent without any closing has ended (or died whole): nothing
+        # to single out
+        if (now_ns - run.hb_ns[heard]).min() / 1e9 > rule.threshold and rule.signal == "silent_rank" \
+                and not len(closed):
             return []
         big = 1e18
         silent_s = rule.threshold if rule.signal == "silent_rank" else big
@@ -306,9 +315,11 @@ class Evaluator:
             if stage >= 0:
                 labels["stage"] = str(stage)
             if h.kind == "silent" and rule.signal == "silent_rank":
+                others = (f"without its clean close, while rank(s) {', '.join(map(str, closed.tolist()))} closed"
+                          if len(closed) else "while the others still beat")
                 out.append(judge.Obs("rank", labels, h.seconds, True,
                                      f"rank {h.rank} sent no heartbeat for {h.seconds:.0f} s (last at step {h.step}) "
-                                     f"while the others still beat{wait}"))
+                                     f"{others}{wait}"))
             elif h.kind == "stuck" and rule.signal == "stuck_collective":
                 labels.update(op=h.op, role=h.role)
                 out.append(judge.Obs("rank", labels, h.seconds, True,

@@ -22,6 +22,12 @@ HOOK = Path(__file__).with_name("hook_proc.py")
 @dataclass
 class AgentProc:
     service: ServiceProcess
+    token: str | None = None  # /metrics demands it when the agent has a token file
+
+    def _metrics(self) -> str:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                     headers={"Authorization": f"Bearer {self.token}"} if self.token else {})
+        return urllib.request.urlopen(req, timeout=10).read().decode()
 
     @property
     def proc(self) -> subprocess.Popen:
@@ -37,11 +43,7 @@ class AgentProc:
 
     def scrape(self) -> dict[str, float]:
         """name -> value summed over label sets."""
-        body = (
-            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        body = self._metrics()
         out: dict[str, float] = {}
         for fam in text_string_to_metric_families(body):
             for s in fam.samples:
@@ -49,11 +51,7 @@ class AgentProc:
         return out
 
     def scrape_text(self) -> str:
-        return (
-            urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10)
-            .read()
-            .decode()
-        )
+        return self._metrics()
 
     def wait_drained(self, timeout_s: float = 120.0) -> None:
         """Until the collector has acked everything the agent holds (hooks' batches and its own)."""
@@ -77,7 +75,12 @@ def start_agent(collector: str, sock: str, spool: Path, *extra: str, timeout_s: 
         service.start(timeout_s)
     except procs.ServiceError as e:
         raise RuntimeError(str(e)) from None
-    return AgentProc(service)
+    token = None
+    for flag in ("--metrics-token-file", "--token-file"):  # the first of them guards /metrics
+        if flag in extra:
+            token = Path(extra[extra.index(flag) + 1]).read_text().split()[0]
+            break
+    return AgentProc(service, token)
 
 
 def start_hook(

@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire.codec import decode_batch, encode_batch
@@ -220,28 +219,50 @@ def test_resend_after_a_broken_stream_stores_each_batch_once() -> None:
     assert s.stats()["reconnects"] >= 1
 
 
-@pytest.mark.parametrize("n_hook_resends", [3])
-def test_full_spool_through_the_relay(tmp_path: Path, n_hook_resends: int) -> None:
-    """A hook ships to the agent relay whose spool is full: the relay refuses the batch (the hook
-    keeps it and resends), and the agent's ledger records it once as spool_full, exactly."""
+def _hb_batch_bytes(n: int) -> int:
+    cols = {c.name: (["x"] * n if c.dtype == "str" else np.arange(n)) for c in SCHEMAS[Kind.HEARTBEAT]}
+    return encode_batch(Kind.HEARTBEAT, cols, source_id="hook-1", seq=1, run_id="loss").ByteSize()
+
+
+def test_full_spool_refusal_is_not_a_loss_and_the_hooks_drops_count_exactly(tmp_path: Path) -> None:
+    """A hook ships through the agent relay while the collector is down and the agent's spool fills:
+    the relay refuses (the hook keeps the batch and resends it), the hook's small unacked budget
+    makes it drop its oldest batches. When the collector is back, every row the hook recorded is
+    either stored once or in exactly one GAP row (the hook's own unacked_full); a refusal adds none.
+    (The relay once recorded each refused batch as a spool_full GAP row: refused-then-stored rows
+    were counted lost, and refused-then-dropped rows twice.)"""
     from agent.relay import Relay
 
+    rows_per_batch, batches = 100, 30
+    size = _hb_batch_bytes(rows_per_batch)
     mem = MemoryTransport()
-    agent = _shipper(mem, spool_dir=tmp_path / "spool", spool_max_bytes=100)
+    mem.reachable = False  # the collector is down: the agent's spool fills
+    agent = _shipper(mem, spool_dir=tmp_path / "spool", spool_max_bytes=int(2.5 * size), reconnect_max_s=0.05)
     sock = f"unix://{tmp_path / 'relay.sock'}"
     relay = Relay(agent, [sock]).start()
-    hook = Shipper(sock, run_id="loss", source_id="hook-1", flush_interval_s=0.02, reconnect_max_s=0.05)
+    # the hook seals batches of about budget/8 bytes: ~100 rows, ~8 of them in memory at most
+    hook = Shipper(sock, run_id="loss", source_id="hook-1", flush_rows=rows_per_batch, flush_interval_s=0.05,
+                   reconnect_max_s=0.05, max_unacked_bytes=8 * size)
     try:
-        for i in range(50):
+        for i in range(rows_per_batch * batches):
             hook.record(Kind.HEARTBEAT, *_heartbeat(i))
-        assert not hook.flush(1.0), "a full spool acks nothing"
         deadline = time.monotonic() + 30
-        while relay.stats()["spool_full"] < n_hook_resends:  # the hook keeps resending it
-            assert time.monotonic() < deadline, relay.stats()
+        while relay.stats()["spool_full"] < 2 or hook.stats()["rows_dropped"] == 0:
+            assert time.monotonic() < deadline, (relay.stats(), hook.stats())
             time.sleep(0.02)
+        mem.reachable = True  # the collector is back: the spool drains, the refused batches go in
+        assert hook.flush(30), hook.stats()
+        assert agent.flush(30), agent.stats()
         hs = hook.stats()
-        assert hs["rows_dropped"] == 0 and hs["unacked_batches"] == 1, "the hook keeps what was refused"
     finally:
-        hook.close(0.1)
+        hook.close(5.0)
         relay.stop(0.1)
-    _close_and_check(agent, mem, {("heartbeat", "spool_full", "hook-1"): 50})
+    agent.close(5.0)
+    stored = mem.rows(Kind.HEARTBEAT)["step"].tolist()
+    assert len(stored) == len(set(stored)) and mem.duplicates == 0
+    gaps = _gaps(mem)
+    assert not [k for k in gaps if k[1] == "spool_full"], gaps
+    # the only recorded loss is the hook's own, exactly what it dropped, and it accounts for every missing row
+    assert gaps == {("heartbeat", "unacked_full", "hook-1"): hs["rows_dropped"]}
+    assert len(stored) + hs["rows_dropped"] == rows_per_batch * batches
+    assert 0 < hs["rows_dropped"] < rows_per_batch * batches

@@ -312,3 +312,47 @@ def _denying_handler(handler, code, reason: str):
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(streaming, **kw)
     return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+def serve_metrics_http(port: int, addr: str, registry, auth: ServerAuth):
+    """A Prometheus /metrics endpoint guarded by ``auth`` (the collector's and the agent's): a scrape
+    without the bearer token gets 401 naming what is missing (never the token); with TLS it serves
+    HTTPS (asking for a client certificate under mutual TLS). Requests are never logged (their
+    headers hold tokens). Returns (server, thread); ``server.shutdown()`` stops it."""
+    import ssl
+    import threading
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        reason = auth.check_http(environ.get("HTTP_AUTHORIZATION"))
+        if reason is not None:
+            body = f"{reason}\n".encode()
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer"),
+                                                ("Content-Length", str(len(body)))])
+            return [body]
+        return metrics_app(environ, start_response)
+
+    class _Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+    class _Quiet(WSGIRequestHandler):
+        def log_message(self, format, *args):  # noqa: A002 - never log requests (headers hold tokens)
+            pass
+
+    httpd = make_server(addr, port, app, _Server, handler_class=_Quiet)
+    cert, key, client_ca = auth.tls_paths
+    if cert:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(cert, key)
+        if client_ca:
+            ctx.load_verify_locations(client_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+    thread = threading.Thread(target=httpd.serve_forever, name="tracetop-metrics", daemon=True)
+    thread.start()
+    return httpd, thread

@@ -11,9 +11,12 @@ Reasons (the GAP table's ``reason`` column):
                        (a batch in flight is counted only when its stream ends without an ack)
     rejected:<fault>   the receiver refused the batch (``fault`` as it named it)
     spool_unreadable   a spooled batch could not be read back from disk
-    spool_full         the agent relay refused a hook's batch because the spool is full (the
-                       relay records it once per batch as a GAP row; the shipper folds GAP rows
-                       recorded by producers into this ledger when it seals)
+    spool_full         (no longer written) the agent relay once recorded a refused hook batch
+                       here; a refusal is not a loss (the hook keeps and resends the batch, and
+                       records its own drops), so the relay now only counts it in its metrics.
+                       Older files may hold such rows: they are refusals, not losses.
+
+GAP rows that producers record themselves are folded into this ledger when the shipper seals.
 
 ``kind`` is the event kind's name, or ``"batch"`` when not even that is known (an unreadable
 spool file whose header is gone): then ``dropped`` counts batches, not rows.

@@ -109,6 +109,8 @@ class Shipper:
         channel_credentials / call_metadata: for the gRPC link (TLS credentials, e.g.
             ``grpc.ssl_channel_credentials(...)``; ``(key, value)`` pairs sent with every stream,
             e.g. ``(("authorization", "Bearer <token>"),)``). Both default to none.
+        channel_options: extra gRPC channel options (``ClientAuth.channel_options()``, which
+            carries ``--tls-server-name`` / TRACETOP_TLS_SERVER_NAME).
         channel_factory: builds the gRPC channel (tests may inject options).
         clock_ns: wall clock in ns (injectable).
         burst_linger_s: a stream stays open this long after its last batch for more, then
@@ -132,6 +134,7 @@ class Shipper:
         transport: Any = None,
         channel_credentials: Any = None,
         call_metadata: Sequence[tuple[str, str]] | None = None,
+        channel_options: Sequence[tuple[str, Any]] | None = None,
         channel_factory: Callable[..., Any] = default_channel,
         clock_ns: Callable[[], int] = time.time_ns,
         reconnect_max_s: float = 1.0,
@@ -152,6 +155,7 @@ class Shipper:
                 endpoint,  # type: ignore[arg-type]
                 channel_credentials=channel_credentials,
                 call_metadata=call_metadata,
+                channel_options=channel_options,
                 channel_factory=channel_factory,
             )
         elif not hasattr(transport, "stream") and hasattr(transport, "send"):

@@ -64,17 +64,22 @@ class Transport(Protocol):
         ...
 
 
-def default_channel(target: str, credentials: Any = None):  # -> grpc.Channel
+def default_channel(target: str, credentials: Any = None,
+                    options: Sequence[tuple[str, Any]] = ()):  # -> grpc.Channel
     """The one place the shipper opens a gRPC channel: insecure, or TLS with ``credentials``
-    (``grpc.ssl_channel_credentials(...)``, optionally composed with call credentials)."""
+    (``grpc.ssl_channel_credentials(...)``, optionally composed with call credentials).
+    ``options`` are added to the shipper's own (e.g. ``ClientAuth.channel_options()``: the
+    ``grpc.ssl_target_name_override`` of ``--tls-server-name``)."""
     import grpc
 
+    extra = list(options)
     options = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        *extra,
     ]
     if credentials is not None:
         return grpc.secure_channel(target, credentials, options=options)
@@ -88,6 +93,8 @@ class GrpcTransport:
         channel_credentials: ``grpc.ChannelCredentials`` for TLS (None: an insecure channel).
         call_metadata: ``(key, value)`` pairs sent with every stream, e.g.
             ``(("authorization", "Bearer <token>"),)``.
+        channel_options: extra ``(key, value)`` channel options (``ClientAuth.channel_options()``:
+            the TLS server name to check); given to the factory as ``options=`` when not empty.
         channel_factory: ``(endpoint)`` or, with credentials, ``(endpoint, credentials)`` ->
             channel; tests may inject options.
     """
@@ -98,9 +105,11 @@ class GrpcTransport:
         *,
         channel_credentials: Any = None,
         call_metadata: Sequence[tuple[str, str]] | None = None,
+        channel_options: Sequence[tuple[str, Any]] | None = None,
         channel_factory: Callable[..., Any] = default_channel,
     ) -> None:
         self.endpoint = endpoint
+        self.channel_options = tuple(channel_options or ())
         self.channel_credentials = channel_credentials
         self.call_metadata = tuple(call_metadata) if call_metadata else None
         self._channel_factory = channel_factory
@@ -118,10 +127,11 @@ class GrpcTransport:
 
             self._grpc = grpc
 
+            kw = {"options": self.channel_options} if self.channel_options else {}
             if self.channel_credentials is None:
-                self._channel = self._channel_factory(self.endpoint)
+                self._channel = self._channel_factory(self.endpoint, **kw)
             else:
-                self._channel = self._channel_factory(self.endpoint, self.channel_credentials)
+                self._channel = self._channel_factory(self.endpoint, self.channel_credentials, **kw)
             self._stub = tracetop_pb2_grpc.IngestStub(self._channel)
         return self._stub
 

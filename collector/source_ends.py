@@ -1,0 +1,147 @@
+"""Sources that ended without their clean close: a GAP row says so, with the last seq stored.
+
+A rank's hooks end their telemetry with a last heartbeat whose phase is ``closed``
+(trainer_hooks.tracer.Tracer.close: everything before it was handed on or counted in a GAP row of
+its own). A source that sent heartbeats, then fell silent for ``after_s`` without that heartbeat,
+ended some other way: killed (-9, OOM), its node lost, or cut off. What it had handed on (acked by
+the collector, or on an agent's spool, which delivers it later) is stored exactly once; what was
+only in its memory is lost, and nobody can count it. So the collector records one GAP row for it:
+
+    rank, step        the source's rank and the step of its last heartbeat
+    start_ns          when the collector last committed anything of it
+    duration_ns       how long it had been silent when the row was written
+    kind "unknown", dropped 0      the rows lost are not known (0: nothing is claimed as counted)
+    reason "unclosed:last_seq=N"   N: the last batch seq stored for that source
+    origin_source     the source id
+
+If such a source is heard again (it was cut off, not gone: an agent's spool delivers late), a
+second row ``reason "resumed:seq=N"`` (dropped 0) says the first one no longer stands alone.
+
+The state is the collector's memory: a source last heard before a restart of the collector gets
+no row. Only sources that send heartbeats (trainer ranks) are watched; rows are written through
+the writer like any batch, by a source of the collector's own (``collector:ends:<id>``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tracetop.events import Kind
+
+log = logging.getLogger("tracetop.collector")
+
+CLOSED_PHASE = "closed"
+DEFAULT_AFTER_S = 30.0
+
+
+@dataclass
+class _Source:
+    run_id: str
+    rank: int = -1
+    step: int = -1
+    last_seq: int = 0
+    last_ns: int = 0
+    reported: bool = False
+
+
+def _last_string(col, i: int) -> str:
+    codes, dictionary = col
+    return str(dictionary[int(codes[i])]) if len(dictionary) else ""
+
+
+class SourceEnds:
+    """Fed by the writer's on_commit (cheap, never blocks); ``tick(now_ns)`` returns the GAP rows due,
+    per run (pure; the thread started by ``start`` writes them through ``submit``)."""
+
+    def __init__(self, *, after_s: float = DEFAULT_AFTER_S, clock_ns: Callable[[], int] = time.time_ns) -> None:
+        self.after_s = after_s
+        self.clock_ns = clock_ns
+        self._lock = threading.Lock()
+        self._watched: dict[str, _Source] = {}  # heartbeat sources not (yet) closed
+        self._resumed: list[tuple[str, _Source]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.own_source = f"collector:ends:{uuid.uuid4().hex[:12]}"
+        self._seq = 0
+        self.rows_written = 0
+
+    # -- the writer's side ------------------------------------------------------------------
+    def on_commit(self, batches: Sequence) -> None:
+        now = self.clock_ns()
+        with self._lock:
+            for b in batches:
+                if b.source_id == self.own_source:
+                    continue
+                s = self._watched.get(b.source_id)
+                if b.kind == Kind.HEARTBEAT and b.n:
+                    if s is None:
+                        s = self._watched[b.source_id] = _Source(b.run_id)
+                    i = int(np.argmax(np.asarray(b.columns["start_ns"])))
+                    if _last_string(b.columns["phase"], i) == CLOSED_PHASE:
+                        del self._watched[b.source_id]  # a clean close: nothing to say
+                        continue
+                    s.rank = int(b.columns["rank"][i])
+                    s.step = int(b.columns["step"][i])
+                if s is None:
+                    continue
+                s.last_seq = max(s.last_seq, int(b.seq))
+                s.last_ns = now
+                if s.reported:
+                    s.reported = False
+                    self._resumed.append((b.source_id, _Source(s.run_id, s.rank, s.step, s.last_seq, now)))
+
+    # -- the timer ----------------------------------------------------------------------------
+    def tick(self, now_ns: int) -> dict[str, list[tuple]]:
+        """run_id -> GAP rows (schema order) due now: sources silent for after_s, and resumed ones."""
+        out: dict[str, list[tuple]] = {}
+        with self._lock:
+            for source_id, s in self._watched.items():
+                silent_ns = now_ns - s.last_ns
+                if not s.reported and silent_ns > self.after_s * 1e9:
+                    s.reported = True
+                    out.setdefault(s.run_id, []).append(
+                        (s.rank, s.step, s.last_ns, silent_ns, "unknown", 0, f"unclosed:last_seq={s.last_seq}", source_id))
+            for source_id, s in self._resumed:
+                out.setdefault(s.run_id, []).append(
+                    (s.rank, s.step, s.last_ns, 0, "unknown", 0, f"resumed:seq={s.last_seq}", source_id))
+            self._resumed.clear()
+        return out
+
+    def batches(self, now_ns: int):
+        """The rows due now as encoded batches of the collector's own source (one per run)."""
+        from tracetop.events import SCHEMAS
+        from tracetop.wire.codec import encode_batch
+
+        for run_id, rows in self.tick(now_ns).items():
+            cols = {c.name: [r[j] for r in rows] for j, c in enumerate(SCHEMAS[Kind.GAP])}  # encode casts
+            self._seq += 1
+            yield encode_batch(Kind.GAP, cols, source_id=self.own_source, seq=self._seq, run_id=run_id,
+                               first_record_ns=now_ns), len(rows)
+
+    def start(self, submit: Callable[[object], bool], tick_s: float = 1.0) -> SourceEnds:
+        """Write due rows every tick_s through ``submit(pb.ColumnBatch) -> bool`` (on a daemon thread)."""
+        def loop() -> None:
+            while not self._stop.wait(tick_s):
+                try:
+                    for batch, n in self.batches(self.clock_ns()):
+                        if submit(batch):
+                            self.rows_written += n
+                except Exception:  # the watch never takes the collector down
+                    log.exception("collector: recording unclosed sources failed")
+
+        self._thread = threading.Thread(target=loop, name="tracetop-source-ends", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
