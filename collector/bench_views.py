@@ -4,7 +4,10 @@ over a generated file of that many event rows.
 The file is made by DuckDB itself (`INSERT ... SELECT FROM range(n)`, no Python row loop) through
 `collector.schema.open_store`, so it has this version's tables and views. Rows are split as a
 pipeline run's file splits them: 50% collective, 30% pipe_instr, 10% step, 5% memory, 4.9%
-offload, the rest gap; one run, `--ranks` ranks (PP 4 stages), steps filling the step share.
+offload, the rest gap; one run, `--ranks` ranks (PP 4 stages), steps filling the step share; the
+rollups the writer keeps (collector/rollup.py) are filled from those rows in the same transaction.
+`--file` times an existing file as it is (an older schema keeps its older views: migrate a copy
+with `open_store` first to time this version's).
 Each view is then computed whole (every column of every row hashed as one struct, so nothing is
 pruned away, while only one row comes back to Python) three times on a read-only connection: the first (cold) and the median of the three are
 reported beside the file's size, the generation time and the machine's load average. Goal: each
@@ -40,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def generate(path: str, rows: int, ranks: int, memory_limit_gb: float = 4.0) -> dict[str, int]:
     """Write a collector file of about `rows` event rows; return rows per table."""
+    from collector import rollup
     from collector.schema import connect, migrate
 
     con = connect(path)
@@ -95,6 +99,7 @@ def generate(path: str, rows: int, ranks: int, memory_limit_gb: float = 4.0) -> 
             f"""INSERT INTO gap (run_id, rank, step, start_ns, duration_ns, kind, dropped, reason, origin_source)
                 SELECT 'bench', i % {ranks}, -1, {t0} + i, 0, 'collective', 10, 'queue_full', 'rank-' || (i % {ranks})
                 FROM range({n['gap']}) r(i)""")
+        rollup.rebuild(con)  # what the collector's writer keeps beside the rows it commits
         con.execute("COMMIT")
         con.execute("CHECKPOINT")
     finally:

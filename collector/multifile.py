@@ -6,7 +6,8 @@ leave `step_summary` reading one file's `step`. Instead:
 
 1. a fresh in-memory database ATTACHes every file READ_ONLY (as f0, f1, ...);
 2. each table becomes a TEMP view `UNION ALL BY NAME` over the files that have it (a column a
-   file lacks, from an older schema, reads NULL there);
+   file lacks, from an older schema, reads NULL there); a rollup table a file is too old to hold
+   is derived from that file's rows (collector/rollup.py);
 3. each view is recreated as a TEMP view from its stored SQL (the definition of the file with
    the newest schema), so its unqualified names now resolve to the unions of step 2;
 4. then external access is switched off and the configuration locked, as for one file: no
@@ -65,7 +66,9 @@ def connect_many(paths: list[str]):
                 if name not in views or version > views[name][0]:
                     views[name] = (version, sql)
         for name, aliases in tables.items():
-            union = " UNION ALL BY NAME ".join(f"SELECT * FROM {a}.main.{_ident(name)}" for a in aliases)
+            parts = [f"SELECT * FROM {a}.main.{_ident(name)}" for a in aliases]
+            parts += _derived_rollups(name, aliases, tables)
+            union = " UNION ALL BY NAME ".join(parts)
             con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {union}")
         _create_views(con, {n: sql for n, (_, sql) in views.items() if n not in tables})
         con.execute("SET enable_external_access = false")
@@ -74,6 +77,18 @@ def connect_many(paths: list[str]):
         con.close()
         raise
     return con
+
+
+def _derived_rollups(name: str, aliases: list[str], tables: dict[str, list[str]]) -> list[str]:
+    """A file older than the rollups (collector/rollup.py) has its event rows but not their
+    histograms: derive them from its rows, so a view over the rollup counts that file too."""
+    from collector import rollup
+    from tracetop.events import table_name
+
+    if name not in rollup.TABLES:
+        return []
+    raw = table_name(rollup.TABLES[name][0])
+    return [f"SELECT * FROM ({rollup.rows_sql(name, f'{a}.main.{_ident(raw)}')})" for a in tables.get(raw, []) if a not in aliases]
 
 
 def _literal(text: str) -> str:

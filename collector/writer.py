@@ -3,7 +3,8 @@
 gRPC handlers only decode, validate and convert a batch to Arrow (`batch_to_arrow`), then
 `submit` it. The writer thread drains whatever is queued once ~`flush_rows` rows are waiting or
 the oldest item has waited `flush_interval_s`, and commits the lot in one transaction: per event
-kind one `INSERT … SELECT` from the concatenated Arrow tables, the ingest log, and each source's
+kind one `INSERT … SELECT` from the concatenated Arrow tables (and, for steps and collectives,
+their rollup histograms: collector/rollup.py), the ingest log, and each source's
 high-water mark. Only then does it hand each stream its acks. Under load the queue grows while a
 commit runs, so commits grow with it (group commit), which is what makes ingest fast.
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from collector import rollup
 from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import DecodedBatch
 
@@ -275,6 +277,9 @@ class Writer:
                 con.register("_tt_batch", pa.concat_tables(tables))
                 try:
                     con.execute(f"INSERT INTO {table_name(kind)} SELECT * FROM _tt_batch")
+                    rollup_table = rollup.for_kind(kind)
+                    if rollup_table:  # the views' histograms, in the rows' own transaction
+                        con.execute(rollup.upsert_sql(rollup_table, "_tt_batch"))
                 finally:
                     con.unregister("_tt_batch")
             committed_ns = self.clock_ns()
