@@ -3,10 +3,13 @@
 gRPC handlers only decode, validate and convert a batch to Arrow (`batch_to_arrow`), then
 `submit` it. The writer thread drains whatever is queued once ~`flush_rows` rows are waiting or
 the oldest item has waited `flush_interval_s`, and commits the lot in one transaction: per event
-kind one `INSERT … SELECT` from the concatenated Arrow tables (and, for steps and collectives,
-their rollup histograms: collector/rollup.py), the ingest log, and each source's
+kind one `INSERT … SELECT` from the concatenated Arrow tables, the ingest log, and each source's
 high-water mark. Only then does it hand each stream its acks. Under load the queue grows while a
 commit runs, so commits grow with it (group commit), which is what makes ingest fast.
+
+Once `rollup.ROLL_EVERY_ROWS` step or collective rows are past their rollup's watermark, a second
+thread (`tracetop-rollup`, its own cursor and transactions) rolls them up for the views
+(collector/rollup.py), so commits never wait for it; the writer rolls up the rest when it closes.
 
 Exactly once: a batch with seq <= its source's high-water mark (committed, or accepted earlier in
 the same group) is a duplicate: acked, not stored. Seqs may skip; hwm becomes the batch's seq.
@@ -142,10 +145,18 @@ class Writer:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="tracetop-writer", daemon=True)
         self.flushes = 0
+        # rows of each rolled-up kind committed past its rollup's watermark (a hint: the watermark
+        # in the file is the truth)
+        self._unrolled: dict[str, int] = {t: rollup.tail_rows(con, t) for t in rollup.TABLES}
+        self._roll_lock = threading.Lock()
+        self._roll_wanted = threading.Event()
+        self._roll_stop = False
+        self._roller = threading.Thread(target=self._roll_loop, name="tracetop-rollup", daemon=True)
 
     # -- producer side ---------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._roller.start()
 
     @property
     def queued_rows(self) -> int:
@@ -177,6 +188,12 @@ class Writer:
             self._closing = True
             self._cond.notify()
         self._thread.join(timeout_s)
+        self._roll_stop = True
+        self._roll_wanted.set()
+        if self._roller.is_alive():
+            self._roller.join(timeout_s)
+        if not self._thread.is_alive() and not self._roller.is_alive():
+            self._roll_up(self.con, 0)  # a cleanly closed file has no tail
 
     # -- writer thread ---------------------------------------------------------------------
     def _take(self) -> list[Pending | Barrier] | None:
@@ -258,7 +275,42 @@ class Writer:
                 self.on_commit([i.batch for i in accepted])
             except Exception:  # the live path never fails a commit
                 log.exception("collector: on_commit failed")
+        with self._roll_lock:
+            for kind, n in stats.rows_by_kind.items():
+                table = rollup.for_kind(kind)
+                if table:
+                    self._unrolled[table] += n
+            if max(self._unrolled.values()) > rollup.ROLL_EVERY_ROWS:
+                self._roll_wanted.set()
         return stats
+
+    def _roll_loop(self) -> None:
+        cur = self.con.cursor()
+        try:
+            while True:
+                self._roll_wanted.wait()
+                self._roll_wanted.clear()
+                if self._roll_stop:
+                    return
+                self._roll_up(cur, rollup.ROLL_EVERY_ROWS)
+        finally:
+            cur.close()
+
+    def _roll_up(self, con, at_least: int) -> None:
+        """Roll up each kind with more than `at_least` rows past its watermark. A failure leaves
+        them in the tail, which the views read from the rows."""
+        for table in rollup.TABLES:
+            with self._roll_lock:
+                n = self._unrolled[table]
+                if n <= at_least:
+                    continue
+                self._unrolled[table] = 0
+            try:
+                rollup.advance(con, table)
+            except Exception:
+                log.exception("collector: rolling up %s failed", table)
+                with self._roll_lock:
+                    self._unrolled[table] += n
 
     def _commit(self, accepted: list[Pending], hwm: dict[str, int]) -> int:
         by_kind: dict[Kind, list[pa.Table]] = defaultdict(list)
@@ -277,9 +329,6 @@ class Writer:
                 con.register("_tt_batch", pa.concat_tables(tables))
                 try:
                     con.execute(f"INSERT INTO {table_name(kind)} SELECT * FROM _tt_batch")
-                    rollup_table = rollup.for_kind(kind)
-                    if rollup_table:  # the views' histograms, in the rows' own transaction
-                        con.execute(rollup.upsert_sql(rollup_table, "_tt_batch"))
                 finally:
                     con.unregister("_tt_batch")
             committed_ns = self.clock_ns()
