@@ -151,6 +151,7 @@ class Writer:
         self._roll_lock = threading.Lock()
         self._roll_wanted = threading.Event()
         self._roll_stop = False
+        self._roll_cursor = con.cursor()  # made here: a connection is not to be shared across threads
         self._roller = threading.Thread(target=self._roll_loop, name="tracetop-rollup", daemon=True)
 
     # -- producer side ---------------------------------------------------------------------
@@ -192,6 +193,8 @@ class Writer:
         self._roll_wanted.set()
         if self._roller.is_alive():
             self._roller.join(timeout_s)
+        if not self._roller.ident:  # never started: its cursor is still open
+            self._roll_cursor.close()
         if not self._thread.is_alive() and not self._roller.is_alive():
             self._roll_up(self.con, 0)  # a cleanly closed file has no tail
 
@@ -285,16 +288,15 @@ class Writer:
         return stats
 
     def _roll_loop(self) -> None:
-        cur = self.con.cursor()
         try:
             while True:
                 self._roll_wanted.wait()
                 self._roll_wanted.clear()
                 if self._roll_stop:
                     return
-                self._roll_up(cur, rollup.ROLL_EVERY_ROWS)
+                self._roll_up(self._roll_cursor, rollup.ROLL_EVERY_ROWS)
         finally:
-            cur.close()
+            self._roll_cursor.close()
 
     def _roll_up(self, con, at_least: int) -> None:
         """Roll up each kind with more than `at_least` rows past its watermark. A failure leaves

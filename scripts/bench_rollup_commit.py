@@ -1,8 +1,9 @@
 """What the views' rollups add to the writer: the same 10,000-row batches (decoded and turned into
 Arrow as the collector does) committed into two fresh files, one transaction each, alternating
 A (rows only) and B (rows, then `rollup.advance` whenever ROLL_EVERY_ROWS of a kind are past the
-watermark, as collector/writer.py does), so both see the same machine load. Prints the total
-seconds of each (B's including its roll-ups), B/A, and B's longest pause.
+watermark), so both see the same machine load. Prints the total seconds of each (B's including
+its roll-ups), B/A, and B's longest pause. Here B's roll-ups run inline, so B/A is their CPU
+cost; the collector runs them on a thread of its own (`tracetop-rollup`), so commits do not wait.
 
     .venv/bin/python scripts/bench_rollup_commit.py [--commits 40] [--rows 10000] [--ranks 1024]
 """
