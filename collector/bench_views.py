@@ -4,7 +4,11 @@ over a generated file of that many event rows.
 The file is made by DuckDB itself (`INSERT ... SELECT FROM range(n)`, no Python row loop) through
 `collector.schema.open_store`, so it has this version's tables and views. Rows are split as a
 pipeline run's file splits them: 50% collective, 30% pipe_instr, 10% step, 5% memory, 4.9%
-offload, the rest gap; one run, `--ranks` ranks (PP 4 stages), steps filling the step share.
+offload, the rest gap; one run, `--ranks` ranks (PP 4 stages), steps filling the step share; the
+rollups the writer keeps (collector/rollup.py) are filled from those rows in the same transaction
+(as a closed collector leaves them: no tail past the watermark).
+`--file` times an existing file as it is (an older schema keeps its older views: migrate a copy
+with `open_store` first to time this version's).
 Each view is then computed whole (every column of every row hashed as one struct, so nothing is
 pruned away, while only one row comes back to Python) three times on a read-only connection: the first (cold) and the median of the three are
 reported beside the file's size, the generation time and the machine's load average. Goal: each
@@ -32,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep", action="store_true", help="keep the generated file")
     parser.add_argument("--file", type=Path, default=None,
                         help="time the views of this existing file instead of generating one (kept as it is)")
+    parser.add_argument("--view", action="append", default=None, metavar="NAME",
+                        help="time only this view (repeatable; default: every view)")
     parser.add_argument("--repeat", type=int, default=3, help="reads per view (default 3)")
     parser.add_argument("--memory-limit-gb", type=float, default=4.0,
                         help="DuckDB memory limit while generating and reading (default 4; the machine is shared)")
@@ -40,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def generate(path: str, rows: int, ranks: int, memory_limit_gb: float = 4.0) -> dict[str, int]:
     """Write a collector file of about `rows` event rows; return rows per table."""
+    from collector import rollup
     from collector.schema import connect, migrate
 
     con = connect(path)
@@ -95,6 +102,7 @@ def generate(path: str, rows: int, ranks: int, memory_limit_gb: float = 4.0) -> 
             f"""INSERT INTO gap (run_id, rank, step, start_ns, duration_ns, kind, dropped, reason, origin_source)
                 SELECT 'bench', i % {ranks}, -1, {t0} + i, 0, 'collective', 10, 'queue_full', 'rank-' || (i % {ranks})
                 FROM range({n['gap']}) r(i)""")
+        rollup.rebuild(con)  # what the collector's writer rolls up as the rows come
         con.execute("COMMIT")
         con.execute("CHECKPOINT")
     finally:
@@ -102,7 +110,7 @@ def generate(path: str, rows: int, ranks: int, memory_limit_gb: float = 4.0) -> 
     return n
 
 
-def time_views(path: str, repeat: int, memory_limit_gb: float = 4.0) -> list[dict]:
+def time_views(path: str, repeat: int, memory_limit_gb: float = 4.0, only: list[str] | None = None) -> list[dict]:
     import duckdb
 
     from collector.schema import connect
@@ -113,6 +121,11 @@ def time_views(path: str, repeat: int, memory_limit_gb: float = 4.0) -> list[dic
         con.execute("SET lock_configuration = true")
         views = [v for (v,) in con.execute(
             "SELECT view_name FROM duckdb_views() WHERE NOT internal AND schema_name = 'main' ORDER BY 1").fetchall()]
+        if only:
+            missing = sorted(set(only) - set(views))
+            if missing:
+                raise ValueError(f"--view {', '.join(missing)}: no such view in {path}; it has {', '.join(views)}")
+            views = [v for v in views if v in only]
         out = []
         for v in views:
             times, rows, error = [], 0, None
@@ -146,7 +159,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.file.exists():
             print(f"tracetop bench views: --file {args.file}: no such file", file=sys.stderr)
             return 2
-        views = time_views(str(args.file), args.repeat, args.memory_limit_gb)
+        try:
+            views = time_views(str(args.file), args.repeat, args.memory_limit_gb, args.view)
+        except ValueError as e:
+            print(f"tracetop bench views: {e}", file=sys.stderr)
+            return 2
         result = {"file": str(args.file), "file_bytes": args.file.stat().st_size, "views": views,
                   "all_within_1s": all(v["within_1s"] for v in views),
                   "loadavg_1m": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
@@ -168,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         counts = generate(str(path), args.rows, args.ranks, args.memory_limit_gb)
         gen_s = time.perf_counter() - t
         size = path.stat().st_size
-        views = time_views(str(path), args.repeat, args.memory_limit_gb)
+        views = time_views(str(path), args.repeat, args.memory_limit_gb, args.view)
     finally:
         if not args.keep:
             for p in (path, Path(str(path) + ".wal")):

@@ -6,7 +6,9 @@ leave `step_summary` reading one file's `step`. Instead:
 
 1. a fresh in-memory database ATTACHes every file READ_ONLY (as f0, f1, ...);
 2. each table becomes a TEMP view `UNION ALL BY NAME` over the files that have it (a column a
-   file lacks, from an older schema, reads NULL there);
+   file lacks, from an older schema, reads NULL there); the rollups' `step_hist` and
+   `collective_hist` are made per file (collector/rollup.py: a file older than the rollups gets
+   them from its rows);
 3. each view is recreated as a TEMP view from its stored SQL (the definition of the file with
    the newest schema), so its unqualified names now resolve to the unions of step 2;
 4. then external access is switched off and the configuration locked, as for one file: no
@@ -67,13 +69,38 @@ def connect_many(paths: list[str]):
         for name, aliases in tables.items():
             union = " UNION ALL BY NAME ".join(f"SELECT * FROM {a}.main.{_ident(name)}" for a in aliases)
             con.execute(f"CREATE TEMP VIEW {_ident(name)} AS {union}")
-        _create_views(con, {n: sql for n, (_, sql) in views.items() if n not in tables})
+        hist = _hist_views(tables)
+        for sql in hist.values():
+            con.execute(sql)
+        _create_views(con, {n: sql for n, (_, sql) in views.items() if n not in tables and n not in hist})
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except Exception:
         con.close()
         raise
     return con
+
+
+def _hist_views(tables: dict[str, list[str]]) -> dict[str, str]:
+    """`step_hist` / `collective_hist` over several files: per file its rollup and the histogram of
+    its rows past the rollup's watermark, or, for a file older than the rollups, the histogram of
+    all its rows (collector/rollup.py). The stored definitions name the file's own tables."""
+    from collector import rollup
+    from tracetop.events import table_name
+
+    out = {}
+    for table, view in rollup.HIST_VIEWS.items():
+        raw = table_name(rollup.TABLES[table][0])
+        parts = []
+        for a in tables.get(raw, []):
+            if a in tables.get(table, []):
+                parts.append(f"SELECT * FROM {a}.main.{_ident(table)}")
+                parts.append(rollup.rows_sql(table, rollup.tail(table, f"{a}.main.")))
+            else:
+                parts.append(rollup.rows_sql(table, f"{a}.main.{_ident(raw)}"))
+        if parts:
+            out[view] = f"CREATE TEMP VIEW {_ident(view)} AS " + " UNION ALL BY NAME ".join(parts)
+    return out
 
 
 def _literal(text: str) -> str:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from collector.report import latest_run, render, summarize
+from collector.report import render, summarize
 
 GRAD_SYNC_SLO_MS = 200.0
 MAX_STEP_BUCKETS = 600
@@ -458,28 +458,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import duckdb
+    from collector.post_file import PostFileError, open_read_only, pick_run
 
-    from collector.schema import SchemaError, connect
-
-    if not os.path.exists(args.file):
-        print(f"tracetop report: {args.file}: no such file", file=sys.stderr)
+    try:
+        con = open_read_only(args.file)
+    except PostFileError as e:
+        print(f"tracetop report: {e}", file=sys.stderr)
         return 2
     try:
-        con = connect(args.file, read_only=True)
-    except (SchemaError, duckdb.Error) as e:
-        print(f"tracetop report: cannot open {args.file}: {e}", file=sys.stderr)
-        return 2
-    try:
-        con.execute("SET lock_configuration = true")
-        run_id = args.run or latest_run(con)
-        if run_id is None:
-            print(f"tracetop report: {args.file} holds no run (no run_start or step rows)", file=sys.stderr)
-            return 2
-        if not con.execute("SELECT count(*) FROM step WHERE run_id = ?", [run_id]).fetchone()[0]:
-            runs = [r for (r,) in con.execute("SELECT DISTINCT run_id FROM step ORDER BY 1").fetchall()]
-            print(f"tracetop report: run {run_id!r} has no steps; runs in the file: {', '.join(runs) or 'none'}",
-                  file=sys.stderr)
+        try:
+            run_id = pick_run(con, args.run)
+        except PostFileError as e:
+            print(f"tracetop report: {args.file}: {e}", file=sys.stderr)
             return 2
         big = os.path.getsize(args.file) >= PROGRESS_MIN_BYTES
         prog = Progress(total=len(SECTIONS) + 1, enabled=big and sys.stderr.isatty())

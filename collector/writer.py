@@ -7,6 +7,10 @@ kind one `INSERT … SELECT` from the concatenated Arrow tables, the ingest log,
 high-water mark. Only then does it hand each stream its acks. Under load the queue grows while a
 commit runs, so commits grow with it (group commit), which is what makes ingest fast.
 
+Once `rollup.ROLL_EVERY_ROWS` step or collective rows are past their rollup's watermark, a second
+thread (`tracetop-rollup`, its own cursor and transactions) rolls them up for the views
+(collector/rollup.py), so commits never wait for it; the writer rolls up the rest when it closes.
+
 Exactly once: a batch with seq <= its source's high-water mark (committed, or accepted earlier in
 the same group) is a duplicate: acked, not stored. Seqs may skip; hwm becomes the batch's seq.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from collector import rollup
 from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import DecodedBatch
 
@@ -140,10 +145,19 @@ class Writer:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="tracetop-writer", daemon=True)
         self.flushes = 0
+        # rows of each rolled-up kind committed past its rollup's watermark (a hint: the watermark
+        # in the file is the truth)
+        self._unrolled: dict[str, int] = {t: rollup.tail_rows(con, t) for t in rollup.TABLES}
+        self._roll_lock = threading.Lock()
+        self._roll_wanted = threading.Event()
+        self._roll_stop = False
+        self._roll_cursor = con.cursor()  # made here: a connection is not to be shared across threads
+        self._roller = threading.Thread(target=self._roll_loop, name="tracetop-rollup", daemon=True)
 
     # -- producer side ---------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._roller.start()
 
     @property
     def queued_rows(self) -> int:
@@ -175,6 +189,14 @@ class Writer:
             self._closing = True
             self._cond.notify()
         self._thread.join(timeout_s)
+        self._roll_stop = True
+        self._roll_wanted.set()
+        if self._roller.is_alive():
+            self._roller.join(timeout_s)
+        if not self._roller.ident:  # never started: its cursor is still open
+            self._roll_cursor.close()
+        if not self._thread.is_alive() and not self._roller.is_alive():
+            self._roll_up(self.con, 0)  # a cleanly closed file has no tail
 
     # -- writer thread ---------------------------------------------------------------------
     def _take(self) -> list[Pending | Barrier] | None:
@@ -256,7 +278,41 @@ class Writer:
                 self.on_commit([i.batch for i in accepted])
             except Exception:  # the live path never fails a commit
                 log.exception("collector: on_commit failed")
+        with self._roll_lock:
+            for kind, n in stats.rows_by_kind.items():
+                table = rollup.for_kind(kind)
+                if table:
+                    self._unrolled[table] += n
+            if max(self._unrolled.values()) > rollup.ROLL_EVERY_ROWS:
+                self._roll_wanted.set()
         return stats
+
+    def _roll_loop(self) -> None:
+        try:
+            while True:
+                self._roll_wanted.wait()
+                self._roll_wanted.clear()
+                if self._roll_stop:
+                    return
+                self._roll_up(self._roll_cursor, rollup.ROLL_EVERY_ROWS)
+        finally:
+            self._roll_cursor.close()
+
+    def _roll_up(self, con, at_least: int) -> None:
+        """Roll up each kind with more than `at_least` rows past its watermark. A failure leaves
+        them in the tail, which the views read from the rows."""
+        for table in rollup.TABLES:
+            with self._roll_lock:
+                n = self._unrolled[table]
+                if n <= at_least:
+                    continue
+                self._unrolled[table] = 0
+            try:
+                rollup.advance(con, table)
+            except Exception:
+                log.exception("collector: rolling up %s failed", table)
+                with self._roll_lock:
+                    self._unrolled[table] += n
 
     def _commit(self, accepted: list[Pending], hwm: dict[str, int]) -> int:
         by_kind: dict[Kind, list[pa.Table]] = defaultdict(list)

@@ -28,11 +28,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from collector.post_file import PostFileError, pick_run
+
 PHASES = ("data_wait_ns", "forward_ns", "backward_ns", "optimizer_ns", "comm_exposed_ns", "compute_ns")
 TID_MAIN, TID_COMM, TID_OFFLOAD = 1, 2, 3
 
 
-class ExportError(RuntimeError):
+class ExportError(PostFileError):
     """Cannot export: the message says why and what to do."""
 
 
@@ -58,23 +60,17 @@ def _step_range(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import duckdb
-
-    from collector.schema import SchemaError, connect
+    from collector.post_file import open_read_only
 
     if args.perfetto is None and args.parquet is None:
         print("tracetop export: say what to write: --perfetto OUT.json and/or --parquet DIR", file=sys.stderr)
         return 2
-    if not os.path.exists(args.file):
-        print(f"tracetop export: {args.file}: no such file", file=sys.stderr)
+    try:
+        con = open_read_only(args.file)
+    except PostFileError as e:
+        print(f"tracetop export: {e}", file=sys.stderr)
         return 2
     try:
-        con = connect(args.file, read_only=True)
-    except (SchemaError, duckdb.Error) as e:
-        print(f"tracetop export: cannot open {args.file}: {e}", file=sys.stderr)
-        return 2
-    try:
-        con.execute("SET lock_configuration = true")
         if args.parquet is not None:
             n = export_parquet(con, args.parquet, args.run)
             print(f"tracetop export: {n} tables to {args.parquet}/")
@@ -83,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             total = sum(counts.values())
             print(f"tracetop export: {total} trace events to {args.perfetto} "
                   f"({', '.join(f'{k} {v}' for k, v in counts.items())}); open it in https://ui.perfetto.dev")
-    except ExportError as e:
+    except PostFileError as e:
         print(f"tracetop export: {e}", file=sys.stderr)
         return 2
     finally:
@@ -98,18 +94,6 @@ def _has(con, table: str) -> bool:
     return bool(con.execute(
         "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND schema_name = 'main'", [table]
     ).fetchone()[0])
-
-
-def pick_run(con, run: str | None) -> str:
-    if run is not None:
-        if not con.execute("SELECT count(*) FROM step WHERE run_id = ?", [run]).fetchone()[0]:
-            runs = [r[0] for r in con.execute("SELECT DISTINCT run_id FROM step ORDER BY 1").fetchall()]
-            raise ExportError(f"run {run!r} has no steps in the file; runs: {', '.join(runs) or 'none'}")
-        return run
-    row = con.execute("SELECT run_id FROM step GROUP BY run_id ORDER BY max(start_ns) DESC LIMIT 1").fetchone()
-    if row is None:
-        raise ExportError("the file holds no steps: nothing to draw")
-    return row[0]
 
 
 def rank_layout(con, run_id: str) -> dict[int, tuple[str, int, int]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from collector import rollup
 from collector.schema import open_store
 from tests.helpers import ROOT
 
@@ -33,6 +34,7 @@ def _small_file(path: Path, run_id: str, ranks: list[int], steps: int) -> None:
                 "data_wait_ns) VALUES (?, ?, ?, ?, ?, ?, 0, 0)",
                 [run_id, r, s, s * 10**9, (r + 1) * 10**6, (r + 1) * 10**6],
             )
+    rollup.rebuild(con)  # rows written here, not by the collector's writer
     con.close()
 
 

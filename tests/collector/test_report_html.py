@@ -16,6 +16,7 @@ import duckdb
 import pytest
 
 from collector import report_html as R
+from collector.post_file import pick_run
 from tests.helpers import ROOT
 
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
@@ -59,7 +60,7 @@ def test_report_holds_each_plot_and_nothing_from_the_network(report: Path) -> No
 
 def test_grad_sync_stand_in_matches_the_raw_rows() -> None:
     con = duckdb.connect(str(FIXTURE), read_only=True)
-    run_id = R.latest_run(con)
+    run_id = pick_run(con, None)
     per = defaultdict(float)
     for step, rank, role, dur in con.execute(
             "SELECT step, rank, role, duration_ns FROM collective WHERE run_id = ?", [run_id]).fetchall():
@@ -80,7 +81,7 @@ def test_grad_sync_stand_in_matches_the_raw_rows() -> None:
 
 def test_heatmap_marks_the_straggler_row() -> None:
     con = duckdb.connect(str(FIXTURE), read_only=True)
-    hm = R.gather_heatmap(con, R.latest_run(con))
+    hm = R.gather_heatmap(con, pick_run(con, None))
     late = [i for i, s in enumerate(hm["steps"]) if s >= 21]
     med = {r: sorted(hm["grid"][i][j] for j in late)[len(late) // 2] for i, r in enumerate(hm["ranks"])}
     assert max(med, key=med.get) == 3
@@ -92,7 +93,7 @@ def test_alerts_and_actions_sections_when_the_tables_exist(tmp_path: Path) -> No
     db = tmp_path / "with-actions.duckdb"
     shutil.copy(FIXTURE, db)
     con = duckdb.connect(str(db))
-    run_id = R.latest_run(con)
+    run_id = pick_run(con, None)
     t0 = con.execute("SELECT min(start_ns) FROM step").fetchone()[0]
     rules = {r for (r,) in con.execute("SELECT DISTINCT rule FROM alerts WHERE run_id = ?", [run_id]).fetchall()}
     con.execute("INSERT INTO actions (action_id, run_id, kind, value, state, step, proposed_ns, done_ns, updated_ns) "
