@@ -49,7 +49,8 @@ def compute_ms(step: int) -> dict[int, float]:
                                             [RUN_ID, step])}
 
 
-def replay_into(endpoint: str, *, run_id: str = RUN_ID, steps: tuple[int, int] = (-1, 1 << 62)) -> dict[str, int]:
+def replay_into(endpoint: str, *, run_id: str = RUN_ID, steps: tuple[int, int] = (-1, 1 << 62),
+                token: str | None = None) -> dict[str, int]:
     """Ship the fixture's recorded rows of steps lo..hi (every event table; rows of no step, such
     as the agent's and run_start, go with lo = -1) into a collector through a real Shipper;
     returns rows shipped per table."""
@@ -57,7 +58,9 @@ def replay_into(endpoint: str, *, run_id: str = RUN_ID, steps: tuple[int, int] =
     from tracetop.wire.shipper import Shipper
 
     con = connect_ro()
-    shipper = Shipper(endpoint, run_id=run_id, source_id=f"replay-{run_id}-{np.random.randint(1 << 30)}")
+    meta = (("authorization", f"Bearer {token}"),) if token else None
+    shipper = Shipper(endpoint, run_id=run_id, source_id=f"replay-{run_id}-{np.random.randint(1 << 30)}",
+                      call_metadata=meta)
     counts = {}
     try:
         for kind in Kind:
