@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 FORMAT = "1"
 #: The newest collector file schema (collector/schema.py STORE_VERSION) this SQL was written
@@ -330,6 +330,21 @@ def latest_complete_step(run_sql: Callable[[str, list], list[tuple]], cur: Curso
     return max(cur.last_step, newest - 1 if newest > lo + 1 else int(rows[-1][0]))
 
 
+class LiveSections(Protocol):
+    """Where a collector's live state can stand in for some sections' SQL (collector/watch.py).
+    Each method answers None when the live state does not hold what is asked (the SQL is used)."""
+
+    #: the sections `sections` builds, when it answers
+    provides: tuple[str, ...]
+
+    def latest_step(self, run_id: str, world: int) -> int | None:
+        """The newest step the live state holds from `world` ranks."""
+
+    def sections(self, run_id: str, step: int, lo: int, gpus) -> dict | None:
+        """The `provides` tables of steps lo..step, with the SQL's columns and types (`gpus`: the
+        snapshot's gpus section, for the ranks' GPU util)."""
+
+
 def build(
     con,
     run_id: str,
@@ -339,9 +354,13 @@ def build(
     cursor: Cursor | None = None,
     source: str = "",
     now_ns: int | None = None,
+    live: LiveSections | None = None,
 ) -> Snapshot:
     """Build a snapshot of `run_id` at `step` (None: the latest complete step) from a DuckDB
-    connection or cursor `con` (read-only use). Raises SnapshotError for an unknown run."""
+    connection or cursor `con` (read-only use). Raises SnapshotError for an unknown run.
+
+    live: a collector's live state, which builds the sections it `provides` instead of their SQL
+    where it holds the steps (the header's `built_from` says which: "live" or "sql")."""
     import time
 
     runs = con.sql(RUN_SQL, params=[run_id]).to_arrow_table().to_pylist()
@@ -357,7 +376,11 @@ def build(
     first, last = con.execute("SELECT min(step), max(step) FROM step WHERE run_id = ? AND step >= ?",
                               [run_id, max(cur.last_step - 1, -1) if step is None else -1]).fetchall()[0]
     if step is None:
-        step = latest_complete_step(lambda q, p: con.execute(q, p).fetchall(), cur)
+        held = live.latest_step(run_id, cur.world) if live is not None else None
+        if held is not None and held >= cur.last_step:
+            step = cur.last_step = held
+        else:
+            step = latest_complete_step(lambda q, p: con.execute(q, p).fetchall(), cur)
     if step is None or step < 0:
         step = -1
     lo = max(step - window_steps + 1, 0)
@@ -370,12 +393,29 @@ def build(
               "gpu_window_ns": int(GPU_WINDOW_S * 1e9)}
     params["coll_lo"] = max(step - COLLECTIVE_WINDOW_STEPS + 1, 0)
     tables = {}
+    skip = set(live.provides) if live is not None and step >= 0 else set()
     for name, sql in SECTIONS.items():
+        if name in skip:
+            continue
         if name == "steps" and cursor is not None:
             tables[name] = _cached_steps(con, cursor, params)
             continue
         used = {k: v for k, v in params.items() if "$" + k in sql}
         tables[name] = con.sql(sql, params=used).to_arrow_table()
+    built_from = "sql"
+    if skip:
+        got = live.sections(run_id, step, lo, tables["gpus"])  # type: ignore[union-attr]
+        if got is not None:
+            built_from = "live"
+            tables.update(got)
+        else:  # the live state does not hold these steps: the SQL
+            for name in skip:
+                if name == "steps" and cursor is not None:
+                    tables[name] = _cached_steps(con, cursor, params)
+                    continue
+                sql = SECTIONS[name]
+                tables[name] = con.sql(sql, params={k: v for k, v in params.items() if "$" + k in sql}).to_arrow_table()
+        tables = {name: tables[name] for name in SECTIONS}  # the wire order stays the SQL's
     present = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     for name in OPTIONAL_TABLES:
         if name in present:
@@ -420,6 +460,7 @@ def build(
         "offload": offload or "none",
         "has_alerts": "alerts" in present,
         "has_actions": "actions" in present,
+        "built_from": built_from,
     }
     return Snapshot(header, tables)
 
