@@ -73,12 +73,33 @@ class LiveSnapshots:
     from its state, with the SQL's definitions (tracetop/snapshot.py) and Arrow types.
 
     Each call takes the engine's lock once and reduces the window to a few per-step figures and
-    one row per rank while holding it (vectorised numpy: milliseconds at 16,384 ranks)."""
+    one row per rank while holding it (vectorised numpy). A step's figures are kept until a row
+    lands in its slot again (the slot's last-row time changes), so a snapshot recomputes only the
+    steps that changed since the last: at 16,384 ranks the newest one or two, not all 30."""
 
     provides = ("ranks", "steps", "bubble", "offload_rate")
+    #: per-step figures kept (runs x steps); beyond it the oldest are dropped
+    MAX_CACHED = 4096
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        self._per_step: dict[tuple[str, int], tuple[tuple[int, int, int], dict]] = {}
+
+    def _step_figures(self, run, s: int, F) -> dict | None:
+        """One step's rows of the steps, bubble and offload_rate sections (cached, see above)."""
+        slot = run.slot_of(s) if s >= 0 else -1
+        if slot < 0:
+            return None
+        stamp = (int(run.slot_step[slot]), int(run.slot_last_ns[slot]), int(run.started.sum()))  # a late RUN_START too
+        hit = self._per_step.get((run.run_id, s))
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        fig = {"steps": self._steps_row(run, s, slot, F), "bubble": self._bubble_rows(run, s, slot, F),
+               "offload_rate": self._offload_rows(run, s, slot, F)}
+        self._per_step[(run.run_id, s)] = (stamp, fig)
+        while len(self._per_step) > self.MAX_CACHED:
+            self._per_step.pop(next(iter(self._per_step)))
+        return fig
 
     def latest_step(self, run_id: str, world: int) -> int | None:
         def pick(state):
@@ -92,6 +113,19 @@ class LiveSnapshots:
             return None
 
         return self.engine.read(pick)
+
+    def stamp(self, run_id: str, lo: int, step: int) -> tuple | None:
+        def read(state):
+            run = state.runs.get(run_id)
+            if run is None or run.first_step < 0 or run.first_step > lo or lo <= run.newest_step - run.window:
+                return None  # the state may not have seen every row of these steps
+            out = []
+            for s in range(lo, step + 1):
+                slot = run.slot_of(s)
+                out.append((s, int(run.slot_last_ns[slot])) if slot >= 0 else (s, -1))
+            return tuple(out)
+
+        return self.engine.read(read)
 
     def sections(self, run_id: str, step: int, lo: int, gpus) -> dict | None:
         return self.engine.read(lambda state: self._sections(state, run_id, step, lo, gpus))
@@ -168,82 +202,84 @@ class LiveSnapshots:
             "reported": pa.array(here.astype(np.int32), pa.int32()),
         })
 
-    @staticmethod
-    def _steps(run, step: int, lo: int, F):
+    _STEPS_COLS = ("step", "ranks", "step_ms_p50", "step_ms_max", "data_wait_ms", "forward_ms", "backward_ms",
+                   "optimizer_ms", "comm_exposed_ms", "compute_ms", "tokens", "samples", "tokens_per_s", "mfu",
+                   "grad_sync_ms_p99")
+
+    def _window(self, run, step: int, lo: int, F) -> list[dict]:
+        return [f for f in (self._step_figures(run, s, F) for s in range(lo, step + 1)) if f is not None]
+
+    def _steps(self, run, step: int, lo: int, F):
         import pyarrow as pa
 
-        rows: dict[str, list] = {k: [] for k in (
-            "step", "ranks", "step_ms_p50", "step_ms_max", "data_wait_ms", "forward_ms", "backward_ms",
-            "optimizer_ms", "comm_exposed_ms", "compute_ms", "tokens", "samples", "tokens_per_s", "mfu",
-            "grad_sync_ms_p99")}
-        for s in range(lo, step + 1):
-            slot = run.slot_of(s)
-            if slot < 0 or not run.present[slot].any():
-                continue
-            d = run.data[slot]
-            here = run.present[slot]
-            dur = d[F["duration_ns"], here]
-            rows["step"].append(s)
-            rows["ranks"].append(int(here.sum()))
-            rows["step_ms_p50"].append(float(np.quantile(dur, 0.5)) / 1e6)
-            rows["step_ms_max"].append(float(dur.max()) / 1e6)
-            for name in ("data_wait", "forward", "backward", "optimizer", "comm_exposed", "compute"):
-                rows[name + "_ms"].append(float(d[F[name + "_ns"], here].mean()) / 1e6)
-            rows["tokens"].append(int(d[F["tokens"], here].sum()))
-            rows["samples"].append(int(d[F["samples"], here].sum()))
-            tps = d[F["tokens_per_s"]]
-            had = ~np.isnan(tps)  # a THROUGHPUT row came in
-            rows["tokens_per_s"].append(float(tps[had].sum()) if had.any() else None)
-            mfu = d[F["mfu"], had]
-            mfu = mfu[~np.isnan(mfu)]
-            rows["mfu"].append(float(mfu.mean()) if len(mfu) else None)
-            gs = d[F["dp_coll_ns"]]
-            gs = gs[gs > 0]
-            rows["grad_sync_ms_p99"].append(float(np.quantile(gs, 0.99)) / 1e6 if len(gs) else None)
+        rows = [f["steps"] for f in self._window(run, step, lo, F) if f["steps"] is not None]
         types = {"step": pa.int64(), "ranks": pa.int64(), "tokens": pa.int64(), "samples": pa.int64()}
-        return pa.table({k: pa.array(v, types.get(k, pa.float64())) for k, v in rows.items()})
+        return pa.table({k: pa.array([r[k] for r in rows], types.get(k, pa.float64())) for k in self._STEPS_COLS})
 
     @staticmethod
-    def _bubble(run, step: int, lo: int, F):
+    def _steps_row(run, s: int, slot: int, F) -> dict | None:
+        here = run.present[slot]
+        if not here.any():
+            return None
+        d = run.data[slot]
+        dur = d[F["duration_ns"], here]
+        row = {"step": s, "ranks": int(here.sum()), "step_ms_p50": float(np.quantile(dur, 0.5)) / 1e6,
+               "step_ms_max": float(dur.max()) / 1e6}
+        for name in ("data_wait", "forward", "backward", "optimizer", "comm_exposed", "compute"):
+            row[name + "_ms"] = float(d[F[name + "_ns"], here].mean()) / 1e6
+        row["tokens"] = int(d[F["tokens"], here].sum())
+        row["samples"] = int(d[F["samples"], here].sum())
+        tps = d[F["tokens_per_s"]]
+        had = ~np.isnan(tps)  # a THROUGHPUT row came in
+        row["tokens_per_s"] = float(tps[had].sum()) if had.any() else None
+        mfu = d[F["mfu"], had]
+        mfu = mfu[~np.isnan(mfu)]
+        row["mfu"] = float(mfu.mean()) if len(mfu) else None
+        gs = d[F["dp_coll_ns"]]
+        gs = gs[gs > 0]
+        row["grad_sync_ms_p99"] = float(np.quantile(gs, 0.99)) / 1e6 if len(gs) else None
+        return row
+
+    def _bubble(self, run, step: int, lo: int, F):
         import pyarrow as pa
 
-        out: dict[str, list] = {"stage": [], "step": [], "bubble_rate": [], "ideal_bubble_rate": []}
-        if run.pp > 1:
-            ideal = (run.pp - 1) / (run.micro_batches + run.pp - 1)
-            for s in range(lo, step + 1):
-                slot = run.slot_of(s)
-                if slot < 0:
-                    continue
-                d = run.data[slot]
-                ok = run.present[slot] & run.started & (d[F["duration_ns"]] > 0)
-                for stage in np.unique(run.stage[ok]):
-                    m = ok & (run.stage == stage)
-                    busy = float((d[F["forward_ns"], m] + d[F["backward_ns"], m]).sum())
-                    out["stage"].append(int(stage))
-                    out["step"].append(s)
-                    out["bubble_rate"].append(1 - busy / float(d[F["duration_ns"], m].sum()))
-                    out["ideal_bubble_rate"].append(ideal)
-        return pa.table({"stage": pa.array(out["stage"], pa.int32()), "step": pa.array(out["step"], pa.int64()),
-                         "bubble_rate": pa.array(out["bubble_rate"], pa.float64()),
-                         "ideal_bubble_rate": pa.array(out["ideal_bubble_rate"], pa.float64())})
+        rows = [r for f in self._window(run, step, lo, F) for r in f["bubble"]]
+        return pa.table({"stage": pa.array([r[0] for r in rows], pa.int32()),
+                         "step": pa.array([r[1] for r in rows], pa.int64()),
+                         "bubble_rate": pa.array([r[2] for r in rows], pa.float64()),
+                         "ideal_bubble_rate": pa.array([r[3] for r in rows], pa.float64())})
 
     @staticmethod
-    def _offload(run, step: int, lo: int, F):
+    def _bubble_rows(run, s: int, slot: int, F) -> list[tuple]:
+        if run.pp <= 1:
+            return []
+        ideal = (run.pp - 1) / (run.micro_batches + run.pp - 1)
+        d = run.data[slot]
+        ok = run.present[slot] & run.started & (d[F["duration_ns"]] > 0)
+        if not ok.any():
+            return []
+        stage = run.stage[ok].astype(np.int64)
+        base = int(stage.min())
+        busy = np.bincount(stage - base, weights=d[F["forward_ns"], ok] + d[F["backward_ns"], ok])
+        dur = np.bincount(stage - base, weights=d[F["duration_ns"], ok])
+        n = np.bincount(stage - base)
+        return [(int(k) + base, s, float(1 - busy[k] / dur[k]), ideal) for k in np.flatnonzero(n)]
+
+    def _offload(self, run, step: int, lo: int, F):
         import pyarrow as pa
 
-        out: dict[str, list] = {"step": [], "direction": [], "bytes": [], "gbps": []}
-        for s in range(lo, step + 1):
-            slot = run.slot_of(s)
-            if slot < 0:
-                continue
-            d = run.data[slot]
-            for direction in ("d2h", "h2d"):
-                nb, ns = float(d[F[direction + "_bytes"]].sum()), float(d[F[direction + "_ns"]].sum())
-                if nb == 0 and ns == 0:
-                    continue
-                out["step"].append(s)
-                out["direction"].append(direction)
-                out["bytes"].append(int(nb))
-                out["gbps"].append(nb / ns if ns else None)
-        return pa.table({"step": pa.array(out["step"], pa.int64()), "direction": pa.array(out["direction"], pa.string()),
-                         "bytes": pa.array(out["bytes"], pa.int64()), "gbps": pa.array(out["gbps"], pa.float64())})
+        rows = [r for f in self._window(run, step, lo, F) for r in f["offload_rate"]]
+        return pa.table({"step": pa.array([r[0] for r in rows], pa.int64()),
+                         "direction": pa.array([r[1] for r in rows], pa.string()),
+                         "bytes": pa.array([r[2] for r in rows], pa.int64()),
+                         "gbps": pa.array([r[3] for r in rows], pa.float64())})
+
+    @staticmethod
+    def _offload_rows(run, s: int, slot: int, F) -> list[tuple]:
+        d = run.data[slot]
+        out = []
+        for direction in ("d2h", "h2d"):
+            nb, ns = float(d[F[direction + "_bytes"]].sum()), float(d[F[direction + "_ns"]].sum())
+            if nb or ns:
+                out.append((s, direction, int(nb), nb / ns if ns else None))
+        return out

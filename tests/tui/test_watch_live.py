@@ -18,24 +18,17 @@ from collector import server
 from collector.live.engine import LiveEngine
 from collector.live.rules import defaults
 from collector.watch import LiveSnapshots, build
-from tests.tui.fixture import RUN_ID, STRAGGLER_FROM_STEP, STRAGGLER_RANK, last_step, raw, replay_into
+from tests.tui.fixture import (
+    RUN_ID,
+    STRAGGLER_FROM_STEP,
+    STRAGGLER_RANK,
+    last_step,
+    raw,
+    replay_into,
+    same_table,
+)
 from tracetop import snapshot as snap
 from tui.sources import CollectorSource
-
-
-def _same(a, b, where: str) -> None:
-    assert a.schema == b.schema, f"{where}: schemas differ\nlive: {a.schema}\nsql:  {b.schema}"
-    la, lb = a.to_pylist(), b.to_pylist()
-    assert len(la) == len(lb), f"{where}: {len(la)} live rows, {len(lb)} SQL rows"
-    for i, (ra, rb) in enumerate(zip(la, lb)):
-        for k in ra:
-            x, y = ra[k], rb[k]
-            if isinstance(x, float) and isinstance(y, float):
-                if math.isnan(x) and math.isnan(y):
-                    continue
-                assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9), f"{where} row {i} {k}: live {x} sql {y}"
-            else:
-                assert x == y, f"{where} row {i} {k}: live {x!r} sql {y!r}"
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +59,7 @@ def test_live_and_sql_snapshots_agree_on_a_real_run(collector) -> None:
             assert (a.header["built_from"], b.header["built_from"]) == ("live", "sql"), k
             assert list(a.tables) == list(b.tables)
             for name in LiveSnapshots.provides:
-                _same(a.table(name), b.table(name), f"step {k} {name}")
+                same_table(a.table(name), b.table(name), f"step {k} {name}")
             assert a.table("ranks").num_rows == 4 and sum(a.table("ranks").column("reported").to_pylist()) == 4
         # the straggler is the straggler in the live-built ranks too (ground truth: the injection)
         ranks = build(cur, RUN_ID, step=last_step(), live=live).table("ranks").to_pylist()
@@ -76,8 +69,19 @@ def test_live_and_sql_snapshots_agree_on_a_real_run(collector) -> None:
         (raw_ms,) = raw("SELECT compute_ns / 1e6 FROM step WHERE run_id = ? AND step = ? AND rank = ?",
                         [RUN_ID, last_step(), STRAGGLER_RANK])[0]
         assert math.isclose(compute[STRAGGLER_RANK], raw_ms)
-        # with no step asked, the live path picks the latest complete step, as the SQL's does
-        assert build(cur, RUN_ID, cursor=snap.Cursor(RUN_ID), live=live).step == last_step()
+        # with no step asked, the live path picks the latest complete step, as the SQL's does; a
+        # watcher's cursor keeps the step-bound sections while no row of their steps comes in
+        c = snap.Cursor(RUN_ID)
+        first = build(cur, RUN_ID, cursor=c, live=live)
+        again = build(cur, RUN_ID, cursor=c, live=live)
+        sql = build(cur, RUN_ID, step=last_step())
+        assert first.step == again.step == last_step()
+        assert set(c.stamped) == set(snap.STEP_BOUND)
+        for name in snap.SECTIONS:
+            if name != "steps":
+                same_table(again.table(name), sql.table(name), f"cursor {name}")
+        for name in snap.STEP_BOUND:
+            assert again.table(name) is first.table(name)  # kept, not queried again
     finally:
         cur.close()
 
@@ -90,7 +94,7 @@ def test_an_engine_that_missed_the_steps_falls_back_to_sql(collector) -> None:
         b = build(cur, RUN_ID, step=last_step())
         assert a.header["built_from"] == "sql"
         for name in LiveSnapshots.provides:
-            _same(a.table(name), b.table(name), name)
+            same_table(a.table(name), b.table(name), name)
     finally:
         cur.close()
 
