@@ -946,7 +946,7 @@ class TracetopApp(App[int]):
         if self.snap is None or self.snap.header.get("waiting"):
             return
         if self.source is None or not self.source.live:
-            self._refused(what, "?", SourceError("read-only", "this is a finished run's file: nothing here sends "
+            self._refused(what, "?", SourceError("read-only", "read-only: this is a finished run's file, nothing here sends "
                                                  "commands", "approve or reject on the live run (tracetop ui --collector ADDR)"))
             return
         if self.current == "overview":
