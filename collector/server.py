@@ -121,6 +121,7 @@ class CollectorService:
         self._query_root = con.cursor()
         self._query_lock = threading.Lock()
         self._watch_cursors: dict[int, tuple[threading.Lock, object]] = {}  # Query.Watch streams' cursors
+        self.live_snapshots = None  # collector.watch.LiveSnapshots over the live engine, where there is one
 
     def close(self) -> None:
         for lock, cur in list(self._watch_cursors.values()):
@@ -264,7 +265,8 @@ class CollectorService:
                     data = snap.encode(snap.Snapshot({"run_id": "", "waiting": True, "source": "collector"}))
                 else:
                     try:
-                        data = await asyncio.to_thread(build, watch.snapshot, run_id, cursor=state)
+                        data = await asyncio.to_thread(build, watch.snapshot, run_id, cursor=state,
+                                                       live=self.live_snapshots)
                     except watch.UnknownRun as e:
                         await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
                 await context.write(pb.Snapshot(taken_ns=time.time_ns(), arrow_ipc=data))
@@ -414,6 +416,10 @@ async def start(
     writer.start()
     ends = _watch_source_ends(writer, unclosed_after_s)
     service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows, query_timeout_s=query_timeout_s)
+    if live is not None:
+        from collector.watch import LiveSnapshots
+
+        service.live_snapshots = LiveSnapshots(live)  # Watch builds the per-rank sections from the engine's state
     max_bytes = int(max_batch_mb * 1024 * 1024)
     server = grpc.aio.server(
         options=[

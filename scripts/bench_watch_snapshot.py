@@ -2,6 +2,10 @@
 (step rows, 4 collectives a rank a step), then collector/watch.snapshot on a cursor, as the
 Watch handler calls it (the first builds the per-step cache; later ones reuse it), and a new step.
 
+Two ways, interleaved (A/B in one run): `sql`, every section by the bounded SQL (a collector
+without the live engine), and `live`, the per-rank sections from a live engine's state fed the
+same rows (collector/watch.LiveSnapshots, what a collector with the engine does).
+
     .venv/bin/python scripts/bench_watch_snapshot.py [--ranks 16384] [--steps 40]
 """
 
@@ -23,6 +27,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     a = p.parse_args()
     from collector import watch
+    from collector.live.engine import LiveEngine
     from collector.schema import open_store
     from tracetop import snapshot as snap
 
@@ -44,19 +49,61 @@ def main() -> int:
                 FROM range({lo}, {hi}) u(s), range({n}) t(r), range(4) k(i)""")
 
         add(0, steps)
+        engine = LiveEngine([], window=64)  # its state only: fed below as the writer's on_commit would
+        feed(engine, n, 0, steps, start=True)
+        live = watch.LiveSnapshots(engine)
         cur = con.cursor()
-        c = snap.Cursor("big")
-        for i in range(4):
+        cursors = {"sql": snap.Cursor("big"), "live": snap.Cursor("big")}
+        took: dict[str, list[float]] = {"sql": [], "live": []}
+        for i in range(6):
             if i == 2:
                 add(steps, steps + 1)
-            t = time.perf_counter()
-            b = watch.snapshot(cur, "big", cursor=c)
-            dt = (time.perf_counter() - t) * 1e3
-            print(f"snapshot {i}: {dt:.0f} ms, {len(b) / 1e6:.2f} MB, step {snap.decode(b).step}")
+                feed(engine, n, steps, steps + 1)
+            for how in ("sql", "live") if i % 2 == 0 else ("live", "sql"):
+                t = time.perf_counter()
+                b = watch.snapshot(cur, "big", cursor=cursors[how], live=live if how == "live" else None)
+                dt = (time.perf_counter() - t) * 1e3
+                s = snap.decode(b)
+                took[how].append(dt)
+                print(f"snapshot {i} {how:>4}: {dt:.0f} ms, {len(b) / 1e6:.2f} MB, step {s.step}, "
+                      f"built from {s.header['built_from']}")
+        for how, ts in took.items():
+            later = sorted(ts[1:])  # the first SQL one builds the per-step cache
+            print(f"{how}: median {later[len(later) // 2]:.0f} ms a snapshot after the first")
         print(f"load {os.getloadavg()[0]:.2f}")
         cur.close()
         con.close()
     return 0
+
+
+def feed(engine, n: int, lo: int, hi: int, *, start: bool = False) -> None:
+    """The rows `add` writes, as decoded columns into the engine's state (what on_commit hands it)."""
+    import numpy as np
+
+    from tracetop.events import Kind
+
+    state = engine.ev.state
+    now = time.time_ns()
+    r = np.arange(n)
+    if start:
+        state.ingest(Kind.RUN_START, "big", {
+            "rank": r, "step": np.full(n, -1), "world_size": np.full(n, n), "tp": np.full(n, 8),
+            "pp": np.full(n, 16), "dp": np.full(n, max(n // 128, 1)), "micro_batches": np.full(n, 8),
+            "flops_per_token": np.full(n, np.nan), "stage": r // max(n // 16, 1),
+            "hostname": (r // 8, [f"node{k}" for k in range(n // 8 + 1)])}, now)
+    for s in range(lo, hi):
+        st = np.full(n, s)
+        state.ingest(Kind.STEP, "big", {
+            "rank": r, "step": st, "duration_ns": 200000000 + (r % 7) * 1000000, "compute_ns": np.full(n, 120000000),
+            "forward_ns": np.full(n, 40000000), "backward_ns": np.full(n, 70000000),
+            "optimizer_ns": np.full(n, 10000000), "comm_exposed_ns": np.full(n, 30000000),
+            "data_wait_ns": np.full(n, 100000), "tokens": np.full(n, 4096), "samples": np.full(n, 4),
+            "loss": np.full(n, np.nan)}, now)
+        rr = np.repeat(r, 4)
+        state.ingest(Kind.COLLECTIVE, "big", {
+            "rank": rr, "step": np.full(4 * n, s), "duration_ns": np.full(4 * n, 5000000),
+            "op": (np.zeros(4 * n, np.int32), ["all_reduce"]), "role": (np.zeros(4 * n, np.int32), ["dp"]),
+            "bytes": np.full(4 * n, 1048576)}, now)
 
 
 if __name__ == "__main__":

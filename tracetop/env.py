@@ -43,6 +43,12 @@ TRACETOP_TOKEN_FILE = "TRACETOP_TOKEN_FILE"
 the TUI, ``tracetop query --collector``, ``tracetop control``); the flag ``--token-file`` wins. The file
 must not be readable by other users. Default: no token."""
 
+TRACETOP_CONTROL_TOKEN_FILE = "TRACETOP_CONTROL_TOKEN_FILE"
+"""A file holding the control token (the one in the collector's ``--control-token-file``) that the
+TUI presents to approve or reject a proposed action; the flag ``--control-token-file`` wins. It also
+grants queries, so it may stand alone. Same file rules as TRACETOP_TOKEN_FILE. Default: none (a
+collector with a control token file then refuses the TUI's approvals, with the reason on screen)."""
+
 TRACETOP_TLS_CA = "TRACETOP_TLS_CA"
 """PEM file of the CA that signed the collector's TLS certificate; set, clients connect with TLS.
 Default: plaintext (loopback and unix sockets only)."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 FORMAT = "1"
 #: The newest collector file schema (collector/schema.py STORE_VERSION) this SQL was written
@@ -310,6 +310,12 @@ class Cursor:
     #: per-step aggregates (the `steps` section's rows) of complete steps, computed once each
     steps_cache: dict = field(default_factory=dict)
     steps_schema: Any = None
+    #: STEP_BOUND sections: name -> (the live stamp they were built under, table)
+    stamped: dict = field(default_factory=dict)
+    #: the file's tables, once every OPTIONAL_TABLES is among them (tables are never dropped), and
+    #: those tables' columns
+    tables: set = field(default_factory=set)
+    columns: dict = field(default_factory=dict)
 
 
 def latest_complete_step(run_sql: Callable[[str, list], list[tuple]], cur: Cursor) -> int:
@@ -330,6 +336,31 @@ def latest_complete_step(run_sql: Callable[[str, list], list[tuple]], cur: Curso
     return max(cur.last_step, newest - 1 if newest > lo + 1 else int(rows[-1][0]))
 
 
+class LiveSections(Protocol):
+    """Where a collector's live state can stand in for some sections' SQL (collector/watch.py).
+    Each method answers None when the live state does not hold what is asked (the SQL is used)."""
+
+    #: the sections `sections` builds, when it answers
+    provides: tuple[str, ...]
+
+    def latest_step(self, run_id: str, world: int) -> int | None:
+        """The newest step the live state holds from `world` ranks."""
+
+    def sections(self, run_id: str, step: int, lo: int, gpus) -> dict | None:
+        """The `provides` tables of steps lo..step, with the SQL's columns and types (`gpus`: the
+        snapshot's gpus section, for the ranks' GPU util)."""
+
+    def stamp(self, run_id: str, lo: int, step: int) -> tuple | None:
+        """Changes whenever a row of steps lo..step comes in: a section of those steps only, built
+        under the same stamp, is still true (None: unknown, build it)."""
+
+
+#: Sections that read rows of the snapshot's steps only (no time window): live, a cursor keeps
+#: them while the live state's stamp of those steps is unchanged (the collectives' quantiles cost
+#: ~250 ms at 16,384 ranks; at 2 Hz most snapshots repeat the last complete step).
+STEP_BOUND = ("gantt", "collectives", "offload_last")
+
+
 def build(
     con,
     run_id: str,
@@ -339,9 +370,13 @@ def build(
     cursor: Cursor | None = None,
     source: str = "",
     now_ns: int | None = None,
+    live: LiveSections | None = None,
 ) -> Snapshot:
     """Build a snapshot of `run_id` at `step` (None: the latest complete step) from a DuckDB
-    connection or cursor `con` (read-only use). Raises SnapshotError for an unknown run."""
+    connection or cursor `con` (read-only use). Raises SnapshotError for an unknown run.
+
+    live: a collector's live state, which builds the sections it `provides` instead of their SQL
+    where it holds the steps (the header's `built_from` says which: "live" or "sql")."""
     import time
 
     runs = con.sql(RUN_SQL, params=[run_id]).to_arrow_table().to_pylist()
@@ -357,7 +392,11 @@ def build(
     first, last = con.execute("SELECT min(step), max(step) FROM step WHERE run_id = ? AND step >= ?",
                               [run_id, max(cur.last_step - 1, -1) if step is None else -1]).fetchall()[0]
     if step is None:
-        step = latest_complete_step(lambda q, p: con.execute(q, p).fetchall(), cur)
+        held = live.latest_step(run_id, cur.world) if live is not None else None
+        if held is not None and held >= cur.last_step:
+            step = cur.last_step = held
+        else:
+            step = latest_complete_step(lambda q, p: con.execute(q, p).fetchall(), cur)
     if step is None or step < 0:
         step = -1
     lo = max(step - window_steps + 1, 0)
@@ -370,22 +409,56 @@ def build(
               "gpu_window_ns": int(GPU_WINDOW_S * 1e9)}
     params["coll_lo"] = max(step - COLLECTIVE_WINDOW_STEPS + 1, 0)
     tables = {}
+    skip = set(live.provides) if live is not None and step >= 0 else set()
     for name, sql in SECTIONS.items():
+        if name in skip:
+            continue
+        stamp = None
+        if name in STEP_BOUND and cursor is not None and live is not None and step >= 0:
+            stamp = (step, live.stamp(run_id, min(lo, params["coll_lo"]), step))
+            kept = cursor.stamped.get(name)
+            if stamp[1] is not None and kept is not None and kept[0] == stamp:
+                tables[name] = kept[1]
+                continue
         if name == "steps" and cursor is not None:
             tables[name] = _cached_steps(con, cursor, params)
             continue
         used = {k: v for k, v in params.items() if "$" + k in sql}
         tables[name] = con.sql(sql, params=used).to_arrow_table()
-    present = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if stamp is not None and stamp[1] is not None:
+            cursor.stamped[name] = (stamp, tables[name])  # type: ignore[union-attr]
+    built_from = "sql"
+    if skip:
+        got = live.sections(run_id, step, lo, tables["gpus"])  # type: ignore[union-attr]
+        if got is not None:
+            built_from = "live"
+            tables.update(got)
+        else:  # the live state does not hold these steps: the SQL
+            for name in skip:
+                if name == "steps" and cursor is not None:
+                    tables[name] = _cached_steps(con, cursor, params)
+                    continue
+                sql = SECTIONS[name]
+                tables[name] = con.sql(sql, params={k: v for k, v in params.items() if "$" + k in sql}).to_arrow_table()
+        tables = {name: tables[name] for name in SECTIONS}  # the wire order stays the SQL's
+    # which optional tables (and columns) the file has: a watcher's cursor asks once they are all there
+    present = cursor.tables if cursor is not None and cursor.tables else \
+        {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     for name in OPTIONAL_TABLES:
         if name in present:
-            cols = {r[0] for r in con.execute(
-                "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [name]).fetchall()}
+            cols = cursor.columns.get(name) if cursor is not None else None
+            if cols is None:
+                cols = {r[0] for r in con.execute(
+                    "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [name]).fetchall()}
+                if cursor is not None:
+                    cursor.columns[name] = cols
             where = "WHERE run_id = ?" if "run_id" in cols else ""
             args = [run_id] if where else []
             order = next((f"ORDER BY {c} DESC" for c in ("last_ns", "updated_ns", "proposed_ns", "first_ns", "start_ns")
                           if c in cols), "")
             tables[name] = con.sql(f"SELECT * FROM {name} {where} {order} LIMIT 200", params=args).to_arrow_table()
+    if cursor is not None and not cursor.tables and all(n in present for n in OPTIONAL_TABLES):
+        cursor.tables = set(present)
     first_step = con.execute("SELECT min(step) FROM step WHERE run_id = ? AND step BETWEEN 0 AND ?",
                              [run_id, max(window_steps, 1)]).fetchall()[0][0]
     offload = ""
@@ -420,6 +493,7 @@ def build(
         "offload": offload or "none",
         "has_alerts": "alerts" in present,
         "has_actions": "actions" in present,
+        "built_from": built_from,
     }
     return Snapshot(header, tables)
 

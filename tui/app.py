@@ -31,7 +31,7 @@ from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, T
 
 from tracetop import snapshot as snapmod
 from tui import core
-from tui.sources import Source, SourceError
+from tui.sources import Decision, Source, SourceError
 
 SCREENS: tuple[tuple[str, str], ...] = (
     ("overview", "1 Overview"),
@@ -56,7 +56,8 @@ HELP: tuple[tuple[str, str], ...] = (
     ("esc", "back (out of a drill-down, a filter, this help)"),
     ("[ ] { } home end", "replay a file: step −1 / +1 / −10 / +10 / first / last"),
     ("p", "pause / resume live updates"),
-    ("y / n", "Alerts: approve / reject the selected proposal (advise mode)"),
+    ("y / n", "approve / reject a proposal (advise mode), after a confirmation: on Alerts & actions the selected "
+              "row, on the Overview the newest proposal; live only, with --control-token-file where needed"),
     ("?", "this help"),
     ("q", "quit"),
 )
@@ -218,6 +219,26 @@ class HelpScreen(ModalScreen[None]):
         self.dismiss()
 
 
+class ConfirmScreen(ModalScreen[bool]):
+    """Asks before an approve / reject is sent: y or enter sends it, n or esc does not."""
+
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    ConfirmScreen > Static { width: 90; height: auto; border: thick $warning; background: $panel; padding: 1 2; }
+    """
+    BINDINGS = [Binding("y,enter", "answer(True)", "Send"), Binding("n,escape", "answer(False)", "Cancel")]
+
+    def __init__(self, question: Text) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        yield Static(self.question, id="confirm")
+
+    def action_answer(self, ok: bool) -> None:
+        self.dismiss(ok)
+
+
 # ---- the app -----------------------------------------------------------------------------------------
 
 @dataclass
@@ -287,6 +308,8 @@ class TracetopApp(App[int]):
         self.snapshots_applied = 0
         self.replay_step: int | None = None
         self.detail: dict | None = None
+        self.decision_note: Text | None = None  # the last approve / reject's answer, shown on screen
+        self.deciding: str | None = None        # the action id whose decision is on its way
 
     # -- layout --
     def compose(self) -> ComposeResult:
@@ -523,7 +546,17 @@ class TracetopApp(App[int]):
             al.append("none known (no controller in this collector yet)", style="dim")
         else:
             al.append("\n  ".join([""] + [f"{a['id']} {a['state']} {a['what']} ({a['why']})" for a in acts]) if acts else "none")
+            prop = self.overview_proposal()
+            if prop is not None and self.source is not None and self.source.live:
+                al.append(f"\n  y approves / n rejects proposal {prop['id']} ({prop['what']})", style="bold")
+        if self.decision_note is not None:
+            al.append("\n")
+            al.append_text(self.decision_note)
         self.query_one("#ov-alerts", Static).update(al)
+
+    def overview_proposal(self) -> dict | None:
+        """The proposal y / n decide on the Overview: the newest one still proposed."""
+        return next((a for a in core.action_rows(self.snap) if a["state"] == "proposed"), None) if self.snap else None
 
     def rank_table(self) -> core.RankTable:
         if self.rank_table_cache is None or self.rank_table_cache.metric != self.ranks.metric:
@@ -720,8 +753,13 @@ class TracetopApp(App[int]):
             note.append("No alerts table in this collector / file: alerts fill in when the live engine lands.\n", style="dim")
         if not s.header.get("has_actions"):
             note.append("No actions table: proposals appear here when the controller lands.\n", style="dim")
-        note.append("Approve / reject (y / n) needs the controller's Control commands, which this collector does not "
-                    "have yet: proposals are shown read-only.", style="dim")
+        if self.source is not None and self.source.live:
+            note.append("y approves / n rejects the selected proposal (after a confirmation).", style="dim")
+        else:
+            note.append("A finished run's file, read-only: proposals are shown, not decided (approve or reject live).", style="dim")
+        if self.decision_note is not None:
+            note.append("\n")
+            note.append_text(self.decision_note)
         self.query_one("#al-note", Static).update(note)
         t = self.query_one("#al-table", DataTable)
         t.clear()
@@ -729,9 +767,27 @@ class TracetopApp(App[int]):
             row[0] = Text(core.STATUS_MARK[st] + " " + row[0], style=core.STATUS_STYLE[st])
             t.add_row(*row)
         a = self.query_one("#ac-table", DataTable)
+        keep = self._action_under_cursor()  # the row a person selected survives the redraw
         a.clear()
+        seen: set[str] = set()
         for d in core.action_rows(s, self.filters.get("alerts", "")):
-            a.add_row(d["id"], d["state"], d["what"], d["why"])
+            if d["id"] in seen:
+                continue
+            seen.add(d["id"])
+            a.add_row(d["id"], d["state"], d["what"], d["why"], key=d["id"])
+        if keep is not None and keep in seen:
+            a.move_cursor(row=a.get_row_index(keep), animate=False)
+
+    def _action_under_cursor(self) -> str | None:
+        """The action id of the actions table's cursor row (None when the table is empty)."""
+        a = self.query_one("#ac-table", DataTable)
+        if a.row_count == 0:
+            return None
+        try:
+            key = a.coordinate_to_cell_key(a.cursor_coordinate).row_key.value
+        except Exception:  # the cursor is off the rows (the table is being refilled)
+            return None
+        return str(key) if key is not None else None
 
     def on_detail(self, rank: int, d: dict) -> None:
         if self.ranks.detail_rank == rank:
@@ -881,10 +937,81 @@ class TracetopApp(App[int]):
             self.goto_step(int(round(h["first_step"] + x / 49 * (h["last_step"] - h["first_step"]))))
 
     def action_decide(self, what: str) -> None:
-        if self.current != "alerts":
+        """y / n: approve / reject a proposal, after a confirmation (Overview: the newest proposal;
+        Alerts & actions: the selected row). The collector has the last word: its refusal, or the
+        action's new state, is shown on screen."""
+        if self.current not in ("overview", "alerts"):
+            self.notify("y / n decide proposals on the Overview (1) and Alerts & actions (7) screens")
             return
-        self.notify(f"{what}: this collector has no Control commands for proposals yet, so they are read-only here",
-                    severity="warning")
+        if self.snap is None or self.snap.header.get("waiting"):
+            return
+        if self.source is None or not self.source.live:
+            self._refused(what, "?", SourceError("read-only", "read-only: this is a finished run's file, nothing here sends "
+                                                 "commands", "approve or reject on the live run (tracetop ui --collector ADDR)"))
+            return
+        if self.current == "overview":
+            target = self.overview_proposal()
+            if target is None:
+                self.notify("no proposal waiting for a decision", title=what)
+                return
+        else:
+            rows = {d["id"]: d for d in core.action_rows(self.snap)}
+            key = self._action_under_cursor()
+            if key is None or key not in rows:
+                self.notify("no action selected (↑ ↓ on the actions table)", title=what)
+                return
+            target = rows[key]
+            if target["state"] != "proposed":
+                self._refused(what, target["id"], SourceError(
+                    f"cannot {what}", f"action {target['id']} is {target['state']}, not proposed: only a proposal can "
+                    f"be {'approved' if what == 'approve' else 'rejected'}", "pick a proposed row (↑ ↓)"))
+                return
+        if self.deciding is not None:
+            self.notify(f"still waiting for the answer about action {self.deciding}", title=what)
+            return
+        q = Text()
+        q.append(f"{'Approve' if what == 'approve' else 'Reject'} action {target['id']}?\n\n", style="bold")
+        q.append(f"{target['what']}  ({target['why']})\n\n")
+        q.append("Approving sends it to every rank of the run at its next step boundary.\n" if what == "approve"
+                 else "Rejecting drops it: nothing is sent.\n")
+        q.append("\ny / enter: yes   n / esc: no", style="bold")
+        action_id = target["id"]
+        self.push_screen(ConfirmScreen(q), callback=lambda ok: self._confirmed(bool(ok), what, action_id))
+
+    def _confirmed(self, ok: bool, what: str, action_id: str) -> None:
+        if not ok:
+            self.notify(f"nothing sent: action {action_id} is left as it was", title=what)
+            return
+        self.deciding = action_id
+        self.decision_note = Text(f"… {what} action {action_id}: sent, waiting for the collector", style="yellow")
+        self.draw_current()
+        self.submit_decision(what, action_id)
+
+    @work(thread=True, group="control")
+    def submit_decision(self, what: str, action_id: str) -> None:
+        try:
+            answer: Decision | SourceError = self.source.decide(what, action_id)  # type: ignore[union-attr]
+        except SourceError as e:
+            answer = e
+        except Exception as e:  # a worker never takes the app down
+            answer = SourceError("unexpected error", f"{type(e).__name__}: {e}", "see the collector's log")
+        self._post(self.on_decision, what, action_id, answer)
+
+    def _refused(self, what: str, action_id: str, e: SourceError) -> None:
+        """A refusal on screen: in the screen's note and as a toast (never a traceback)."""
+        self.decision_note = Text(f"✖ {what} action {action_id}: {e.title}: {e.message} — {e.hint}", style="bold red")
+        self.notify(f"{e.message}\n{e.hint}", title=f"{what}: {e.title}", severity="error", timeout=10)
+        self.draw_current()
+
+    def on_decision(self, what: str, action_id: str, answer: Decision | SourceError) -> None:
+        self.deciding = None
+        if isinstance(answer, SourceError):
+            self._refused(what, action_id, answer)
+            return
+        msg = f" ({answer.message})" if answer.message else ""
+        self.decision_note = Text(f"✔ action {answer.action_id} {answer.state}{msg}", style="bold green")
+        self.notify(f"action {answer.action_id}: {answer.state}{msg}", title=what)
+        self.draw_current()
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

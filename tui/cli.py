@@ -4,6 +4,9 @@
     tracetop ui --collector ADDR [--run RUN]  # live: that collector, that run (default: its newest)
     tracetop ui FILE.duckdb [--run RUN]       # after the run: read-only, with a step scrubber
 
+Live, y / n approve / reject a proposed action (Overview, Alerts & actions) through the
+collector's Control.Submit, with --control-token-file FILE where the collector demands one.
+
 Nothing answering, a file held by a collector, a file of a newer schema, an unknown run: the app
 opens on a screen saying what happened and what to do (no traceback).
 """
@@ -25,6 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from tracetop.wire.auth import add_client_arguments
 
     add_client_arguments(parser)
+    parser.add_argument("--control-token-file", metavar="FILE", default=None,
+                        help="the collector's control token, to approve / reject proposals with y / n "
+                             f"(or ${env.TRACETOP_CONTROL_TOKEN_FILE}; it also grants queries)")
 
 
 def make_app(args: argparse.Namespace):
@@ -40,9 +46,26 @@ def make_app(args: argparse.Namespace):
 
     try:
         auth = client_auth_from_args(args)
+        control_token = control_token_of(getattr(args, "control_token_file", None))
     except AuthSetupError as e:
         raise SystemExit(f"tracetop ui: {e}") from None
-    return TracetopApp(CollectorSource(env.collector(args.collector), args.run, auth=auth), interval_s=args.interval_s)
+    return TracetopApp(CollectorSource(env.collector(args.collector), args.run, auth=auth, control_token=control_token),
+                       interval_s=args.interval_s)
+
+
+def control_token_of(path: str | None) -> str | None:
+    """The control token: --control-token-file, then $TRACETOP_CONTROL_TOKEN_FILE, then none.
+    Raises AuthSetupError for a file that cannot serve (unreadable, readable by others, not one token)."""
+    from tracetop import env
+    from tracetop.wire.auth import AuthSetupError, read_tokens
+
+    path = path or env.get(env.TRACETOP_CONTROL_TOKEN_FILE)
+    if not path:
+        return None
+    tokens = read_tokens(path, "control token file")
+    if len(tokens) != 1:
+        raise AuthSetupError(f"control token file {path} holds {len(tokens)} tokens; the TUI presents one")
+    return next(iter(tokens))
 
 
 def run(args: argparse.Namespace) -> int:

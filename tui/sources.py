@@ -2,8 +2,10 @@
 
 - FileSource(path): a finished run's DuckDB file, opened read-only (never while a collector
   holds it: DuckDB refuses, and we say so), any step on demand (the replay scrubber).
-- CollectorSource(addr): a running collector's Query.Watch stream (snapshots at a rate) and
-  Query.Sql for a rank's drill-down. The TUI never opens a file a collector holds.
+- CollectorSource(addr): a running collector's Query.Watch stream (snapshots at a rate),
+  Query.Sql for a rank's drill-down, and Control.Submit to approve or reject a proposed action
+  (with the control token where the collector demands one). The TUI never opens a file a
+  collector holds.
 
 Both build snapshots with tracetop/snapshot.py (the one definition); nothing here imports the
 collector. Every failure a person can act on is a SourceError with a title, what happened and
@@ -15,7 +17,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tracetop import snapshot as snap
 
@@ -26,6 +28,24 @@ class SourceError(Exception):
     def __init__(self, title: str, message: str, hint: str) -> None:
         super().__init__(f"{title}: {message}")
         self.title, self.message, self.hint = title, message, hint
+
+
+class Decision(NamedTuple):
+    """The collector's answer to an approve / reject: the action and its state after it."""
+
+    action_id: str
+    state: str
+    message: str
+
+
+#: What a person may decide about a proposal from the TUI, and the Control op each sends.
+DECISIONS = ("approve", "reject")
+
+
+def _read_only(what: str) -> SourceError:
+    return SourceError("read-only", f"{what}: nothing here can send a command to a run",
+                       "approve or reject on the live run: tracetop ui --collector ADDR "
+                       "(or tracetop control --collector ADDR approve|reject ID)")
 
 
 class Source(Protocol):
@@ -44,6 +64,9 @@ class Source(Protocol):
 
     def rank_detail(self, rank: int, step: int) -> dict:
         """{"steps": table, "collectives": table} of one rank over the recent steps."""
+
+    def decide(self, decision: str, action_id: str, reason: str = "") -> Decision:
+        """Approve or reject a proposed action (DECISIONS); raises SourceError with the refusal."""
 
     def close(self) -> None: ...
 
@@ -125,6 +148,9 @@ class FileSource:
         with self._lock:
             return snap.rank_detail(self.con, self.run_id, rank, step)
 
+    def decide(self, decision: str, action_id: str, reason: str = "") -> Decision:
+        raise _read_only(f"{self.description} is a finished run's file, opened read-only")
+
     def close(self) -> None:
         if self.con is not None:
             self.con.close()
@@ -138,12 +164,22 @@ class CollectorSource:
 
     live = True
 
-    def __init__(self, addr: str, run_id: str | None = None, *, connect_timeout_s: float = 3.0, auth=None) -> None:
-        from tracetop.wire.auth import ClientAuth
+    def __init__(self, addr: str, run_id: str | None = None, *, connect_timeout_s: float = 3.0, auth=None,
+                 control_token: str | None = None, by: str | None = None) -> None:
+        """auth: tracetop.wire.auth.ClientAuth (TLS, and the token for Watch / Sql); control_token:
+        the token Control.Submit presents (a collector with --control-token-file takes approvals
+        only with it; it also grants queries, so alone it serves for both); by: who decides
+        (default person:$USER)."""
+        from tracetop.wire.auth import HEADER, ClientAuth
 
         self.addr = addr
         self.auth = auth or ClientAuth()  # TLS and a bearer token for a collector that demands them
         self.metadata = tuple(self.auth.metadata())
+        self.control_token = control_token
+        if control_token and not self.metadata:
+            self.metadata = ((HEADER, "Bearer " + control_token),)
+        self.control_metadata = ((HEADER, "Bearer " + control_token),) if control_token else self.metadata
+        self.by = by or f"person:{_user()}"
         self.run_id = run_id or ""
         self.description = addr
         self.connect_timeout_s = connect_timeout_s
@@ -232,9 +268,64 @@ class CollectorSource:
         return {"steps": self.sql(snap.inline(snap.RANK_DETAIL_SQL, params)),
                 "collectives": self.sql(snap.inline(snap.RANK_COLLECTIVES_SQL, params))}
 
+    def decide(self, decision: str, action_id: str, reason: str = "") -> Decision:
+        """Control.Submit(APPROVE | REJECT) of `action_id`; the collector refuses at once, with the
+        reason, what it cannot do (no control token, not proposed any more, an unknown id)."""
+        import grpc
+
+        from tracetop.wire import tracetop_pb2 as pb
+        from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+        if decision not in DECISIONS:
+            raise ValueError(f"decision {decision!r}: one of {DECISIONS}")
+        if self.channel is None:
+            raise SourceError("collector went away", f"{self.addr}: not connected", "retrying; try again in a moment")
+        op = pb.APPROVE if decision == "approve" else pb.REJECT
+        req = pb.ControlRequest(op=op, action_id=str(action_id), by=self.by,
+                                reason=reason or f"{decision}d in the TUI")
+        try:
+            reply = pb_grpc.ControlStub(self.channel).Submit(req, timeout=15, metadata=self.control_metadata)
+        except grpc.RpcError as e:
+            raise self._control_error(e, decision, str(action_id)) from None
+        return Decision(reply.action_id, reply.state, reply.message)
+
+    def _control_error(self, e, decision: str, action_id: str) -> SourceError:
+        import grpc
+
+        code, details = e.code(), e.details()
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            title = "control token refused" if self.control_token else "no control token"
+            return SourceError(title, f"the collector at {self.addr} refused to {decision} action {action_id}: {details}",
+                               "open the TUI with the collector's control token: tracetop ui --collector ADDR "
+                               f"--control-token-file FILE (or {_control_env()}); nothing was sent")
+        if code == grpc.StatusCode.NOT_FOUND:
+            return SourceError("unknown action", details, "the Alerts & actions screen (7) lists the run's actions")
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            return SourceError(f"cannot {decision}", details, "nothing was sent; the actions table shows its state now")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return SourceError("collector went away", f"{self.addr}: {details}",
+                               f"the {decision} may not have reached it: check the actions table once it is back")
+        return SourceError("collector error", f"{self.addr}: {code.name if code else ''} {details}",
+                           "see the collector's log")
+
     def close(self) -> None:
         if self._call is not None:
             self._call.cancel()
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+
+
+def _user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "unknown"
+
+
+def _control_env() -> str:
+    from tracetop import env
+
+    return env.TRACETOP_CONTROL_TOKEN_FILE

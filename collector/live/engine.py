@@ -482,6 +482,12 @@ class LiveEngine:
         with self._lock:
             return self.ev.book.firing() if firing_only else self.ev.book.all()
 
+    def read(self, fn: Callable[[LiveState], object]) -> object:
+        """fn(the live state) under the engine's lock, between two ingests: the readers' way in
+        (Query.Watch's snapshots). fn must be quick and must not keep references to the arrays."""
+        with self._lock:
+            return fn(self.ev.state)
+
     def live_state_bytes(self) -> int:
         with self._lock:
             return self.ev.state.nbytes

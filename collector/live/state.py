@@ -1,8 +1,8 @@
 """Live state: per run, the last W steps of per-rank figures, the latest heartbeat of each rank,
 the agents' latest GPU samples. Fed with committed batches (decoded columns), vectorised.
 
-Memory is fixed by W and the ranks: one float64 matrix `data[W, FIELDS, ranks]` (23 figures a
-rank-step: 16,384 ranks x 64 steps = 193 MB) plus a presence mask and a collective-signature
+Memory is fixed by W and the ranks: one float64 matrix `data[W, FIELDS, ranks]` (25 figures a
+rank-step: 16,384 ranks x 64 steps = 210 MB) plus a presence mask and a collective-signature
 bitmask. A row for a step older than the window is dropped (counted in `rows_too_old`); a newer
 step reuses the oldest slot, and the steps it pushes out unevaluated are counted as skipped by
 the engine. Nothing here queues.
@@ -27,6 +27,9 @@ FIELDS = (
     "rss_bytes", "allocated_bytes", "budget_bytes",     # MEMORY
     "d2h_bytes", "d2h_ns", "h2d_bytes", "h2d_ns",       # OFFLOAD
     "mfu",                                              # THROUGHPUT
+    # for Query.Watch's snapshots (collector/watch.py), with tracetop/snapshot.py's SQL definitions:
+    "tokens_per_s",                                     # THROUGHPUT (NaN: no row)
+    "dp_coll_ns",                                       # COLLECTIVE whose role names dp (LIKE '%dp%')
 )
 F = {name: i for i, name in enumerate(FIELDS)}
 _STEP_COLS = FIELDS[:10]
@@ -53,6 +56,9 @@ class RunState:
     micro_batches: int = -1
     flops_per_token: float = float("nan")
     stage: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    hostname: np.ndarray = field(default_factory=lambda: np.zeros(0, object))  # per rank, from RUN_START
+    started: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))      # a RUN_START row came in
+    first_step: int = -1                # the oldest step any row was taken for (-1: none yet)
     data: np.ndarray = field(default_factory=lambda: np.zeros((0, len(FIELDS), 0)))
     present: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), bool))
     sigmask: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
@@ -90,7 +96,11 @@ class RunState:
             return
         n = max(n, self.ranks * 2 if self.ranks else n)
         extra = n - self.ranks
-        self.data = np.concatenate([self.data, np.zeros((self.window, len(FIELDS), extra))], axis=2)
+        more = np.zeros((self.window, len(FIELDS), extra))
+        more[:, F["tokens_per_s"]] = np.nan
+        self.data = np.concatenate([self.data, more], axis=2)
+        self.hostname = np.concatenate([self.hostname, np.full(extra, "", object)])
+        self.started = np.concatenate([self.started, np.zeros(extra, bool)])
         self.present = np.concatenate([self.present, np.zeros((self.window, extra), bool)], axis=1)
         self.sigmask = np.concatenate([self.sigmask, np.zeros((self.window, extra), np.int64)], axis=1)
         self.stage = np.concatenate([self.stage, np.full(extra, -1, np.int32)])
@@ -103,7 +113,7 @@ class RunState:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.data, self.present, self.sigmask, self.stage, self.hb_ns, self.hb_step,
+        return sum(a.nbytes for a in (self.data, self.present, self.sigmask, self.stage, self.hostname, self.started, self.hb_ns, self.hb_step,
                                       self.hb_since, self.hb_op, self.hb_role, self.hb_phase))
 
     def expected_ranks(self) -> int:
@@ -124,6 +134,9 @@ class RunState:
         slots = np.where(valid, steps % w, -1)
         if not valid.any():
             return slots
+        oldest = int(steps[valid].min())
+        if self.first_step < 0 or oldest < self.first_step:
+            self.first_step = oldest
         us, first = np.unique(slots[valid], return_index=True)
         ustep = steps[valid][first]
         fresh = self.slot_step[us] != ustep
@@ -131,6 +144,7 @@ class RunState:
             r = us[fresh]
             self.data[r] = 0.0
             self.data[r, F["loss"]] = np.nan
+            self.data[r, F["tokens_per_s"]] = np.nan
             self.present[r] = False
             self.sigmask[r] = 0
             self.best_p2p[r] = 0.0
@@ -186,6 +200,7 @@ class RunState:
                 d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
         elif kind == Kind.THROUGHPUT:
             d[slots, F["mfu"], rank] = np.asarray(cols["mfu"], np.float64)[keep]
+            d[slots, F["tokens_per_s"], rank] = np.asarray(cols["tokens_per_s"], np.float64)[keep]
         elif kind == Kind.OFFLOAD:
             direction = _strings(cols["direction"])[keep]
             nb = np.asarray(cols["bytes"], np.float64)[keep]
@@ -203,6 +218,7 @@ class RunState:
         op_codes, role_codes = np.asarray(op_codes)[keep], np.asarray(role_codes)[keep]
         p2p_d = np.array([r.startswith("p2p") for r in role_dict] or [False], bool)
         dp_d = np.array([("dp" in r.split("|")) for r in role_dict] or [False], bool)
+        dp_like = np.array([("dp" in r) for r in role_dict] or [False], bool)  # the snapshot's grad-sync (SQL LIKE)
         grad_d = np.array([o.lstrip("_").startswith(GRAD_OPS) for o in op_dict] or [False], bool)
         dur = np.asarray(cols["duration_ns"], np.float64)[keep]
         nb = np.asarray(cols["bytes"], np.int64)[keep]
@@ -210,6 +226,8 @@ class RunState:
         grad = dp_d[role_codes] & grad_d[op_codes] & (nb >= GRAD_MIN_BYTES)
         np.add.at(d, (slots[~p2p], F["coll_wait_ns"], rank[~p2p]), dur[~p2p])
         np.add.at(d, (slots[grad], F["grad_sync_ns"], rank[grad]), dur[grad])
+        dpl = dp_like[role_codes]
+        np.add.at(d, (slots[dpl], F["dp_coll_ns"], rank[dpl]), dur[dpl])
         np.add.at(d, (slots[p2p], F["p2p_ns"], rank[p2p]), dur[p2p])
         np.add.at(d, (slots[p2p], F["p2p_bytes"], rank[p2p]), nb[p2p].astype(np.float64))
         if p2p.any():
@@ -245,6 +263,9 @@ class RunState:
         if (~np.isnan(fpt)).any():
             self.flops_per_token = float(np.nanmax(fpt))
         self.stage[rank] = np.asarray(cols["stage"], np.int32)
+        self.started[rank] = True
+        if "hostname" in cols:
+            self.hostname[rank] = _strings(cols["hostname"])
 
     def _heartbeat(self, rank: np.ndarray, cols: dict) -> None:
         order = np.argsort(np.asarray(cols["start_ns"]), kind="stable")  # the latest wins

@@ -49,7 +49,8 @@ def compute_ms(step: int) -> dict[int, float]:
                                             [RUN_ID, step])}
 
 
-def replay_into(endpoint: str, *, run_id: str = RUN_ID, steps: tuple[int, int] = (-1, 1 << 62)) -> dict[str, int]:
+def replay_into(endpoint: str, *, run_id: str = RUN_ID, steps: tuple[int, int] = (-1, 1 << 62),
+                token: str | None = None) -> dict[str, int]:
     """Ship the fixture's recorded rows of steps lo..hi (every event table; rows of no step, such
     as the agent's and run_start, go with lo = -1) into a collector through a real Shipper;
     returns rows shipped per table."""
@@ -57,7 +58,9 @@ def replay_into(endpoint: str, *, run_id: str = RUN_ID, steps: tuple[int, int] =
     from tracetop.wire.shipper import Shipper
 
     con = connect_ro()
-    shipper = Shipper(endpoint, run_id=run_id, source_id=f"replay-{run_id}-{np.random.randint(1 << 30)}")
+    meta = (("authorization", f"Bearer {token}"),) if token else None
+    shipper = Shipper(endpoint, run_id=run_id, source_id=f"replay-{run_id}-{np.random.randint(1 << 30)}",
+                      call_metadata=meta)
     counts = {}
     try:
         for kind in Kind:
@@ -87,3 +90,22 @@ def replay_into(endpoint: str, *, run_id: str = RUN_ID, steps: tuple[int, int] =
         shipper.close()
         con.close()
     return counts
+
+
+def same_table(a, b, where: str) -> None:
+    """Two Arrow tables hold the same rows: same schema, equal values, floats to 1e-9 (a sum or a
+    mean taken in another order differs in the last digits)."""
+    import math
+
+    assert a.schema == b.schema, f"{where}: schemas differ\nlive: {a.schema}\nsql:  {b.schema}"
+    la, lb = a.to_pylist(), b.to_pylist()
+    assert len(la) == len(lb), f"{where}: {len(la)} live rows, {len(lb)} SQL rows"
+    for i, (ra, rb) in enumerate(zip(la, lb)):
+        for k in ra:
+            x, y = ra[k], rb[k]
+            if isinstance(x, float) and isinstance(y, float):
+                if math.isnan(x) and math.isnan(y):
+                    continue
+                assert math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9), f"{where} row {i} {k}: live {x} sql {y}"
+            else:
+                assert x == y, f"{where} row {i} {k}: live {x!r} sql {y!r}"

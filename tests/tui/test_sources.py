@@ -20,6 +20,7 @@ from tests.tui.fixture import (
     compute_ms,
     last_step,
     replay_into,
+    same_table,
 )
 from tracetop import snapshot as snapmod
 from tui import core
@@ -123,7 +124,7 @@ def test_collector_source_follows_a_live_run(tmp_path) -> None:
         ref = FileSource(FIXTURE)
         ref.open()
         try:
-            assert s.table("steps").to_pylist() == ref.snapshot_at(last_step()).table("steps").to_pylist()
+            same_table(s.table("steps"), ref.snapshot_at(last_step()).table("steps"), "steps")
         finally:
             ref.close()
         stop.set()

@@ -1,0 +1,112 @@
+"""Query.Watch from the live engine's state: a real collector (gRPC on loopback, its live engine
+fed by the writer's on_commit) takes a real reference run's recorded rows (the committed fixture,
+shipped through a real Shipper); at several steps the sections the engine's state builds (ranks,
+steps, bubble, offload_rate) equal those its SQL builds over the same file, column by column, with
+the same Arrow types. A state that does not hold the steps (an engine started after them: a
+collector restarted on the file) falls back to the SQL; and a TUI watching gets live-built
+snapshots."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import pytest
+
+from collector import server
+from collector.live.engine import LiveEngine
+from collector.live.rules import defaults
+from collector.watch import LiveSnapshots, build
+from tests.tui.fixture import (
+    RUN_ID,
+    STRAGGLER_FROM_STEP,
+    STRAGGLER_RANK,
+    last_step,
+    raw,
+    replay_into,
+    same_table,
+)
+from tracetop import snapshot as snap
+from tui.sources import CollectorSource
+
+
+@pytest.fixture(scope="module")
+def collector(tmp_path_factory):
+    path = tmp_path_factory.mktemp("watch_live") / "c.duckdb"
+    handle = server.serve(str(path), "127.0.0.1:0", rules=defaults())
+    try:
+        replay_into(handle.address)
+        engine = handle.collector.live
+        deadline = time.monotonic() + 60
+        # the engine ingests after the commit, on its own thread: wait until it holds the last step
+        while LiveSnapshots(engine).latest_step(RUN_ID, 4) != last_step():
+            assert time.monotonic() < deadline, "the live engine never held the run's last step"
+            time.sleep(0.05)
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_live_and_sql_snapshots_agree_on_a_real_run(collector) -> None:
+    live = LiveSnapshots(collector.collector.live)
+    cur = collector.collector.con.cursor()
+    try:
+        steps = (0, STRAGGLER_FROM_STEP - 1, STRAGGLER_FROM_STEP + 2, last_step())
+        for k in steps:
+            a = build(cur, RUN_ID, step=k, live=live)
+            b = build(cur, RUN_ID, step=k)
+            assert (a.header["built_from"], b.header["built_from"]) == ("live", "sql"), k
+            assert list(a.tables) == list(b.tables)
+            for name in LiveSnapshots.provides:
+                same_table(a.table(name), b.table(name), f"step {k} {name}")
+            assert a.table("ranks").num_rows == 4 and sum(a.table("ranks").column("reported").to_pylist()) == 4
+        # the straggler is the straggler in the live-built ranks too (ground truth: the injection)
+        ranks = build(cur, RUN_ID, step=last_step(), live=live).table("ranks").to_pylist()
+        compute = {r["rank"]: r["compute_ms"] for r in ranks}
+        assert max(compute, key=compute.get) == STRAGGLER_RANK
+        # and the figures are the file's raw rows
+        (raw_ms,) = raw("SELECT compute_ns / 1e6 FROM step WHERE run_id = ? AND step = ? AND rank = ?",
+                        [RUN_ID, last_step(), STRAGGLER_RANK])[0]
+        assert math.isclose(compute[STRAGGLER_RANK], raw_ms)
+        # with no step asked, the live path picks the latest complete step, as the SQL's does; a
+        # watcher's cursor keeps the step-bound sections while no row of their steps comes in
+        c = snap.Cursor(RUN_ID)
+        first = build(cur, RUN_ID, cursor=c, live=live)
+        again = build(cur, RUN_ID, cursor=c, live=live)
+        sql = build(cur, RUN_ID, step=last_step())
+        assert first.step == again.step == last_step()
+        assert set(c.stamped) == set(snap.STEP_BOUND)
+        for name in snap.SECTIONS:
+            if name != "steps":
+                same_table(again.table(name), sql.table(name), f"cursor {name}")
+        for name in snap.STEP_BOUND:
+            assert again.table(name) is first.table(name)  # kept, not queried again
+    finally:
+        cur.close()
+
+
+def test_an_engine_that_missed_the_steps_falls_back_to_sql(collector) -> None:
+    fresh = LiveEngine(defaults())  # started after the run's rows: a collector restarted on the file
+    cur = collector.collector.con.cursor()
+    try:
+        a = build(cur, RUN_ID, step=last_step(), live=LiveSnapshots(fresh))
+        b = build(cur, RUN_ID, step=last_step())
+        assert a.header["built_from"] == "sql"
+        for name in LiveSnapshots.provides:
+            same_table(a.table(name), b.table(name), name)
+    finally:
+        cur.close()
+
+
+def test_a_watching_tui_gets_live_built_snapshots(collector) -> None:
+    src = CollectorSource(collector.address)
+    src.open()
+    try:
+        stop = threading.Event()
+        for s in src.watch(0.2, stop):
+            assert s.header["built_from"] == "live" and s.step == last_step()
+            assert s.table("ranks").num_rows == 4
+            break
+    finally:
+        src.close()
