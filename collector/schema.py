@@ -393,10 +393,20 @@ def _v6() -> list[str]:
     ]
 
 
+def _v8() -> list[str]:
+    """What did it cost (issue 17): `lost_time`, one row per run, step and rank with the GPU time
+    lost to a straggler, data loading, pipeline waiting above the 1F1B ideal and exposed
+    communication above the built-in 30% baseline (collector/live/lost.py states the definition;
+    tracetop/lost_sql.py holds the text, which the TUI and the report also run)."""
+    from tracetop.lost_sql import lost_time_sql
+
+    return [f"CREATE VIEW lost_time AS {lost_time_sql()}"]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8]
 STORE_VERSION = len(MIGRATIONS)
 
 
