@@ -241,3 +241,64 @@ def test_cost_per_hour_text():
     assert lost.cost_per_hour_text(600.0, 200.0, lost.CostSettings()) == "3.00 GPU-h per hour"
     assert lost.cost_per_hour_text(600.0, 200.0, lost.CostSettings(price_per_gpu_hour=2.0)) == \
         "3.00 GPU-h per hour (6.00 USD/h at 2 per GPU-h)"
+
+
+# ------------------------------------------------------------------ the reference run (the fixture)
+# tests/fixtures/straggler_run.duckdb: a real 4-rank PP2 x DP2 run with --inject-straggler 3:150@20,
+# recorded by scripts/make_fixture.py (its constants name the injection).
+FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
+RUN, RANK, MS, FROM = "fixture-straggler", 3, 150.0, 20
+
+
+def _fixture_lost(con) -> dict[tuple[int, int], tuple]:
+    sql = lost_sql.lost_time_sql(bounded=True)
+    rows = con.execute(f"SELECT step, rank, straggler_gpu_ms, data_gpu_ms, pipeline_gpu_ms, comm_gpu_ms, lost_gpu_ms, "
+                       f"end_ns FROM ({sql})", {"run": RUN, "lo": 0, "hi": 10**9}).fetchall()
+    return {(r[0], r[1]): r[2:] for r in rows}
+
+
+def test_reference_run_loses_to_rank_3_from_step_20_in_the_view_and_the_live_code():
+    from collector.live.engine import Evaluator
+    from collector.live.replay import _STEP_KINDS, _columns
+    from collector.live.rules import defaults
+    from collector.schema import connect
+    from tracetop.events import Kind
+
+    con = connect(str(FIXTURE), read_only=True)
+    try:
+        view = _fixture_lost(con)
+        ev = Evaluator(defaults(), window=256, cost=lost.CostSettings(window_s=1.0, price_per_gpu_hour=2.0))
+        ev.ingest(Kind.RUN_START, RUN, _columns(con, Kind.RUN_START, "run_id = ?", [RUN]), 0)
+        for kind in _STEP_KINDS:
+            cols = _columns(con, kind, "run_id = ? AND step >= 0", [RUN])
+            if cols is not None:
+                ev.ingest(kind, RUN, cols, 1)
+    finally:
+        con.close()
+    run = ev.state.runs[RUN]
+    for step in range(run.newest_step + 1):
+        ev.evaluate_step(run, step, 0, 0.0)
+    steps = sorted({s for s, _ in view})
+    injected = MS * 4  # every one of the 4 GPUs waits the 150 ms
+    after = [s for s in steps if s >= FROM]
+    before = [s for s in steps if s < FROM]
+    total_after = sum(view[(s, r)][4] for s in after for r in range(4))
+    rank3_after = sum(view[(s, RANK)][4] for s in after)
+    print(f"fixture: from step {FROM} {rank3_after / total_after:.0%} of the lost GPU time is rank 3's "
+          f"({rank3_after / len(after):.0f} GPU-ms a step); before, {sum(view[(s, RANK)][4] for s in before) / len(before):.1f}")
+    assert rank3_after / total_after >= 0.8
+    assert 0.8 * injected <= rank3_after / len(after) <= 1.3 * injected
+    assert all(view[(s, RANK)][4] < 0.15 * injected for s in before)  # near zero before the onset
+    # the live code's gauges: whole-run sums per cause are the view's; the last second is rank 3's
+    g = ev.gauges_by_run[RUN]
+    for i, cause in enumerate(lost.CAUSES):
+        assert g.lost_gpu_s[cause] == pytest.approx(sum(v[i] for v in view.values()) / 1e3, rel=1e-9, abs=1e-12)
+    assert g.lost_top_rank == RANK and g.lost_window_top_rank == RANK and g.lost_window_top_rank_share >= 0.8
+    newest = max(v[5] for v in view.values())
+    recent = {s for (s, _), v in view.items() if max(view[(s, r)][5] for r in range(4)) >= newest - 1e9}
+    assert min(recent) >= FROM
+    assert sum(g.lost_window_gpu_s.values()) == pytest.approx(
+        sum(v[4] for (s, _), v in view.items() if s in recent) / 1e3, rel=1e-9)
+    # the straggler alert's message prices it
+    a = next(a for a in ev.book.all() if a.signal == "straggler" and a.labels.get("rank") == str(RANK))
+    assert "GPU-h per hour" in a.message and "USD/h at 2 per GPU-h" in a.message
