@@ -31,6 +31,10 @@ Sections (columns; times in ms unless a name says otherwise):
   step: start_ns, rank, direction, what, bytes, duration_ms
 - gpus: the latest sample per (node, gpu) at or before the step's end (agent rows)
 - alerts / actions: the live engine's and controller's rows for the run where those tables exist
+- lost: GPU time lost (tracetop/lost_sql.py, the lost_time view's text) over the steps that ended in
+  the LOST_WINDOW_S before the snapshot step's end (at most LOST_WINDOW_STEPS steps): a row with
+  rank NULL for the totals, then the ranks charged the most; by cause, GPU-ms; steps, first_end_ns,
+  last_end_ns. Files of schema 5 and later (it reads step_ranks and stragglers).
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ DEFAULT_WINDOW_STEPS = 30
 COLLECTIVE_WINDOW_STEPS = 5
 #: Seconds of agent samples before the step's end that count as "now" for the GPU tiles.
 GPU_WINDOW_S = 10.0
+#: The lost-time line: step time before the step's end it covers, and at most this many steps.
+LOST_WINDOW_S = 600.0
+LOST_WINDOW_STEPS = 200
 
 # execute(sql, params) -> pyarrow.Table
 Execute = Callable[[str, list], Any]
@@ -386,6 +393,12 @@ def build(
             order = next((f"ORDER BY {c} DESC" for c in ("last_ns", "updated_ns", "proposed_ns", "first_ns", "start_ns")
                           if c in cols), "")
             tables[name] = con.sql(f"SELECT * FROM {name} {where} {order} LIMIT 200", params=args).to_arrow_table()
+    if {"step_ranks", "stragglers"} <= present and step >= 0:
+        from tracetop.lost_sql import lost_window_sql
+
+        tables["lost"] = con.sql(lost_window_sql(), params={
+            "run": run_id, "lo": max(step - LOST_WINDOW_STEPS + 1, 0), "hi": step,
+            "since_ns": int(t_end) - int(LOST_WINDOW_S * 1e9)}).to_arrow_table()
     first_step = con.execute("SELECT min(step) FROM step WHERE run_id = ? AND step BETWEEN 0 AND ?",
                              [run_id, max(window_steps, 1)]).fetchall()[0][0]
     offload = ""
@@ -420,6 +433,7 @@ def build(
         "offload": offload or "none",
         "has_alerts": "alerts" in present,
         "has_actions": "actions" in present,
+        "lost_window_s": LOST_WINDOW_S,
     }
     return Snapshot(header, tables)
 
