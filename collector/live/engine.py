@@ -280,7 +280,7 @@ class Evaluator:
         if book is None:
             return {}
         causes, wall_ms, ranks, span = book.window()
-        top, share = lost_mod.top_rank(book.by_rank, sum(book.gpu_ms.values()))
+        top, share = book.top_rank()
         wtop, wshare = lost_mod.top_rank(ranks, sum(causes.values()))
         return dict(
             lost_gpu_s={c: v / 1e3 for c, v in book.gpu_ms.items()},

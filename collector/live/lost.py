@@ -173,61 +173,85 @@ def with_price(cost: CostSettings, flag: float | None, env_text: str | None, cur
 
 
 # ------------------------------------------------------------------ summing steps (live gauges)
+#: Ranks per step the recent window remembers (the most charged): bounds its memory and the cost of
+#: each step at any rank count. With more ranks than this charged in a step, the window's top-rank
+#: share is a lower bound (the whole-run sums keep every rank).
+WINDOW_TOP_RANKS = 16
+
+
 @dataclass
 class RunLost:
-    """A run's lost time as the live engine saw it: whole-run sums, the blame per rank, and a
-    window of the last `window_s` seconds of step time (by the steps' own end times)."""
+    """A run's lost time as the live engine saw it: whole-run sums per cause and per rank, and a
+    window of the last `window_s` seconds of step time (by the steps' own end times) kept as
+    running sums, so adding a step costs O(ranks) and reading the window O(its ranks)."""
 
     window_s: float = DEFAULT_WINDOW_S
     max_window_steps: int = 200_000           # bounds the window's memory whatever the step rate
     gpu_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CAUSES, 0.0))
     held_gpu_ms: float = 0.0                  # GPUs x step time: what the run used, lost or not
-    by_rank: dict[int, float] = field(default_factory=dict)   # GPU-ms blamed on each rank (all causes)
+    by_rank: np.ndarray = field(default_factory=lambda: np.zeros(0))  # GPU-ms charged to each rank (all causes)
     steps: int = 0
-    first_end_ns: int = 0
     newest_end_ns: int = 0
-    # per step in the window: (end_ns, step_ms, gpus, {cause: gpu_ms}, {rank: blamed gpu_ms})
+    # per step in the window: (end_ns, step_ms, cause sums, its most-charged ranks, their GPU-ms)
     recent: collections.deque = field(default_factory=collections.deque)
+    _w_causes: np.ndarray = field(default_factory=lambda: np.zeros(len(CAUSES)))
+    _w_wall_ms: float = 0.0
+    _w_rank: dict[int, float] = field(default_factory=dict)
 
     def add(self, s: StepLost) -> None:
-        causes = s.by_cause()
-        for c, v in causes.items():
-            self.gpu_ms[c] += v
+        causes = np.array([float(getattr(s, c + "_gpu_ms").sum()) for c in CAUSES])
+        for c, v in zip(CAUSES, causes, strict=True):
+            self.gpu_ms[c] += float(v)
         step_ms = s.step_ms if s.step_ms == s.step_ms else 0.0
         self.held_gpu_ms += step_ms * s.gpus
-        blamed = _blamed(s)
-        for r, v in blamed.items():
-            self.by_rank[r] = self.by_rank.get(r, 0.0) + v
+        lost = s.lost_gpu_ms
+        if len(s.rank):
+            top = int(np.max(s.rank)) + 1
+            if top > len(self.by_rank):
+                grow = max(top, 2 * len(self.by_rank)) - len(self.by_rank)
+                self.by_rank = np.concatenate([self.by_rank, np.zeros(grow)])
+            self.by_rank[s.rank] += lost
+        k = min(WINDOW_TOP_RANKS, len(lost))
+        idx = np.argpartition(-lost, k - 1)[:k] if 0 < k < len(lost) else np.arange(len(lost))
+        idx = idx[lost[idx] > 0]
+        ranks, vals = np.asarray(s.rank)[idx].astype(np.int64), lost[idx]
         self.steps += 1
-        self.first_end_ns = s.end_ns if not self.first_end_ns else min(self.first_end_ns, s.end_ns)
         self.newest_end_ns = max(self.newest_end_ns, s.end_ns)
-        self.recent.append((s.end_ns, step_ms, s.gpus, causes, blamed))
+        self.recent.append((s.end_ns, step_ms, causes, ranks, vals))
+        self._w_causes += causes
+        self._w_wall_ms += step_ms
+        for r, v in zip(ranks.tolist(), vals.tolist(), strict=True):
+            self._w_rank[r] = self._w_rank.get(r, 0.0) + v
         lo = self.newest_end_ns - int(self.window_s * 1e9)
         while self.recent and (self.recent[0][0] < lo or len(self.recent) > self.max_window_steps):
-            self.recent.popleft()
+            _, ms, c, rr, vv = self.recent.popleft()
+            self._w_causes -= c
+            self._w_wall_ms -= ms
+            for r, v in zip(rr.tolist(), vv.tolist(), strict=True):
+                left = self._w_rank[r] - v
+                if left <= 1e-9 * max(1.0, v):
+                    del self._w_rank[r]
+                else:
+                    self._w_rank[r] = left
+        if not self.recent:
+            self._w_causes[:] = 0.0
+            self._w_wall_ms = 0.0
+            self._w_rank.clear()
 
     def window(self) -> tuple[dict[str, float], float, dict[int, float], float]:
-        """({cause: GPU-ms}, summed step ms, {rank: blamed GPU-ms}, seconds between the window's
-        first and last step ends) over the window."""
-        causes = dict.fromkeys(CAUSES, 0.0)
-        wall = 0.0
-        ranks: dict[int, float] = {}
-        for _, step_ms, _gpus, c, b in self.recent:
-            wall += step_ms
-            for k, v in c.items():
-                causes[k] += v
-            for r, v in b.items():
-                ranks[r] = ranks.get(r, 0.0) + v
+        """({cause: GPU-ms}, summed step ms, {rank: GPU-ms charged, of its most-charged ranks per
+        step}, seconds between the window's first and last step ends)."""
         span = (self.newest_end_ns - self.recent[0][0]) / 1e9 if self.recent else 0.0
-        return causes, wall, ranks, span
+        causes = {c: max(0.0, float(v)) for c, v in zip(CAUSES, self._w_causes, strict=True)}
+        return causes, max(0.0, self._w_wall_ms), dict(self._w_rank), span
 
-
-def _blamed(s: StepLost) -> dict[int, float]:
-    """GPU-ms each rank is charged with: its straggler + data (pacer) + its own pipeline + comm.
-    Only ranks with something charged are listed (bounded by the ranks, usually a handful)."""
-    lost = s.lost_gpu_ms
-    hit = np.nonzero(lost > 0)[0]
-    return {int(s.rank[i]): float(lost[i]) for i in hit}
+    def top_rank(self) -> tuple[int, float]:
+        """(the rank most of the whole run's lost time is charged to, its share)."""
+        total = sum(self.gpu_ms.values())
+        if not len(self.by_rank) or total <= 0:
+            return -1, NAN
+        r = int(np.argmax(self.by_rank))
+        return (r, float(self.by_rank[r]) / total) if self.by_rank[r] > 0 else (-1, NAN)
 
 
 def top_rank(by_rank: Mapping[int, float], total_gpu_ms: float) -> tuple[int, float]:

@@ -49,7 +49,7 @@ def test_one_rank_150_ms_slower_loses_150_ms_times_4_ranks_per_step():
     for i in range(1000):
         book.add(lost.StepLost(**{**s.__dict__, "step": i, "end_ns": i * 260_000_000}))
     assert lost.gpu_hours(sum(book.gpu_ms.values())) == pytest.approx(1 / 6)
-    assert lost.top_rank(book.by_rank, sum(book.gpu_ms.values())) == (3, pytest.approx(1.0))
+    assert book.top_rank() == (3, pytest.approx(1.0))
     assert lost.CostSettings(price_per_gpu_hour=3.0).money(1 / 6) == pytest.approx(0.5)
 
 
@@ -143,7 +143,7 @@ def test_window_keeps_the_last_seconds_of_step_time():
     causes, wall_ms, ranks, span = book.window()
     assert span == pytest.approx(10.0) and len(book.recent) == 11 and wall_ms == pytest.approx(11_000)
     assert lost.top_rank(ranks, sum(causes.values())) == (3, pytest.approx(1.0))
-    assert lost.top_rank(book.by_rank, sum(book.gpu_ms.values())) == (1, pytest.approx(0.5))  # tie: the lower rank
+    assert book.top_rank() == (1, pytest.approx(0.5))  # tie: the lower rank
 
 
 # ------------------------------------------------------------------ the view over a real file
@@ -302,3 +302,17 @@ def test_reference_run_loses_to_rank_3_from_step_20_in_the_view_and_the_live_cod
     # the straggler alert's message prices it
     a = next(a for a in ev.book.all() if a.signal == "straggler" and a.labels.get("rank") == str(RANK))
     assert "GPU-h per hour" in a.message and "USD/h at 2 per GPU-h" in a.message
+
+
+def test_the_window_keeps_a_bounded_number_of_ranks_per_step():
+    n = 10_000
+    book = lost.RunLost(window_s=1e9)
+    rng = np.random.default_rng(1)
+    for i in range(50):
+        comm = rng.uniform(0, 1, n)
+        book.add(lost.StepLost(i, i, n, 100.0, 0.0, 100.0, -1, np.arange(n), np.zeros(n), np.zeros(n), np.zeros(n),
+                               np.zeros(n), comm))
+    assert all(len(e[3]) <= lost.WINDOW_TOP_RANKS for e in book.recent)
+    causes, _, ranks, _ = book.window()
+    assert causes["comm"] == pytest.approx(sum(book.gpu_ms.values()))   # the cause sums stay exact
+    assert len(ranks) <= lost.WINDOW_TOP_RANKS * 50 and len(book.by_rank) >= n
