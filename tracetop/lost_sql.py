@@ -3,8 +3,8 @@ definition, which its docstring states; tests hold the two equal).
 
 One text, three users: collector/schema.py's migration 8 creates the view from `lost_time_sql()`;
 tracetop/snapshot.py (the TUI's "lost in the last 10 min" line) and `tracetop report` run the same
-text bounded to one run and a range of steps, over the views of schema 5 (`step_ranks`,
-`stragglers`), so they work on files written before schema 8 too. It lives here because
+text bounded to one run and a range of steps, over the view `step_ranks` of schema 5, so they work
+on files written before schema 8 too. It lives here because
 tracetop/ may not import the collector. It is schema 8's view: a change here is a new migration
 (`CREATE OR REPLACE VIEW lost_time ...`), with this text copied into the old one.
 
@@ -23,7 +23,21 @@ DEFAULT_COMM_BASELINE_SHARE = 0.30  # collector/live/lost.py has the same defaul
 
 _SQL = """
 WITH sr AS (SELECT * FROM step_ranks {steps}),
-st AS (SELECT run_id, step, rank, others_compute_ms FROM stragglers {steps}),
+-- the median compute of each rank's stage's *other* ranks (the stragglers view's others_compute_ms,
+-- from the 4 order statistics it needs per stage instead of a list per row: O(n log n) a stage)
+g AS (SELECT run_id, step, stage, rank, compute_ms,
+             row_number() OVER (PARTITION BY run_id, step, stage ORDER BY compute_ms) - 1 AS pos,
+             count(*) OVER (PARTITION BY run_id, step, stage) AS n
+      FROM sr),
+q AS (SELECT run_id, step, stage,
+             max(compute_ms) FILTER (WHERE pos = (n - 2) // 2) AS va, max(compute_ms) FILTER (WHERE pos = (n - 2) // 2 + 1) AS va1,
+             max(compute_ms) FILTER (WHERE pos = (n - 1) // 2) AS vb, max(compute_ms) FILTER (WHERE pos = (n - 1) // 2 + 1) AS vb1
+      FROM g GROUP BY run_id, step, stage),
+st AS (SELECT g.run_id, g.step, g.rank,
+              CASE WHEN g.n > 1 THEN ((CASE WHEN (g.n - 2) // 2 >= g.pos THEN q.va1 ELSE q.va END)
+                                      + (CASE WHEN (g.n - 1) // 2 >= g.pos THEN q.vb1 ELSE q.vb END)) / 2 END
+                  AS others_compute_ms
+       FROM g JOIN q ON q.run_id = g.run_id AND q.step = g.step AND q.stage = g.stage),
 s AS (SELECT run_id, step, rank, data_wait_ns, start_ns + duration_ns AS end_ns, micro_batches FROM step {steps}),
 r AS (SELECT run_id, max(pp) AS pp, max(micro_batches) AS micro_batches, max(world_size) AS world_size
       FROM run_start {runs} GROUP BY run_id),
@@ -81,6 +95,20 @@ def lost_time_sql(*, comm_baseline_share: float = DEFAULT_COMM_BASELINE_SHARE, b
     steps = "WHERE run_id = $run AND step BETWEEN $lo AND $hi" if bounded else ""
     runs = "WHERE run_id = $run" if bounded else ""
     return _SQL.format(steps=steps, runs=runs, baseline=repr(b)).strip()
+
+
+def lost_steps_sql(*, comm_baseline_share: float = DEFAULT_COMM_BASELINE_SHARE, top: int = 16) -> str:
+    """Per step of `$run` in `$lo`..`$hi`: a row with rank NULL holding the step's sums by cause and
+    its end, then its `top` most-charged ranks (what a live watcher caches once per step)."""
+    return f"""
+WITH l AS ({lost_time_sql(comm_baseline_share=comm_baseline_share, bounded=True)}),
+t AS (SELECT step, NULL::INTEGER AS rank, sum(straggler_gpu_ms) AS straggler_gpu_ms, sum(data_gpu_ms) AS data_gpu_ms,
+             sum(pipeline_gpu_ms) AS pipeline_gpu_ms, sum(comm_gpu_ms) AS comm_gpu_ms, sum(lost_gpu_ms) AS lost_gpu_ms,
+             max(end_ns) AS end_ns
+      FROM l GROUP BY step),
+r AS (SELECT step, rank, straggler_gpu_ms, data_gpu_ms, pipeline_gpu_ms, comm_gpu_ms, lost_gpu_ms, end_ns FROM l
+      WHERE lost_gpu_ms > 0 QUALIFY row_number() OVER (PARTITION BY step ORDER BY lost_gpu_ms DESC, rank) <= {int(top)})
+SELECT * FROM t UNION ALL SELECT * FROM r ORDER BY step, rank NULLS FIRST""".strip()
 
 
 def lost_window_sql(*, comm_baseline_share: float = DEFAULT_COMM_BASELINE_SHARE, top: int = 5) -> str:

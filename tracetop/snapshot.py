@@ -34,7 +34,7 @@ Sections (columns; times in ms unless a name says otherwise):
 - lost: GPU time lost (tracetop/lost_sql.py, the lost_time view's text) over the steps that ended in
   the LOST_WINDOW_S before the snapshot step's end (at most LOST_WINDOW_STEPS steps): a row with
   rank NULL for the totals, then the ranks charged the most; by cause, GPU-ms; steps, first_end_ns,
-  last_end_ns. Files of schema 5 and later (it reads step_ranks and stragglers).
+  last_end_ns. Files of schema 5 and later (it reads step_ranks).
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ GPU_WINDOW_S = 10.0
 #: The lost-time line: step time before the step's end it covers, and at most this many steps.
 LOST_WINDOW_S = 600.0
 LOST_WINDOW_STEPS = 200
+#: A watcher's first snapshot reads this many steps of lost time (then each new step once).
+LOST_FIRST_STEPS = 5
 
 # execute(sql, params) -> pyarrow.Table
 Execute = Callable[[str, list], Any]
@@ -317,6 +319,8 @@ class Cursor:
     #: per-step aggregates (the `steps` section's rows) of complete steps, computed once each
     steps_cache: dict = field(default_factory=dict)
     steps_schema: Any = None
+    #: per step: the lost-time sums row then its most-charged ranks' rows (tracetop.lost_sql.lost_steps_sql)
+    lost_cache: dict = field(default_factory=dict)
 
 
 def latest_complete_step(run_sql: Callable[[str, list], list[tuple]], cur: Cursor) -> int:
@@ -393,12 +397,8 @@ def build(
             order = next((f"ORDER BY {c} DESC" for c in ("last_ns", "updated_ns", "proposed_ns", "first_ns", "start_ns")
                           if c in cols), "")
             tables[name] = con.sql(f"SELECT * FROM {name} {where} {order} LIMIT 200", params=args).to_arrow_table()
-    if {"step_ranks", "stragglers"} <= present and step >= 0:
-        from tracetop.lost_sql import lost_window_sql
-
-        tables["lost"] = con.sql(lost_window_sql(), params={
-            "run": run_id, "lo": max(step - LOST_WINDOW_STEPS + 1, 0), "hi": step,
-            "since_ns": int(t_end) - int(LOST_WINDOW_S * 1e9)}).to_arrow_table()
+    if "step_ranks" in present and step >= 0:
+        tables["lost"] = _lost(con, cursor, run_id, step, int(t_end))
     first_step = con.execute("SELECT min(step) FROM step WHERE run_id = ? AND step BETWEEN 0 AND ?",
                              [run_id, max(window_steps, 1)]).fetchall()[0][0]
     offload = ""
@@ -436,6 +436,61 @@ def build(
         "lost_window_s": LOST_WINDOW_S,
     }
     return Snapshot(header, tables)
+
+
+def _lost(con, cursor: Cursor | None, run_id: str, step: int, t_end_ns: int):
+    """The lost section. Live (a cursor): each step's sums and its 16 most-charged ranks are read
+    once and kept, so a snapshot reads only the steps completed since the last (one step of 16,384
+    ranks costs ~0.6 s of SQL on the loaded 2-core machine, scripts/bench_watch_snapshot.py); the
+    ranks' shares are then over those 16 per step. A file (no cursor): the last DEFAULT_WINDOW_STEPS
+    steps, every rank."""
+    import pyarrow as pa
+
+    from tracetop.lost_sql import lost_steps_sql, lost_window_sql
+
+    since = t_end_ns - int(LOST_WINDOW_S * 1e9)
+    if cursor is None:
+        return con.sql(lost_window_sql(), params={"run": run_id, "lo": max(step - DEFAULT_WINDOW_STEPS + 1, 0),
+                                                  "hi": step, "since_ns": since}).to_arrow_table()
+    cache = cursor.lost_cache
+    lo = max(step - LOST_WINDOW_STEPS + 1, 0)
+    # the steps after the newest one read (at most a section's window at once: the window fills as
+    # the watcher runs); a live snapshot's step is complete, so a step read once is not read again
+    newest = max((s for s in cache if s <= step), default=None)
+    todo = max(step - (DEFAULT_WINDOW_STEPS if newest is not None else LOST_FIRST_STEPS) + 1, lo,
+               newest + 1 if newest is not None else 0)
+    if todo <= step:
+        rows = con.sql(lost_steps_sql(), params={"run": run_id, "lo": todo, "hi": step}).fetchall()
+        for s in range(todo, step + 1):
+            cache[s] = [r for r in rows if r[0] == s]
+    for s in [s for s in cache if s < lo or s > step]:
+        del cache[s]
+    keys = ("straggler_gpu_ms", "data_gpu_ms", "pipeline_gpu_ms", "comm_gpu_ms", "lost_gpu_ms")
+    total = dict.fromkeys(keys, 0.0)
+    ranks: dict[int, list[float]] = {}
+    ends = []
+    for s in sorted(cache):
+        rows = cache[s]
+        if not rows:
+            continue
+        head = rows[0]
+        if head[7] is None or head[7] < since:
+            continue
+        ends.append(int(head[7]))
+        for i, k in enumerate(keys):
+            total[k] += head[2 + i] or 0.0
+        for r in rows[1:]:
+            acc = ranks.setdefault(int(r[1]), [0.0] * 5)
+            for i in range(5):
+                acc[i] += r[2 + i] or 0.0
+    out = [{"rank": None, **total, "steps": len(ends), "first_end_ns": min(ends) if ends else None,
+            "last_end_ns": max(ends) if ends else None}]
+    for r in sorted(ranks, key=lambda r: (-ranks[r][4], r))[:5]:
+        out.append({"rank": r, **dict(zip(keys, ranks[r], strict=True)), "steps": len(ends),
+                    "first_end_ns": min(ends) if ends else None, "last_end_ns": max(ends) if ends else None})
+    return pa.Table.from_pylist(out, schema=pa.schema([("rank", pa.int32()), *[(k, pa.float64()) for k in keys],
+                                                      ("steps", pa.int64()), ("first_end_ns", pa.int64()),
+                                                      ("last_end_ns", pa.int64())]))
 
 
 def _cached_steps(con, cursor: Cursor, params: dict):
