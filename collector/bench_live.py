@@ -4,6 +4,8 @@ Figures, from one run:
   eval_ms_p50, eval_ms_p99   one completed step judged by the built-in rules at --ranks ranks
                              (PP4, a STEP row and 8 collective rows a rank-step, as a real step has)
   ingest_ms_per_step         feeding that step's rows into the live state (vectorised)
+  lost_ms_p50, lost_ms_p99   of eval_ms: the lost-time split (collector/live/lost.py) of that step and
+                             adding it to the run's sums, timed alone on the same steps
   live_state_mb              the live state holding --window steps of --ranks ranks
   ingest_on_vs_off           `tracetop bench ingest` events/s with the built-in rules over without
                              (--no-rules), interleaved A B B A so that load drifts cancel
@@ -79,7 +81,10 @@ def judge_cost(ranks: int, window: int, steps: int) -> dict:
     ev = Evaluator(defaults(), window=window, settle_s=0.0)
     ev.ingest(Kind.RUN_START, "bench", _run_start(ranks, 4), 0)
     pre = [_batches(ranks, s, rng) for s in range(3)]
-    ingest_s, eval_s = [], []
+    ingest_s, eval_s, lost_s = [], [], []
+    from collector.live.lost import RunLost
+
+    book = RunLost()  # the bench's own sums (the engine keeps its own)
     for s in range(window + steps):
         batches = pre[s % 3]
         t0 = time.perf_counter()
@@ -92,11 +97,36 @@ def judge_cost(ranks: int, window: int, steps: int) -> dict:
         if s >= window:  # the window is full: steady state
             ingest_s.append(t1 - t0)
             eval_s.append(t2 - t1)
+            lost_s.append(_lost_cost(ev, s, book))
     ms = np.array(eval_s) * 1e3
     return {"ranks": ranks, "window": window, "eval_ms_p50": round(float(np.quantile(ms, 0.5)), 2),
             "eval_ms_p99": round(float(np.quantile(ms, 0.99)), 2),
             "ingest_ms_per_step": round(float(np.median(ingest_s)) * 1e3, 2),
+            "lost_ms_p50": round(float(np.quantile(lost_s, 0.5)) * 1e3, 2),
+            "lost_ms_p99": round(float(np.quantile(lost_s, 0.99)) * 1e3, 2),
             "live_state_mb": round(ev.state.nbytes / 2**20, 1), "steps_evaluated": ev.stats.steps_evaluated}
+
+
+def _lost_cost(ev, step: int, book) -> float:
+    """Seconds the lost-time part of judging `step` takes: the split, the run's sums and reading
+    the window (the calls judge.step_figures and the Evaluator make, on the step's own figures)."""
+    from collector.live import judge
+    from collector.live import lost as L
+
+    v = judge.step_view(ev.state.runs["bench"], step)
+    if v is None:
+        return float("nan")
+    c = v.cols
+    others = judge.sg.straggler_scores(v.stage, c["compute_ns"] / 1e6, c["coll_wait_ns"] / 1e6).others_compute_ms
+    t0 = time.perf_counter()
+    s = L.step_lost(v.rank, c["duration_ns"] / 1e6, c["compute_ns"] / 1e6, others, c["data_wait_ns"] / 1e6,
+                    (c["forward_ns"] + c["backward_ns"]) / 1e6, c["p2p_ns"] / 1e6, c["p2p_bytes"],
+                    v.best_p2p_bytes_per_ns * 1e6, c["comm_exposed_ns"] / 1e6, pp=v.pp, micro_batches=v.micro_batches,
+                    gpus=v.world, step=step, end_ns=v.end_ns)
+    book.add(s)
+    book.window()
+    book.top_rank()
+    return time.perf_counter() - t0
 
 
 def ingest_ratio(events: int, sources: int) -> dict:

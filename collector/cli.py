@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="judge runs live with these rules (TOML; `tracetop rules defaults` prints the built-in "
                              "set); alerts go to the file's `alerts` table")
     parser.add_argument("--no-rules", action="store_true", help="no live judgments (default: the built-in rules)")
+    parser.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="PRICE",
+                        help=f"what one GPU-hour costs: lost GPU-hours are also shown as money (gauges, the straggler "
+                        f"alert); wins over ${env.TRACETOP_PRICE_PER_GPU_HOUR} and the rules file's [cost] table")
+    parser.add_argument("--currency", default=None, help="the price's currency (default the [cost] table's, else USD)")
     parser.add_argument("--baseline", default=None, metavar="RUN_ID",
                         help="a run in this file that the scaling rules compare against")
     parser.add_argument("--controller", choices=("off", "advise", "auto"), default=None,
@@ -111,14 +115,20 @@ def run(args: argparse.Namespace) -> int:
     except ExportConfigError as e:
         print(f"tracetop collector: {e}", file=sys.stderr)
         return 2
-    rules = None
+    rules = cost = None
     if not args.no_rules:
-        from collector.live.rules import RulesError, defaults, load
+        from collector.live.lost import CostError, CostSettings, with_price
+        from collector.live.rules import RulesError, defaults, load_all
+        from tracetop import env
 
         try:
-            rules = load(args.rules) if args.rules else defaults()
+            rules, cost = load_all(args.rules) if args.rules else (defaults(), CostSettings())
+            cost = with_price(cost, args.price_per_gpu_hour, env.get(env.TRACETOP_PRICE_PER_GPU_HOUR), args.currency)
         except RulesError as e:
             print(f"tracetop collector: refusing to start, the rules file is not usable:\n{e}", file=sys.stderr)
+            return 2
+        except CostError as e:
+            print(f"tracetop collector: refusing to start: {e}", file=sys.stderr)
             return 2
 
     from collector.control.controller import SettingsError, load_settings
@@ -144,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 flush_interval_s=args.flush_interval_s,
                 exports=exports,
                 rules=rules,
+                cost=cost,
                 baseline=args.baseline,
                 command_ttl_s=args.command_ttl_s,
                 controller=controller,

@@ -31,8 +31,9 @@ MAX_STEP_BUCKETS = 600
 MAX_RANK_BUCKETS = 256
 PHASES = (("data_wait_ns", "data wait"), ("forward_ns", "forward"), ("backward_ns", "backward"),
           ("optimizer_ns", "optimizer"), ("comm_exposed_ns", "exposed comm"))
-SECTIONS = ("step-time", "rank-heatmap", "bubble", "collectives", "grad-sync", "offload", "memory",
+SECTIONS = ("step-time", "lost", "rank-heatmap", "bubble", "collectives", "grad-sync", "offload", "memory",
             "alerts", "actions", "gaps")
+LOST_TOP_RANKS = 16
 #: the progress bar appears (on a terminal) for files at least this big
 PROGRESS_MIN_BYTES = 20 * 1024 * 1024
 
@@ -68,6 +69,37 @@ def gather_steps(con, run_id: str) -> dict:
         "WHERE run_id = ? GROUP BY s ORDER BY s", [run_id]).fetchall()
     return {"bucket": w, "step": [r[0] for r in rows], "step_ms": [r[1] for r in rows],
             "phases": {label: [r[2 + i] or 0.0 for r in rows] for i, (_, label) in enumerate(PHASES)}}
+
+
+def gather_lost(con, run_id: str, comm_baseline_share: float = 0.30) -> dict:
+    """What the run lost (tracetop/lost_sql.py, the lost_time view's text over this run): GPU-ms per
+    cause summed per step bucket, per cause, per node and for the ranks charged the most."""
+    from tracetop.lost_sql import lost_time_sql
+
+    if not _has_table(con, "step_ranks"):
+        return {}
+    w = _bucket(con, "step", run_id, "step", MAX_STEP_BUCKETS)
+    params = {"run": run_id, "lo": 0, "hi": 2**62}
+    con.execute(f"CREATE OR REPLACE TEMP TABLE _lost AS {lost_time_sql(comm_baseline_share=comm_baseline_share, bounded=True)}",
+                params)
+    try:
+        causes = ("straggler", "data", "pipeline", "comm")
+        sums = ", ".join(f"sum({c}_gpu_ms)" for c in causes)
+        steps = con.execute(f"SELECT (step // {w}) * {w} AS s, {sums} FROM _lost GROUP BY s ORDER BY s").fetchall()
+        total = con.execute(f"SELECT {sums}, count(*), count(DISTINCT step) FROM _lost").fetchone()
+        held = con.execute("SELECT sum(g) FROM (SELECT any_value(step_ms_p50) * any_value(gpus) AS g FROM _lost "
+                           "GROUP BY step)").fetchone()[0] or 0.0
+        ranks = con.execute(f"SELECT rank, any_value(node), {sums}, sum(lost_gpu_ms) AS l, "
+                            "count(*) FILTER (WHERE is_pacer AND straggler_gpu_ms > 0) FROM _lost GROUP BY rank "
+                            f"ORDER BY l DESC, rank LIMIT {LOST_TOP_RANKS}").fetchall()
+        nodes = con.execute(f"SELECT coalesce(node, '?'), count(DISTINCT rank), {sums}, sum(lost_gpu_ms) AS l FROM _lost "
+                            "GROUP BY ALL ORDER BY l DESC LIMIT 32").fetchall()
+    finally:
+        con.execute("DROP TABLE IF EXISTS temp._lost")
+    return {"bucket": w, "causes": causes, "step": [r[0] for r in steps],
+            "by_step": {c: [r[1 + i] or 0.0 for r in steps] for i, c in enumerate(causes)},
+            "total": {c: total[i] or 0.0 for i, c in enumerate(causes)}, "steps": total[5] or 0, "held_gpu_ms": held,
+            "ranks": ranks, "nodes": nodes}
 
 
 def gather_heatmap(con, run_id: str) -> dict:
@@ -198,6 +230,57 @@ def plot_steps(d: dict) -> str:
     ax.legend(loc="upper left", fontsize=7, ncol=3)
     ax.set_title("step time and phases over steps")
     return _svg(fig)
+
+
+def plot_lost(d: dict) -> str:
+    fig = _figure(9.0, 3.2)
+    ax = fig.subplots()
+    causes = list(d["causes"])
+    ys = [[v / 1e3 for v in d["by_step"][c]] for c in causes]
+    ax.stackplot(d["step"], *ys, labels=[c if c != "comm" else "exposed comm" for c in causes], alpha=0.8,
+                 colors=["#d62728", "#7f7f7f", "#1f77b4", "#ff7f0e"])
+    ax.set_xlabel("step" + (f" (buckets of {d['bucket']})" if d["bucket"] > 1 else ""))
+    ax.set_ylabel("GPU-seconds lost" + (" per bucket" if d["bucket"] > 1 else " per step"))
+    ax.legend(loc="upper left", fontsize=7, ncol=4)
+    ax.set_title("GPU time lost per step, by cause")
+    return _svg(fig)
+
+
+def _money(x: float) -> str:
+    return f"{x:,.2f}" if abs(x) >= 1 else f"{x:.3g}"
+
+
+def lost_html(d: dict, cost) -> str:
+    """The lost-time section: a plot, the causes with GPU-hours (and money where priced), the ranks
+    charged the most and the nodes."""
+    from collector.live.lost import gpu_hours
+
+    total = sum(d["total"].values())
+    held = d["held_gpu_ms"]
+    money = cost.priced
+    head = ["cause", "GPU-hours", "share of lost", "share of GPU time"] + ([f"cost ({cost.currency})"] if money else [])
+    rows = []
+    for c in (*d["causes"], "all"):
+        v = total if c == "all" else d["total"][c]
+        rows.append((c if c != "comm" else "exposed comm (above the baseline)", gpu_hours(v),
+                     f"{v / total:.1%}" if total else "–", f"{v / held:.1%}" if held else "–")
+                    + ((_money(cost.money(gpu_hours(v))),) if money else ()))
+    rank_rows = [(r[0], r[1], *(gpu_hours(x or 0.0) for x in r[2:7]), f"{(r[6] or 0) / total:.1%}" if total else "–", r[7])
+                 for r in d["ranks"]]
+    node_rows = [(r[0], r[1], *(gpu_hours(x or 0.0) for x in r[2:7])) for r in d["nodes"]]
+    price = (f"at {cost.price_per_gpu_hour:g} {cost.currency} per GPU-hour" if money
+             else "no price declared (--price-per-gpu-hour, or price_per_gpu_hour in the rules file's [cost])")
+    note = (f"<p>{gpu_hours(total):.3g} GPU-hours lost over {d['steps']} steps ({total / held:.1%} of the "
+            f"{gpu_hours(held):.3g} GPU-hours the steps held), {price}. Straggler and data time are charged to the "
+            "rank the step waited for (every GPU waited it); pipeline waiting above the 1F1B ideal and exposed "
+            f"communication above {cost.comm_baseline_share:.0%} of the what-if step to the rank that waited. The "
+            "telemetry's own time is not in the rows, so it is not split out. SQL: the lost_time view.</p>") if held else ""
+    return (plot_lost(d) + note + _table_html(head, rows)
+            + "<h3>ranks charged the most</h3>" + _table_html(
+                ["rank", "node", "straggler GPU-h", "data GPU-h", "pipeline GPU-h", "comm GPU-h", "all GPU-h", "share",
+                 "steps it paced"], rank_rows)
+            + "<h3>by node</h3>" + _table_html(
+                ["node", "ranks", "straggler GPU-h", "data GPU-h", "pipeline GPU-h", "comm GPU-h", "all GPU-h"], node_rows))
 
 
 def plot_heatmap(d: dict) -> str:
@@ -377,7 +460,10 @@ svg{max-width:100%;height:auto}"""
 
 
 def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress: Progress | None = None,
-                 source: str = "") -> str:
+                 source: str = "", cost=None) -> str:
+    from collector.live.lost import CostSettings
+
+    cost = cost or CostSettings()
     prog = progress or Progress(total=len(SECTIONS) + 1, enabled=False)
     parts: list[str] = []
     summary = summarize(con, run_id)
@@ -391,6 +477,10 @@ def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress
     parts.append(_section("step-time", "step time and phases",
                           plot_steps(steps) if steps["step"] else _none("no step rows")))
     prog.step("step time")
+    lost = gather_lost(con, run_id, cost.comm_baseline_share)
+    parts.append(_section("lost", "what it cost: GPU time lost, by cause",
+                          lost_html(lost, cost) if lost.get("step") else _none("no step rows to judge")))
+    prog.step("lost time")
     hm = gather_heatmap(con, run_id)
     parts.append(_section("rank-heatmap", "rank heatmap",
                           plot_heatmap(hm) if hm["ranks"] else _none("no step rows")))
@@ -455,6 +545,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default=None, help="which run (default: the latest)")
     parser.add_argument("--grad-sync-slo-ms", type=float, default=GRAD_SYNC_SLO_MS,
                         help=f"the grad-sync line (default {GRAD_SYNC_SLO_MS:g} ms)")
+    parser.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="PRICE",
+                        help="show lost GPU-hours as money too (wins over $TRACETOP_PRICE_PER_GPU_HOUR and --rules)")
+    parser.add_argument("--currency", default=None, help="the price's currency (default the rules file's, else USD)")
+    parser.add_argument("--rules", default=None, metavar="FILE",
+                        help="a rules file whose [cost] table gives the price and the communication baseline")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -465,6 +560,22 @@ def run(args: argparse.Namespace) -> int:
     except PostFileError as e:
         print(f"tracetop report: {e}", file=sys.stderr)
         return 2
+    from collector.live.lost import CostError, CostSettings, with_price
+    from collector.live.rules import RulesError, parse_cost
+    from tracetop import env
+
+    try:
+        cost = CostSettings()
+        if args.rules:
+            try:
+                text = Path(args.rules).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise CostError(f"cannot read the rules file {args.rules}: {e}") from None
+            cost = parse_cost(text, args.rules)
+        cost = with_price(cost, args.price_per_gpu_hour, env.get(env.TRACETOP_PRICE_PER_GPU_HOUR), args.currency)
+    except (RulesError, CostError) as e:
+        print(f"tracetop report: {e}", file=sys.stderr)
+        return 2
     try:
         try:
             run_id = pick_run(con, args.run)
@@ -473,7 +584,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         big = os.path.getsize(args.file) >= PROGRESS_MIN_BYTES
         prog = Progress(total=len(SECTIONS) + 1, enabled=big and sys.stderr.isatty())
-        text = build_report(con, run_id, slo_ms=args.grad_sync_slo_ms, progress=prog, source=str(args.file))
+        text = build_report(con, run_id, slo_ms=args.grad_sync_slo_ms, progress=prog, source=str(args.file), cost=cost)
     finally:
         con.close()
     out: Path = args.output

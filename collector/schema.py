@@ -393,8 +393,18 @@ def _v6() -> list[str]:
     ]
 
 
+def _v8() -> list[str]:
+    """What did it cost (issue 17): `lost_time`, one row per run, step and rank with the GPU time
+    lost to a straggler, data loading, pipeline waiting above the 1F1B ideal and exposed
+    communication above the built-in 30% baseline (collector/live/lost.py states the definition;
+    tracetop/lost_sql.py holds the text, which the TUI and the report also run)."""
+    from tracetop.lost_sql import lost_time_sql
+
+    return [f"CREATE VIEW lost_time AS {lost_time_sql()}"]
+
+
 def _v9() -> list[str]:
-    """step_summary and collective_stats read rollups the writer keeps in each batch's transaction
+    """step_summary and collective_stats read rollups a writer's thread keeps beside the commits
     (collector/rollup.py: exact counts and sums, quantiles found by rank in a 512-per-octave
     histogram, within 0.068% of the exact value); the rollups are filled here from the stored rows."""
     from collector import rollup
@@ -405,7 +415,7 @@ def _v9() -> list[str]:
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v9]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9]
 STORE_VERSION = len(MIGRATIONS)
 
 

@@ -377,6 +377,7 @@ async def start(
     command_ttl_s: float | None = None,
     controller: object = None,
     unclosed_after_s: float | None = None,
+    cost: object = None,
 ) -> Collector:
     """Open the file, start the writer and the gRPC server. Call inside a running event loop.
 
@@ -400,7 +401,8 @@ async def start(
     if rules is not None:
         from collector.live.engine import LiveEngine
 
-        live = LiveEngine(rules, con=con.cursor(), sinks=[*sinks, exports], baseline=baseline, window=live_window)
+        live = LiveEngine(rules, con=con.cursor(), sinks=[*sinks, exports], baseline=baseline, window=live_window,
+                          cost=cost)  # type: ignore[arg-type]
         live.start()
         gauges_fn = gauges_fn or live.gauges
         alerts_fn = alerts_fn or live.alerts

@@ -101,6 +101,31 @@ class LiveSnapshots:
             self._per_step.pop(next(iter(self._per_step)))
         return fig
 
+    def lost(self, run_id: str):
+        """The snapshot's `lost` section from the engine's lost-time gauges over its window (GPU
+        time lost per cause and the rank most of it is charged to), with the SQL section's columns;
+        None when the engine has judged no step of the run (the SQL is used)."""
+        import math
+
+        import pyarrow as pa
+
+        from tracetop.snapshot import lost_schema
+
+        g = next((g for g in self.engine.gauges() if g.run_id == run_id), None)
+        if g is None or not g.lost_window_gpu_s or not (g.lost_window_span_s > 0):
+            return None
+        ms = {c: float(v) * 1e3 for c, v in g.lost_window_gpu_s.items()}
+        total_ms = sum(ms.values())
+        span_ns = int(g.lost_window_span_s * 1e9)
+        keys = ("straggler", "data", "pipeline", "comm")
+        rows = [{"rank": None, **{f"{c}_gpu_ms": ms.get(c, 0.0) for c in keys}, "lost_gpu_ms": total_ms,
+                 "steps": 1, "first_end_ns": 0, "last_end_ns": span_ns}]
+        if g.lost_window_top_rank >= 0 and not math.isnan(g.lost_window_top_rank_share):
+            rows.append({"rank": g.lost_window_top_rank, **{f"{c}_gpu_ms": None for c in keys},
+                         "lost_gpu_ms": g.lost_window_top_rank_share * total_ms, "steps": 1,
+                         "first_end_ns": 0, "last_end_ns": span_ns})
+        return pa.Table.from_pylist(rows, schema=lost_schema()), float(g.lost_window_s)
+
     def latest_step(self, run_id: str, world: int) -> int | None:
         def pick(state):
             run = state.runs.get(run_id)

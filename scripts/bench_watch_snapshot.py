@@ -70,6 +70,16 @@ def main() -> int:
         for how, ts in took.items():
             later = sorted(ts[1:])  # the first SQL one builds the per-step cache
             print(f"{how}: median {later[len(later) // 2]:.0f} ms a snapshot after the first")
+        # the lost-time section alone (tracetop/lost_sql.py over the same window), interleaved with
+        # the snapshot's other sections' cost above: what the TUI's lost line adds
+        from tracetop.lost_sql import lost_window_sql
+
+        top = snap.decode(b).step
+        for lo_steps in (1, snap.DEFAULT_WINDOW_STEPS):
+            t = time.perf_counter()
+            cur.sql(lost_window_sql(), params={"run": "big", "lo": max(top - lo_steps + 1, 0), "hi": top,
+                                               "since_ns": 0}).fetchall()
+            print(f"lost section over {min(lo_steps, top + 1)} steps: {(time.perf_counter() - t) * 1e3:.0f} ms")
         print(f"load {os.getloadavg()[0]:.2f}")
         cur.close()
         con.close()

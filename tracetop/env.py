@@ -94,6 +94,11 @@ TRACETOP_TEST_DROP_COMMANDS = "TRACETOP_TEST_DROP_COMMANDS"
 """Tests only: rank 0 discards the commands it receives that match (``all``, or ``KEY=VALUE`` entries,
 comma-separated, e.g. ``micro_batch=1,offload=on``), as if they were lost on the way to it."""
 
+TRACETOP_PRICE_PER_GPU_HOUR = "TRACETOP_PRICE_PER_GPU_HOUR"
+"""What one GPU-hour costs (a positive number, in the [cost] table's currency, default USD), for the
+collector's and the report's ``--price-per-gpu-hour``: lost GPU-hours are then shown as money too.
+The flag wins, then this variable, then the rules file's ``[cost] price_per_gpu_hour``. Default: none."""
+
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"

@@ -31,6 +31,10 @@ Sections (columns; times in ms unless a name says otherwise):
   step: start_ns, rank, direction, what, bytes, duration_ms
 - gpus: the latest sample per (node, gpu) at or before the step's end (agent rows)
 - alerts / actions: the live engine's and controller's rows for the run where those tables exist
+- lost: GPU time lost (tracetop/lost_sql.py, the lost_time view's text) over the steps that ended in
+  the LOST_WINDOW_S before the snapshot step's end (at most LOST_WINDOW_STEPS steps): a row with
+  rank NULL for the totals, then the ranks charged the most; by cause, GPU-ms; steps, first_end_ns,
+  last_end_ns. Files of schema 5 and later (it reads step_ranks).
 """
 
 from __future__ import annotations
@@ -44,13 +48,18 @@ FORMAT = "1"
 #: The newest collector file schema (collector/schema.py STORE_VERSION) this SQL was written
 #: against; a file of a newer schema is refused by the TUI. tests/tui/test_sources.py holds the two
 #: equal, so a migration makes whoever adds it look here.
-MAX_STORE_VERSION = 8
+MAX_STORE_VERSION = 9
 #: Steps before the snapshot's step that its per-step sections cover.
 DEFAULT_WINDOW_STEPS = 30
 #: Steps the collectives section covers (the heaviest: every call of every rank).
 COLLECTIVE_WINDOW_STEPS = 5
 #: Seconds of agent samples before the step's end that count as "now" for the GPU tiles.
 GPU_WINDOW_S = 10.0
+#: The lost-time line: step time before the step's end it covers, and at most this many steps.
+LOST_WINDOW_S = 600.0
+LOST_WINDOW_STEPS = 200
+#: A watcher's first snapshot reads this many steps of lost time (then each new step once).
+LOST_FIRST_STEPS = 5
 
 # execute(sql, params) -> pyarrow.Table
 Execute = Callable[[str, list], Any]
@@ -316,6 +325,8 @@ class Cursor:
     #: those tables' columns
     tables: set = field(default_factory=set)
     columns: dict = field(default_factory=dict)
+    #: per step: the lost-time sums row then its most-charged ranks' rows (tracetop.lost_sql.lost_steps_sql)
+    lost_cache: dict = field(default_factory=dict)
 
 
 def latest_complete_step(run_sql: Callable[[str, list], list[tuple]], cur: Cursor) -> int:
@@ -459,6 +470,15 @@ def build(
             tables[name] = con.sql(f"SELECT * FROM {name} {where} {order} LIMIT 200", params=args).to_arrow_table()
     if cursor is not None and not cursor.tables and all(n in present for n in OPTIONAL_TABLES):
         cursor.tables = set(present)
+    lost_window_s = LOST_WINDOW_S
+    if "step_ranks" in present and step >= 0:
+        # live: the engine's own lost-time gauges over its window (collector/live/lost.py, the same
+        # definition as the view), not ~0.6 s of SQL per new step at 16,384 ranks
+        got = live.lost(run_id) if live is not None and hasattr(live, "lost") else None
+        if got is not None:
+            tables["lost"], lost_window_s = got
+        else:
+            tables["lost"] = _lost(con, cursor, run_id, step, int(t_end))
     first_step = con.execute("SELECT min(step) FROM step WHERE run_id = ? AND step BETWEEN 0 AND ?",
                              [run_id, max(window_steps, 1)]).fetchall()[0][0]
     offload = ""
@@ -494,8 +514,73 @@ def build(
         "has_alerts": "alerts" in present,
         "has_actions": "actions" in present,
         "built_from": built_from,
+        "lost_window_s": lost_window_s,
     }
     return Snapshot(header, tables)
+
+
+def _lost(con, cursor: Cursor | None, run_id: str, step: int, t_end_ns: int):
+    """The lost section. Live (a cursor): each step's sums and its 16 most-charged ranks are read
+    once and kept, so a snapshot reads only the steps completed since the last (one step of 16,384
+    ranks costs ~0.6 s of SQL on the loaded 2-core machine, scripts/bench_watch_snapshot.py); the
+    ranks' shares are then over those 16 per step. A file (no cursor): the last DEFAULT_WINDOW_STEPS
+    steps, every rank."""
+    import pyarrow as pa
+
+    from tracetop.lost_sql import lost_steps_sql, lost_window_sql
+
+    since = t_end_ns - int(LOST_WINDOW_S * 1e9)
+    if cursor is None:
+        return con.sql(lost_window_sql(), params={"run": run_id, "lo": max(step - DEFAULT_WINDOW_STEPS + 1, 0),
+                                                  "hi": step, "since_ns": since}).to_arrow_table()
+    cache = cursor.lost_cache
+    lo = max(step - LOST_WINDOW_STEPS + 1, 0)
+    # the steps after the newest one read (at most a section's window at once: the window fills as
+    # the watcher runs); a live snapshot's step is complete, so a step read once is not read again
+    newest = max((s for s in cache if s <= step), default=None)
+    todo = max(step - (DEFAULT_WINDOW_STEPS if newest is not None else LOST_FIRST_STEPS) + 1, lo,
+               newest + 1 if newest is not None else 0)
+    if todo <= step:
+        rows = con.sql(lost_steps_sql(), params={"run": run_id, "lo": todo, "hi": step}).fetchall()
+        for s in range(todo, step + 1):
+            cache[s] = [r for r in rows if r[0] == s]
+    for s in [s for s in cache if s < lo or s > step]:
+        del cache[s]
+    keys = ("straggler_gpu_ms", "data_gpu_ms", "pipeline_gpu_ms", "comm_gpu_ms", "lost_gpu_ms")
+    total = dict.fromkeys(keys, 0.0)
+    ranks: dict[int, list[float]] = {}
+    ends = []
+    for s in sorted(cache):
+        rows = cache[s]
+        if not rows:
+            continue
+        head = rows[0]
+        if head[7] is None or head[7] < since:
+            continue
+        ends.append(int(head[7]))
+        for i, k in enumerate(keys):
+            total[k] += head[2 + i] or 0.0
+        for r in rows[1:]:
+            acc = ranks.setdefault(int(r[1]), [0.0] * 5)
+            for i in range(5):
+                acc[i] += r[2 + i] or 0.0
+    out = [{"rank": None, **total, "steps": len(ends), "first_end_ns": min(ends) if ends else None,
+            "last_end_ns": max(ends) if ends else None}]
+    for r in sorted(ranks, key=lambda r: (-ranks[r][4], r))[:5]:
+        out.append({"rank": r, **dict(zip(keys, ranks[r], strict=True)), "steps": len(ends),
+                    "first_end_ns": min(ends) if ends else None, "last_end_ns": max(ends) if ends else None})
+    return pa.Table.from_pylist(out, schema=lost_schema())
+
+
+def lost_schema():
+    """The `lost` section's columns (the SQL-built and the live-built alike)."""
+    import pyarrow as pa
+
+    return pa.schema([("rank", pa.int32()), *[(k, pa.float64()) for k in LOST_KEYS],
+                      ("steps", pa.int64()), ("first_end_ns", pa.int64()), ("last_end_ns", pa.int64())])
+
+
+LOST_KEYS = ("straggler_gpu_ms", "data_gpu_ms", "pipeline_gpu_ms", "comm_gpu_ms", "lost_gpu_ms")
 
 
 def _cached_steps(con, cursor: Cursor, params: dict):

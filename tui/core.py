@@ -399,6 +399,7 @@ def overview_figures(snap) -> list[Figure]:
     grad = _last(steps, "grad_sync_ms_p99")
     grad_status = MISSING if math.isnan(grad) else BAD if grad > GRAD_SYNC_LINE_MS else OK
     rep = int(np.nansum(col(ranks, "reported")))
+    lost = lost_figure(snap)
     return [
         Figure("step", f"{h.get('step', -1)}", OK, f"of {h.get('first_step', 0)}..{h.get('last_step', -1)}"),
         Figure("ranks reporting", f"{rep}/{ranks.num_rows}", OK if rep == ranks.num_rows else WARN),
@@ -410,7 +411,37 @@ def overview_figures(snap) -> list[Figure]:
         Figure("scaling eff. (compute / compute+exposed comm)", "–" if math.isnan(eff) else f"{eff * 100:.1f}%"),
         Figure("grad-sync p99", fmt_num(grad, "ms"), grad_status,
                f"line {GRAD_SYNC_LINE_MS:.0f} ms: " + ("ABOVE" if grad_status == BAD else "below" if grad_status == OK else "no dp collectives")),
+        *([lost] if lost else []),
     ]
+
+
+def _span(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
+
+
+def lost_figure(snap) -> Figure | None:
+    """'lost in the last 10 min: 3.2 GPU-h, 81% rank 3' from the snapshot's `lost` section (GPU time
+    lost to stragglers, data, pipeline waiting and exposed comm: the lost_time view's definition)."""
+    t = snap.table("lost")
+    if t.num_rows == 0:
+        return None
+    rows = t.to_pylist()
+    total = next((r for r in rows if r["rank"] is None), None)
+    if total is None or not total["steps"]:
+        return None
+    lost_ms = float(total["lost_gpu_ms"] or 0.0)
+    window = float(snap.header.get("lost_window_s", 600.0))
+    covered = (int(total["last_end_ns"]) - int(total["first_end_ns"])) / 1e9
+    label = f"lost in the last {_span(window if covered >= 0.9 * window else covered)}"
+    gpu_h = lost_ms / 3.6e6
+    value = f"{gpu_h:.1f} GPU-h" if gpu_h >= 0.95 else f"{gpu_h:.2g} GPU-h"
+    top = next((r for r in rows if r["rank"] is not None), None)
+    note = ""
+    if top is not None and lost_ms > 0:
+        share = float(top["lost_gpu_ms"]) / lost_ms
+        causes = {c: float(total[c + "_gpu_ms"] or 0.0) for c in ("straggler", "data", "pipeline", "comm")}
+        note = f"{share:.0%} rank {top['rank']}; most to {max(causes, key=lambda c: causes[c])}"
+    return Figure(label, value, WARN if top is not None and lost_ms > 0 and share >= 0.5 else OK, note)
 
 
 PHASES = ("data_wait_ms", "forward_ms", "backward_ms", "optimizer_ms", "comm_exposed_ms")

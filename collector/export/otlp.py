@@ -208,6 +208,16 @@ class OtlpExporter:
             counts = Counter((a.run_id, a.severity, a.state) for a in snap.get()[1] if a.state in (PENDING, FIRING))
             return [Observation(n, {"run_id": r, "severity": s, "state": st}) for (r, s, st), n in sorted(counts.items())]
 
+        def lost(attr: str):
+            def cb(_options):
+                return [Observation(float(v), {"run_id": g.run_id, "cause": c})
+                        for g in snap.get()[0] for c, v in sorted(getattr(g, attr).items()) if _finite(v)]
+            return cb
+
+        meter.create_observable_counter("tracetop.run.lost.gpu_time", callbacks=[lost("lost_gpu_s")], unit="s",
+                                        description="GPU time lost by cause over the steps judged (lost_time's definition)")
+        meter.create_observable_gauge("tracetop.run.lost.recent.gpu_time", callbacks=[lost("lost_window_gpu_s")],
+                                      unit="s", description="GPU time lost by cause over the last window of step time")
         meter.create_observable_gauge("tracetop.run.pipeline.bubble", callbacks=[bubble], unit="1",
                                       description="Pipeline bubble per stage")
         meter.create_observable_counter("tracetop.run.live.steps_skipped", callbacks=[skipped], unit="{step}",

@@ -16,6 +16,15 @@ Per run (label run_id; bubble also by stage):
     tracetop_run_gpu_samples_per_second, tracetop_run_model_flops_utilization_ratio,
     tracetop_run_pipeline_bubble_ratio{stage}, tracetop_run_memory_budget_used_max_ratio,
     tracetop_run_alerts_firing, tracetop_run_live_steps_skipped_total
+What the run lost (collector/live/lost.py; GPU-seconds, one GPU per rank):
+    tracetop_run_lost_gpu_seconds_total{run_id, cause}        over the steps the engine judged
+    tracetop_run_lost_recent_gpu_seconds{run_id, cause}       over the last window (lost_window_s)
+    tracetop_run_lost_recent_window_seconds{run_id}           the step time that window holds
+    tracetop_run_lost_recent_gpus{run_id}                     GPUs' worth lost in it (= GPU-h per hour)
+    tracetop_run_held_gpu_seconds_total{run_id}               GPUs x step time judged (lost / held = share)
+    tracetop_run_lost_top_rank_share_ratio{run_id, rank, window="run"|"recent"}
+    tracetop_run_lost_cost_total{run_id, currency}, tracetop_run_lost_recent_cost{run_id, currency}
+                                                              where a price per GPU-hour is declared
 """
 
 from __future__ import annotations
@@ -97,7 +106,51 @@ def run_families(gauges: Iterable[RunGauges]) -> list[Metric]:
             if _finite(v):
                 bubble.add_metric([g.run_id, str(stage)], float(v))
         skipped.add_metric([g.run_id], float(g.steps_skipped))
-    return [*fams, bubble, skipped]
+    return [*fams, bubble, skipped, *lost_families(rows)]
+
+
+def lost_families(rows: list[RunGauges]) -> list[Metric]:
+    total = CounterMetricFamily("tracetop_run_lost_gpu_seconds",
+                                "GPU time lost by cause (straggler, data, pipeline, comm) over the steps judged",
+                                labels=["run_id", "cause"])
+    recent = GaugeMetricFamily("tracetop_run_lost_recent_gpu_seconds",
+                               "GPU time lost by cause over the last window of step time", labels=["run_id", "cause"])
+    span = GaugeMetricFamily("tracetop_run_lost_recent_window_seconds",
+                             "Step time the recent window holds (up to the configured window)", labels=["run_id"])
+    gpus = GaugeMetricFamily("tracetop_run_lost_recent_gpus",
+                             "GPUs' worth of time lost over the recent window: GPU-hours lost per hour", labels=["run_id"])
+    held = CounterMetricFamily("tracetop_run_held_gpu_seconds", "GPUs x step time over the steps judged",
+                               labels=["run_id"])
+    top = GaugeMetricFamily("tracetop_run_lost_top_rank_share_ratio",
+                            "Share of the lost GPU time charged to the rank charged the most",
+                            labels=["run_id", "rank", "window"])
+    money = CounterMetricFamily("tracetop_run_lost_cost", "Lost GPU time at the declared price per GPU-hour",
+                                labels=["run_id", "currency"])
+    money_recent = GaugeMetricFamily("tracetop_run_lost_recent_cost",
+                                     "Lost GPU time over the recent window at the declared price",
+                                     labels=["run_id", "currency"])
+    for g in rows:
+        if not g.lost_gpu_s:
+            continue
+        for cause, v in sorted(g.lost_gpu_s.items()):
+            total.add_metric([g.run_id, cause], float(v))
+        for cause, v in sorted(g.lost_window_gpu_s.items()):
+            recent.add_metric([g.run_id, cause], float(v))
+        if _finite(g.lost_window_span_s):
+            span.add_metric([g.run_id], float(g.lost_window_span_s))
+        if _finite(g.lost_window_gpus):
+            gpus.add_metric([g.run_id], float(g.lost_window_gpus))
+        if _finite(g.held_gpu_s):
+            held.add_metric([g.run_id], float(g.held_gpu_s))
+        for rank, share, window in ((g.lost_top_rank, g.lost_top_rank_share, "run"),
+                                    (g.lost_window_top_rank, g.lost_window_top_rank_share, "recent")):
+            if rank >= 0 and _finite(share):
+                top.add_metric([g.run_id, str(rank), window], float(share))
+        if _finite(g.price_per_gpu_hour):
+            money.add_metric([g.run_id, g.currency], sum(g.lost_gpu_s.values()) / 3600 * g.price_per_gpu_hour)
+            money_recent.add_metric([g.run_id, g.currency],
+                                    sum(g.lost_window_gpu_s.values()) / 3600 * g.price_per_gpu_hour)
+    return [total, recent, span, gpus, held, top, money, money_recent]
 
 
 def alert_families(alerts: Iterable[Alert]) -> list[Metric]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from collector.live import judge
+from collector.live import lost as lost_mod
 from collector.live import signals as sg
 from collector.live.model import FIRING, PENDING, RESOLVED, Alert, AlertSink, RunGauges
 from collector.live.rules import Rule
@@ -166,7 +167,10 @@ class Evaluator:
 
     def __init__(self, rules: Sequence[Rule], *, window: int = 64, baseline: str | None = None,
                  baseline_lookup: Callable[[str], judge.Baseline | None] | None = None,
-                 step_deadline_s: float = 15.0, settle_s: float = 1.0, run_end_s: float = 60.0) -> None:
+                 step_deadline_s: float = 15.0, settle_s: float = 1.0, run_end_s: float = 60.0,
+                 cost: lost_mod.CostSettings | None = None) -> None:
+        self.cost = cost or lost_mod.CostSettings()
+        self.lost_by_run: dict[str, lost_mod.RunLost] = {}
         self.settle_s = settle_s
         self.run_end_s = run_end_s
         self.rules = [r for r in rules if r.enabled]
@@ -241,7 +245,12 @@ class Evaluator:
         view = judge.step_view(run, step)
         if view is None:
             return []
-        fig = judge.step_figures(view)
+        fig = judge.step_figures(view, cost=self.cost)
+        if fig.lost is not None:
+            book = self.lost_by_run.get(run.run_id)
+            if book is None:
+                book = self.lost_by_run[run.run_id] = lost_mod.RunLost(self.cost.window_s)
+            book.add(fig.lost)
         base = self.baseline(mono_s) if run.run_id != self.baseline_id else None
         changed: list[Alert] = []
         for rule in self.step_rules:
@@ -263,6 +272,23 @@ class Evaluator:
             memory_used_of_budget_max=float(np.nanmax(used)) if (~np.isnan(used)).any() else math.nan,
             firing_alerts=sum(1 for a in self.book.firing() if a.run_id == run.run_id),
             steps_skipped=self.stats.steps_skipped,
+            **self._lost_gauges(run.run_id),
+        )
+
+    def _lost_gauges(self, run_id: str) -> dict:
+        book = self.lost_by_run.get(run_id)
+        if book is None:
+            return {}
+        causes, wall_ms, ranks, span = book.window()
+        top, share = book.top_rank()
+        wtop, wshare = lost_mod.top_rank(ranks, sum(causes.values()))
+        return dict(
+            lost_gpu_s={c: v / 1e3 for c, v in book.gpu_ms.items()},
+            lost_window_gpu_s={c: v / 1e3 for c, v in causes.items()},
+            lost_window_s=book.window_s, lost_window_span_s=span, held_gpu_s=book.held_gpu_ms / 1e3,
+            lost_top_rank=top, lost_top_rank_share=share, lost_window_top_rank=wtop, lost_window_top_rank_share=wshare,
+            lost_window_gpus=sum(causes.values()) / wall_ms if wall_ms > 0 else math.nan,
+            price_per_gpu_hour=self.cost.price_per_gpu_hour, currency=self.cost.currency if self.cost.priced else "",
         )
 
     def evaluate_timer(self, now_ns: int) -> list[Alert]:
@@ -366,11 +392,12 @@ class LiveEngine:
 
     def __init__(self, rules: Sequence[Rule], *, con=None, sinks: Sequence[AlertSink] = (), baseline: str | None = None,
                  window: int = 64, tick_s: float = 0.5, step_deadline_s: float = 15.0, settle_s: float = 1.0,
-                 max_inbox_rows: int = 4_000_000, clock_ns: Callable[[], int] = time.time_ns) -> None:
+                 max_inbox_rows: int = 4_000_000, clock_ns: Callable[[], int] = time.time_ns,
+                 cost: lost_mod.CostSettings | None = None) -> None:
         self._cur = con
         lookup = (lambda run_id: lookup_baseline(self._cur, run_id)) if con is not None else None
         self.ev = Evaluator(rules, window=window, baseline=baseline, baseline_lookup=lookup,
-                            step_deadline_s=step_deadline_s, settle_s=settle_s)
+                            step_deadline_s=step_deadline_s, settle_s=settle_s, cost=cost)
         self.sinks = list(sinks)
         self.tick_s = tick_s
         self.clock_ns = clock_ns

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from collector.live import lost as lost_mod
 from collector.live import signals as sg
 from collector.live.rules import Rule
 from collector.live.state import F, RunState
@@ -33,6 +34,9 @@ class StepView:
     dp: int
     world: int
     loss_history: np.ndarray  # the run's losses of earlier steps in the window (oldest first)
+    end_ns: int = 0           # the latest end of the step's STEP rows (the ranks' clock)
+    pp: int = 1
+    micro_batches: int = -1   # the step's (STEP rows), else the run's (RUN_START)
 
 
 def step_view(run: RunState, step: int) -> StepView | None:
@@ -58,8 +62,10 @@ def step_view(run: RunState, step: int) -> StepView | None:
                 hist.append(float(losses[hit[0]]))
             elif run.present[sl].any():
                 hist.append(NAN)
+    mb = int(run.slot_micro_batches[slot])
     return StepView(run.run_id, step, idx, run.stage[idx].copy(), missing, cols, float(run.best_p2p[slot]),
-                    max(1, run.dp), max(run.world_size, len(idx)), np.array(hist))
+                    max(1, run.dp), max(run.world_size, len(idx)), np.array(hist), int(run.slot_end_ns[slot]),
+                    max(1, run.pp), mb if mb > 0 else run.micro_batches)
 
 
 @dataclass
@@ -85,6 +91,8 @@ class Figures:
     loss: float
     loss_spike: float = NAN
     loss_median: float = NAN
+    lost: lost_mod.StepLost | None = None
+    cost: lost_mod.CostSettings = field(default_factory=lost_mod.CostSettings)
     extra: dict = field(default_factory=dict)
 
 
@@ -92,7 +100,7 @@ def _ms(v: np.ndarray) -> np.ndarray:
     return v / 1e6
 
 
-def step_figures(v: StepView, *, loss_window: int = 16) -> Figures:
+def step_figures(v: StepView, *, loss_window: int = 16, cost: lost_mod.CostSettings | None = None) -> Figures:
     c = v.cols
     compute_ms, wait_ms = _ms(c["compute_ns"]), _ms(c["coll_wait_ns"])
     grad = _ms(c["grad_sync_ns"])
@@ -109,14 +117,22 @@ def step_figures(v: StepView, *, loss_window: int = 16) -> Figures:
     losses = c["loss"][~np.isnan(c["loss"])]
     loss = float(losses[0]) if len(losses) else NAN
     spike, med = sg.loss_spike(v.loss_history, loss, loss_window)
+    cost = cost or lost_mod.CostSettings()
+    scores = sg.straggler_scores(v.stage, compute_ms, wait_ms)
+    lost = lost_mod.step_lost(v.rank, dur, compute_ms, scores.others_compute_ms, _ms(c["data_wait_ns"]),
+                              _ms(c["forward_ns"] + c["backward_ns"]), _ms(c["p2p_ns"]), c["p2p_bytes"],
+                              v.best_p2p_bytes_per_ns * 1e6, _ms(c["comm_exposed_ns"]), pp=v.pp,
+                              micro_batches=v.micro_batches, gpus=v.world, comm_baseline_share=cost.comm_baseline_share,
+                              step=v.step, end_ns=v.end_ns)
     return Figures(
-        view=v, compute_ms=compute_ms, wait_ms=wait_ms, straggler=sg.straggler_scores(v.stage, compute_ms, wait_ms),
+        view=v, compute_ms=compute_ms, wait_ms=wait_ms, straggler=scores,
         grad_sync_ms=grad, grad_sync_p50_ms=p50, grad_sync_p99_ms=p99, step_ms_p50=float(np.median(dur)),
         comm_share=sg.comm_share(_ms(c["comm_exposed_ns"]), dur), comm_share_rank=share_rank, budgets=budgets,
         imbalance=sg.stage_imbalance(budgets),
         per_gpu_tokens_per_s=sg.per_gpu_tokens_per_s(c["tokens"], dur, v.dp, v.world),
         within_efficiency=sg.within_run_efficiency(compute_ms, _ms(c["comm_exposed_ns"])),
         memory_used=used, memory_budget=c["budget_bytes"], loss=loss, loss_spike=spike, loss_median=med,
+        lost=lost, cost=cost,
     )
 
 
@@ -140,6 +156,19 @@ class Obs:
     value: float
     breached: bool
     message: str
+
+
+def _straggler_cost(f: Figures, i: int) -> str:
+    """'; it costs 2.6 GPU-h per hour (...)': the GPU time this rank's excess holds every GPU up
+    per hour of training, at this step (lost.py's straggler cause)."""
+    lost = f.lost
+    if lost is None:
+        return ""
+    if lost.pacer != int(f.view.rank[i]):
+        return f"; rank {lost.pacer} is slower still and sets the pace" if lost.pacer >= 0 else ""
+    rate = lost_mod.cost_per_hour_text(float(lost.straggler_gpu_ms[i]), lost.step_ms, f.cost)
+    return (f"; it costs {rate}: {lost.gpus} GPUs wait {lost.excess_ms[i]:.0f} ms of every "
+            f"{lost.step_ms:.0f} ms step") if rate else ""
 
 
 def _rank_labels(rank: int, stage: int) -> dict[str, str]:
@@ -177,7 +206,8 @@ def observe(rule: Rule, f: Figures, baseline: Baseline | None = None) -> list[Ob
             z = f" (z = {sc.z_compute[i]:.1f})" if sc.stage_ranks[i] >= sg.Z_MIN_RANKS else f" ({sc.compute_ratio[i]:.1f}x)"
             msg = (f"rank {r} computes {sc.excess_ms[i]:.0f} ms longer than the median of {where}'s other ranks "
                    f"({sc.others_compute_ms[i]:.0f} ms){z} for {{steps}} steps and waits {f.wait_ms[i]:.0f} ms in "
-                   f"collectives where they wait {sc.others_wait_ms[i]:.0f} ms: it is the straggler")
+                   f"collectives where they wait {sc.others_wait_ms[i]:.0f} ms: it is the straggler"
+                   f"{_straggler_cost(f, i)}")
             out.append(Obs("rank", _rank_labels(r, st), float(sc.excess_ms[i]), True, msg))
         return out
     if s == "grad_sync":

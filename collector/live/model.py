@@ -65,6 +65,20 @@ class RunGauges:
     memory_used_of_budget_max: float = float("nan")  # max over ranks of used / budget
     firing_alerts: int = 0
     steps_skipped: int = 0                      # steps the live state skipped to keep up (never queued)
+    # What it cost (collector/live/lost.py): GPU-seconds lost per cause (straggler, data, pipeline,
+    # comm) over the steps the engine judged, and over the last `lost_window_s` of step time.
+    lost_gpu_s: Mapping[str, float] = field(default_factory=dict)
+    lost_window_gpu_s: Mapping[str, float] = field(default_factory=dict)
+    lost_window_s: float = float("nan")         # the configured window
+    lost_window_span_s: float = float("nan")    # step time the window holds now (less early in a run)
+    held_gpu_s: float = float("nan")            # GPUs x step time judged: lost / held is the share lost
+    lost_top_rank: int = -1                     # the rank most lost time is charged to (whole run), -1 none
+    lost_top_rank_share: float = float("nan")
+    lost_window_top_rank: int = -1
+    lost_window_top_rank_share: float = float("nan")
+    lost_window_gpus: float = float("nan")      # GPU-seconds lost per second of step time in the window (= GPU-h/h)
+    price_per_gpu_hour: float = float("nan")    # declared price; NaN = none
+    currency: str = ""
 
 
 class AlertSink(Protocol):

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import tomllib
 
+from collector.live.lost import CostSettings
 from collector.live.model import SCOPES, SEVERITIES
 
 
@@ -206,7 +207,60 @@ def _unit_of(key: str) -> tuple[str, str]:
 
 
 def parse(text: str, path: str = "<rules>") -> list[Rule]:
-    """Validate a rules file's text; raises RulesError with every fault."""
+    """Validate a rules file's text; raises RulesError with every fault (its [cost] table too)."""
+    return parse_all(text, path)[0]
+
+
+def parse_cost(text: str, path: str = "<rules>") -> CostSettings:
+    """The file's [cost] table (the built-in settings where it has none); raises RulesError with
+    every fault of the whole file."""
+    return parse_all(text, path)[1]
+
+
+#: [cost] keys: (doc, lo, hi, lo_open); currency is a string
+COST_KEYS: dict[str, tuple[str, float, float, bool]] = {
+    "price_per_gpu_hour": ("what one GPU-hour costs, in `currency`: lost GPU-hours are shown as money", 0.0, _INF, True),
+    "comm_baseline_share": ("exposed communication up to this share of the what-if step time is not counted as lost",
+                            0.0, 1.0, False),
+    "window_s": ("seconds of step time the 'last N minutes' gauges and the TUI line cover", 0.0, 7 * 86400.0, True),
+}
+COST_STR_KEYS = ("currency",)
+
+
+def _parse_cost(body: object, key_lines: dict, hline: int, faults: list[Fault]) -> CostSettings:
+    if not isinstance(body, dict):
+        faults.append(Fault(hline, "cost", "must be a table: [cost]"))
+        return CostSettings()
+    valid = list(COST_KEYS) + list(COST_STR_KEYS)
+    got: dict[str, object] = {}
+    for key, value in body.items():
+        line = key_lines.get((("cost",), key), hline)
+        if key in COST_STR_KEYS:
+            if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z$\u20ac\u00a3\u00a5]{1,8}", value):
+                faults.append(Fault(line, key, f"must be a short currency name like \"USD\" or \"EUR\" (1-8 letters), "
+                                               f"got {value!r}"))
+                continue
+            got[key] = value
+            continue
+        spec = COST_KEYS.get(key)
+        if spec is None:
+            faults.append(Fault(line, key, f"unknown key in [cost]{_nearest(key, valid)}"))
+            continue
+        doc, lo, hi, lo_open = spec
+        if not _number(value):
+            faults.append(Fault(line, key, f"must be a number ({doc}), got {type(value).__name__} {value!r}"))
+            continue
+        v = float(value)
+        if not math.isfinite(v) or v < lo or (lo_open and v == lo) or v > hi:
+            rng = (f"> {lo:g}" if lo_open else f">= {lo:g}") + (f" and <= {hi:g}" if hi != _INF else "")
+            faults.append(Fault(line, key, f"{value!r} is out of range: must be {rng} ({doc})"))
+            continue
+        got[key] = v
+    return CostSettings(**got)  # type: ignore[arg-type]
+
+
+def parse_all(text: str, path: str = "<rules>") -> tuple[list[Rule], CostSettings]:
+    """Validate a rules file's text: its rules and its [cost] table; raises RulesError with every fault."""
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -216,10 +270,14 @@ def parse(text: str, path: str = "<rules>") -> list[Rule]:
     headers, key_lines = _key_lines(text)
     faults: list[Fault] = []
     rules: list[Rule] = []
+    cost = CostSettings()
     for top in doc:
-        if top != "rule":
+        if top == "cost":
+            cost = _parse_cost(doc[top], key_lines, headers.get(("cost",), key_lines.get(((), top), 1)), faults)
+        elif top != "rule":
             line = headers.get((top,), key_lines.get(((), top), 1))
-            faults.append(Fault(line, top, f"unknown top-level key{_nearest(top, ['rule'])} (rules are [rule.NAME] tables)"))
+            faults.append(Fault(line, top, f"unknown top-level key{_nearest(top, ['rule', 'cost'])} (rules are "
+                                           "[rule.NAME] tables, the price and baselines of lost time a [cost] table)"))
     table = doc.get("rule", {})
     if not isinstance(table, dict):
         faults.append(Fault(key_lines.get(((), "rule"), 1), "rule", "must be tables: [rule.NAME]"))
@@ -238,7 +296,7 @@ def parse(text: str, path: str = "<rules>") -> list[Rule]:
             rules.append(rule)
     if faults:
         raise RulesError(path, sorted(faults, key=lambda f: f.line))
-    return rules
+    return rules, cost
 
 
 def _number(v: object) -> bool:
@@ -357,6 +415,18 @@ def load(path: str) -> list[Rule]:
     return parse(text, path)
 
 
+def load_all(path: str) -> tuple[list[Rule], CostSettings]:
+    """The rules and the [cost] table of a rules file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise RulesError(path, [Fault(0, "", f"cannot read the rules file: {e.strerror}")]) from None
+    except UnicodeDecodeError as e:
+        raise RulesError(path, [Fault(1, "", f"not UTF-8 text ({e.reason}); save the rules file as UTF-8")]) from None
+    return parse_all(text, path)
+
+
 #: The built-in set (DESIGN's SLA table), as the file `tracetop rules defaults` prints.
 DEFAULTS_TOML = """\
 # tracetop rules: the built-in set. Start from this file: `tracetop rules defaults > rules.toml`,
@@ -472,6 +542,14 @@ tokens_per_s_below = 1000
 for_steps = 5
 severity = "warning"
 enabled = false
+
+# What the run lost (GPU-hours to stragglers, data waits, pipeline waiting above the 1F1B ideal,
+# exposed communication above a baseline): the `lost_time` view, /metrics, the TUI, the report.
+[cost]
+comm_baseline_share = 0.30    # exposed communication up to this share of the step is not counted as lost
+window_s = 600                # the "last 10 minutes" of the gauges and the TUI line
+# price_per_gpu_hour = 2.50   # declare it to see money beside GPU-hours (or --price-per-gpu-hour)
+# currency = "USD"
 """
 
 

@@ -29,10 +29,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"    {k.name:<24} {k.op:<6} {k.doc}")
         return 0
     try:
-        rules = R.load(args.file)
+        rules, cost = R.load_all(args.file)
     except R.RulesError as e:
         print(f"tracetop rules check: {args.file} is refused:\n{e}", file=sys.stderr)
         return 2
     on = [r for r in rules if r.enabled]
     print(f"{args.file}: {len(rules)} rules, {len(on)} enabled: " + ", ".join(r.name for r in on))
+    price = f"{cost.price_per_gpu_hour:g} {cost.currency} per GPU-hour" if cost.priced else "no price"
+    print(f"[cost]: {price}, communication baseline {cost.comm_baseline_share:.0%} of the step, "
+          f"recent window {cost.window_s:g} s")
     return 0

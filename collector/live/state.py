@@ -66,6 +66,8 @@ class RunState:
     slot_first_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     slot_last_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # latest row into the slot
     best_p2p: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per slot: max bytes/ns of a p2p call
+    slot_end_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per slot: latest STEP end (ranks' clock)
+    slot_micro_batches: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per slot: STEP micro_batches
     sigs: dict[tuple[str, str], int] = field(default_factory=dict)
     # heartbeats: latest per rank
     hb_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -89,6 +91,8 @@ class RunState:
         self.slot_first_ns = np.zeros(w, np.int64)
         self.slot_last_ns = np.zeros(w, np.int64)
         self.best_p2p = np.zeros(w)
+        self.slot_end_ns = np.zeros(w, np.int64)
+        self.slot_micro_batches = np.full(w, -1, np.int64)
 
     # -- sizing ---------------------------------------------------------------------------
     def ensure_ranks(self, n: int) -> None:
@@ -148,6 +152,8 @@ class RunState:
             self.present[r] = False
             self.sigmask[r] = 0
             self.best_p2p[r] = 0.0
+            self.slot_end_ns[r] = 0
+            self.slot_micro_batches[r] = -1
             self.slot_step[r] = ustep[fresh]
             self.slot_first_ns[r] = now_ns
         self.slot_last_ns[us] = now_ns
@@ -189,6 +195,10 @@ class RunState:
             for name in _STEP_COLS:
                 d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
             self.present[slots, rank] = True
+            end = np.asarray(cols["start_ns"], np.int64)[keep] + np.asarray(cols["duration_ns"], np.int64)[keep]
+            np.maximum.at(self.slot_end_ns, slots, end)
+            if "micro_batches" in cols:
+                np.maximum.at(self.slot_micro_batches, slots, np.asarray(cols["micro_batches"], np.int64)[keep])
         elif kind == Kind.COLLECTIVE:
             self._collectives(slots, rank, cols, keep)
         elif kind == Kind.PIPE_INSTR:

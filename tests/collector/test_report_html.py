@@ -146,3 +146,30 @@ def test_headless_chromium_renders_a_screenshot_that_is_not_blank(report: Path, 
 
     im = Image.open(png).convert("RGB")
     assert len(im.getcolors(maxcolors=1 << 20) or range(1 << 20)) > 100
+
+
+def test_lost_section_charges_the_injected_straggler_and_prices_it(tmp_path: Path) -> None:
+    """The fixture's run has --inject-straggler 3:150@20: rank 3 tops the table; the cause totals
+    are the lost_time text's over the file's rows; the price turns GPU-hours into money."""
+    from tracetop.lost_sql import lost_time_sql
+
+    out = tmp_path / "r.html"
+    r = _report(FIXTURE, "-o", out, "--price-per-gpu-hour", "2", "--currency", "EUR")
+    assert r.returncode == 0, r.stderr
+    sec = _sections(out.read_text())["lost"]
+    assert "<svg" in sec and "GPU time lost per step, by cause" in sec
+    con = duckdb.connect(str(FIXTURE), read_only=True)
+    try:
+        total_ms = con.execute(f"SELECT sum(lost_gpu_ms) FROM ({lost_time_sql(bounded=True)})",
+                               {"run": "fixture-straggler", "lo": 0, "hi": 10**9}).fetchone()[0]
+    finally:
+        con.close()
+    cause_rows = re.findall(r"<tr><td>([^<]+)</td><td>([^<]+)</td><td>[^<]+</td><td>[^<]+</td><td>([^<]+)</td></tr>", sec)
+    allrow = next(r for r in cause_rows if r[0] == "all")
+    assert float(allrow[1]) == pytest.approx(total_ms / 3.6e6, rel=1e-3)
+    assert float(allrow[2]) == pytest.approx(total_ms / 3.6e6 * 2, rel=1e-2)
+    assert "cost (EUR)" in sec
+    ranks_table = sec.split("ranks charged the most")[1]
+    assert re.search(r"<tbody><tr><td>3</td>", ranks_table)  # the injected straggler first
+    bad = _report(FIXTURE, "-o", tmp_path / "bad.html", "--price-per-gpu-hour", "0")
+    assert bad.returncode == 2 and "positive number" in bad.stderr and not (tmp_path / "bad.html").exists()

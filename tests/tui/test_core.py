@@ -207,3 +207,22 @@ def test_offload_rows() -> None:
     rows = core.offload_last_rows(s)
     assert rows[0][0] == "00:00:02.000" and rows[0][2] == "3.0 GiB" and rows[0][3:5] == ("host", "nvme")
     assert rows[1][3:5] == ("device", "host") and rows[1][5] == "grads"
+
+
+def test_overview_lost_line_names_the_injected_straggler() -> None:
+    """lost in the last N: GPU-h, share and rank, from the lost_time text over the fixture's rows."""
+    import re
+
+    from tests.tui.fixture import STRAGGLER_FROM_STEP
+    from tracetop.lost_sql import lost_time_sql
+
+    step = last_step()
+    f = core.lost_figure(_snap(step))
+    assert f is not None and f.label.startswith("lost in the last ")
+    sql = snapmod.inline(lost_time_sql(bounded=True), {"run": RUN_ID, "lo": 0, "hi": step})
+    total_ms, rank3_ms = raw(f"SELECT sum(lost_gpu_ms), sum(lost_gpu_ms) FILTER (WHERE rank = 3) FROM ({sql})")[0]
+    assert f.value == f"{total_ms / 3.6e6:.2g} GPU-h"
+    assert f.note.startswith(f"{rank3_ms / total_ms:.0%} rank 3") and rank3_ms / total_ms >= 0.8
+    before = core.lost_figure(_snap(STRAGGLER_FROM_STEP - 1))
+    m = re.match(r"(\d+)% rank (\d+)", before.note)
+    assert m and not (m.group(2) == "3" and int(m.group(1)) >= 50), before.note  # not rank 3's before the onset

@@ -1,0 +1,126 @@
+"""The `lost_time` SQL: GPU time lost per step and rank, split by cause (collector/live/lost.py's
+definition, which its docstring states; tests hold the two equal).
+
+One text, three users: collector/schema.py's migration 8 creates the view from `lost_time_sql()`;
+tracetop/snapshot.py (the TUI's "lost in the last 10 min" line) and `tracetop report` run the same
+text bounded to one run and a range of steps, over the view `step_ranks` of schema 5, so they work
+on files written before schema 8 too. It lives here because
+tracetop/ may not import the collector. It is schema 8's view: a change here is a new migration
+(`CREATE OR REPLACE VIEW lost_time ...`), with this text copied into the old one.
+
+Columns (one row per run, step and rank; GPU-ms = ms x GPUs):
+run_id, step, rank, stage, node, gpus (the run's GPUs: world size, or the ranks reporting),
+end_ns (the rank's step end, its clock), step_ms, step_ms_p50 (median over the step's ranks),
+late_ms (how much later the step ended than the what-if), what_if_step_ms, is_pacer (the rank the
+step waited for), excess_ms (compute beyond its stage's other ranks' median), data_wait_ms,
+straggler_gpu_ms, data_gpu_ms (charged to the pacer: its excess / data wait x gpus),
+pipeline_gpu_ms, comm_gpu_ms (on this rank), lost_gpu_ms (their sum).
+"""
+
+from __future__ import annotations
+
+DEFAULT_COMM_BASELINE_SHARE = 0.30  # collector/live/lost.py has the same default (a test holds them equal)
+
+_SQL = """
+WITH sr AS (SELECT * FROM step_ranks {steps}),
+-- the median compute of each rank's stage's *other* ranks (the stragglers view's others_compute_ms,
+-- from the 4 order statistics it needs per stage instead of a list per row: O(n log n) a stage)
+g AS (SELECT run_id, step, stage, rank, compute_ms,
+             row_number() OVER (PARTITION BY run_id, step, stage ORDER BY compute_ms) - 1 AS pos,
+             count(*) OVER (PARTITION BY run_id, step, stage) AS n
+      FROM sr),
+q AS (SELECT run_id, step, stage,
+             max(compute_ms) FILTER (WHERE pos = (n - 2) // 2) AS va, max(compute_ms) FILTER (WHERE pos = (n - 2) // 2 + 1) AS va1,
+             max(compute_ms) FILTER (WHERE pos = (n - 1) // 2) AS vb, max(compute_ms) FILTER (WHERE pos = (n - 1) // 2 + 1) AS vb1
+      FROM g GROUP BY run_id, step, stage),
+st AS (SELECT g.run_id, g.step, g.rank,
+              CASE WHEN g.n > 1 THEN ((CASE WHEN (g.n - 2) // 2 >= g.pos THEN q.va1 ELSE q.va END)
+                                      + (CASE WHEN (g.n - 1) // 2 >= g.pos THEN q.vb1 ELSE q.vb END)) / 2 END
+                  AS others_compute_ms
+       FROM g JOIN q ON q.run_id = g.run_id AND q.step = g.step AND q.stage = g.stage),
+s AS (SELECT run_id, step, rank, data_wait_ns, start_ns + duration_ns AS end_ns, micro_batches FROM step {steps}),
+r AS (SELECT run_id, max(pp) AS pp, max(micro_batches) AS micro_batches, max(world_size) AS world_size
+      FROM run_start {runs} GROUP BY run_id),
+h AS (SELECT run_id, rank, any_value(hostname) AS node FROM run_start {runs} GROUP BY run_id, rank),
+a AS (
+    SELECT sr.run_id, sr.step, sr.rank, sr.stage, h.node, sr.step_ms, sr.fwd_bwd_ms, sr.p2p_ms, sr.p2p_bytes,
+           sr.comm_exposed_ms, s.end_ns,
+           greatest(sr.compute_ms - coalesce(st.others_compute_ms, sr.compute_ms), 0) AS excess_ms,
+           greatest(coalesce(s.data_wait_ns, 0) / 1e6, 0) AS data_wait_ms,
+           coalesce(r.pp, 1) AS pp,
+           coalesce(nullif(greatest(max(s.micro_batches) OVER w, 0), 0), r.micro_batches, 0) AS m,
+           max(sr.best_p2p_bytes_per_ns) OVER w AS best,
+           greatest(coalesce(r.world_size, 0), count(*) OVER w) AS gpus
+    FROM sr
+    LEFT JOIN st ON st.run_id = sr.run_id AND st.step = sr.step AND st.rank = sr.rank
+    LEFT JOIN s ON s.run_id = sr.run_id AND s.step = sr.step AND s.rank = sr.rank
+    LEFT JOIN r ON r.run_id = sr.run_id
+    LEFT JOIN h ON h.run_id = sr.run_id AND h.rank = sr.rank
+    WINDOW w AS (PARTITION BY sr.run_id, sr.step)
+), b AS (
+    SELECT *, excess_ms + data_wait_ms AS own_late_ms,
+           CASE WHEN best > 0 THEN least(p2p_bytes / (best * 1e6), p2p_ms) ELSE 0 END AS transfer_ms,
+           CASE WHEN pp > 1 AND m > 0 THEN fwd_bwd_ms * ((pp - 1) / m) ELSE 0 END AS ideal_wait_ms
+    FROM a
+), c AS (
+    SELECT *, max(own_late_ms) OVER w AS late_ms, median(step_ms) OVER w AS step_ms_p50,
+           first_value(rank) OVER (PARTITION BY run_id, step ORDER BY own_late_ms DESC, rank
+                                   ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING) AS pacer
+    FROM b WINDOW w AS (PARTITION BY run_id, step)
+), d AS (
+    SELECT *, late_ms - own_late_ms AS victim_ms, greatest(p2p_ms - transfer_ms - ideal_wait_ms, 0) AS pipe_excess_ms,
+           greatest(step_ms_p50 - late_ms, 0) AS what_if_step_ms, (rank = pacer AND late_ms > 0) AS is_pacer
+    FROM c
+), e AS (
+    SELECT *,
+           CASE WHEN is_pacer THEN excess_ms * gpus ELSE 0 END AS straggler_gpu_ms,
+           CASE WHEN is_pacer THEN data_wait_ms * gpus ELSE 0 END AS data_gpu_ms,
+           greatest(pipe_excess_ms - victim_ms, 0) AS pipeline_gpu_ms,
+           greatest(greatest(greatest(comm_exposed_ms - p2p_ms, 0) - {baseline} * what_if_step_ms, 0)
+                    - greatest(victim_ms - pipe_excess_ms, 0), 0) AS comm_gpu_ms
+    FROM d
+)
+SELECT run_id, step, rank, stage, node, gpus, end_ns, step_ms, step_ms_p50, late_ms, what_if_step_ms, is_pacer,
+       excess_ms, data_wait_ms, straggler_gpu_ms, data_gpu_ms, pipeline_gpu_ms, comm_gpu_ms,
+       straggler_gpu_ms + data_gpu_ms + pipeline_gpu_ms + comm_gpu_ms AS lost_gpu_ms
+FROM e"""
+
+
+def lost_time_sql(*, comm_baseline_share: float = DEFAULT_COMM_BASELINE_SHARE, bounded: bool = False) -> str:
+    """The SELECT. bounded: restricted to `$run` and steps `$lo`..`$hi` (named parameters, or
+    tracetop.snapshot.inline), so a query reads only those rows."""
+    b = float(comm_baseline_share)
+    if not 0.0 <= b <= 1.0:
+        raise ValueError(f"comm_baseline_share {comm_baseline_share!r} must lie in 0..1")
+    steps = "WHERE run_id = $run AND step BETWEEN $lo AND $hi" if bounded else ""
+    runs = "WHERE run_id = $run" if bounded else ""
+    return _SQL.format(steps=steps, runs=runs, baseline=repr(b)).strip()
+
+
+def lost_steps_sql(*, comm_baseline_share: float = DEFAULT_COMM_BASELINE_SHARE, top: int = 16) -> str:
+    """Per step of `$run` in `$lo`..`$hi`: a row with rank NULL holding the step's sums by cause and
+    its end, then its `top` most-charged ranks (what a live watcher caches once per step)."""
+    return f"""
+WITH l AS ({lost_time_sql(comm_baseline_share=comm_baseline_share, bounded=True)}),
+t AS (SELECT step, NULL::INTEGER AS rank, sum(straggler_gpu_ms) AS straggler_gpu_ms, sum(data_gpu_ms) AS data_gpu_ms,
+             sum(pipeline_gpu_ms) AS pipeline_gpu_ms, sum(comm_gpu_ms) AS comm_gpu_ms, sum(lost_gpu_ms) AS lost_gpu_ms,
+             max(end_ns) AS end_ns
+      FROM l GROUP BY step),
+r AS (SELECT step, rank, straggler_gpu_ms, data_gpu_ms, pipeline_gpu_ms, comm_gpu_ms, lost_gpu_ms, end_ns FROM l
+      WHERE lost_gpu_ms > 0 QUALIFY row_number() OVER (PARTITION BY step ORDER BY lost_gpu_ms DESC, rank) <= {int(top)})
+SELECT * FROM t UNION ALL SELECT * FROM r ORDER BY step, rank NULLS FIRST""".strip()
+
+
+def lost_window_sql(*, comm_baseline_share: float = DEFAULT_COMM_BASELINE_SHARE, top: int = 5) -> str:
+    """Over steps `$lo`..`$hi` of `$run` whose end lies at or after `$since_ns`: the totals (the row
+    whose rank is NULL) and the `top` ranks most lost is charged to, by cause, with the steps and
+    the span of step time covered."""
+    return f"""
+WITH l AS ({lost_time_sql(comm_baseline_share=comm_baseline_share, bounded=True)}),
+w AS (SELECT * FROM l WHERE end_ns >= $since_ns)
+SELECT rank, sum(straggler_gpu_ms) AS straggler_gpu_ms, sum(data_gpu_ms) AS data_gpu_ms,
+       sum(pipeline_gpu_ms) AS pipeline_gpu_ms, sum(comm_gpu_ms) AS comm_gpu_ms, sum(lost_gpu_ms) AS lost_gpu_ms,
+       count(DISTINCT step) AS steps,
+       min(end_ns) AS first_end_ns, max(end_ns) AS last_end_ns
+FROM w GROUP BY GROUPING SETS ((rank), ())
+ORDER BY rank IS NOT NULL, lost_gpu_ms DESC, rank LIMIT {int(top) + 1}""".strip()
