@@ -66,7 +66,10 @@ def start_tasks(service: ControlService, con: Any, controller: Any, *, live: Any
     if controller is not None and getattr(controller, "mode", "off") != "off":
         from collector.control.controller import Controller
         from collector.control.inputs import RowInputs
+        from collector.control.live_inputs import EngineInputs
 
-        c = Controller(service, RowInputs(con), controller, alert_sink=AlertOut(live, sinks))
+        # the live engine's state where it runs; the committed rows where it is off (--no-rules)
+        source = EngineInputs(live, con) if live is not None else RowInputs(con)
+        c = Controller(service, source, controller, alert_sink=AlertOut(live, sinks))
         tasks.append(asyncio.ensure_future(_control(c, controller.tick_s)))
     return tasks

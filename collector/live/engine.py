@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -482,6 +483,12 @@ class LiveEngine:
     def alerts(self, firing_only: bool = False) -> list[Alert]:
         with self._lock:
             return self.ev.book.firing() if firing_only else self.ev.book.all()
+
+    def read_state(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(live_state)`` under the engine's lock (readers: the controller's EngineInputs);
+        ``fn`` copies what it needs and returns, it must not keep the arrays."""
+        with self._lock:
+            return fn(self.ev.state)
 
     def live_state_bytes(self) -> int:
         with self._lock:

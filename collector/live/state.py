@@ -1,8 +1,8 @@
 """Live state: per run, the last W steps of per-rank figures, the latest heartbeat of each rank,
 the agents' latest GPU samples. Fed with committed batches (decoded columns), vectorised.
 
-Memory is fixed by W and the ranks: one float64 matrix `data[W, FIELDS, ranks]` (23 figures a
-rank-step: 16,384 ranks x 64 steps = 193 MB) plus a presence mask and a collective-signature
+Memory is fixed by W and the ranks: one float64 matrix `data[W, FIELDS, ranks]` (26 figures a
+rank-step: 16,384 ranks x 64 steps = 218 MB) plus a presence mask and a collective-signature
 bitmask. A row for a step older than the window is dropped (counted in `rows_too_old`); a newer
 step reuses the oldest slot, and the steps it pushes out unevaluated are counted as skipped by
 the engine. Nothing here queues.
@@ -27,6 +27,8 @@ FIELDS = (
     "rss_bytes", "allocated_bytes", "budget_bytes",     # MEMORY
     "d2h_bytes", "d2h_ns", "h2d_bytes", "h2d_ns",       # OFFLOAD
     "mfu",                                              # THROUGHPUT
+    "micro_batch", "micro_batches",                     # STEP: the shape in force (the controller's inputs)
+    "peak_bytes",                                       # MEMORY: the step's peak
 )
 F = {name: i for i, name in enumerate(FIELDS)}
 _STEP_COLS = FIELDS[:10]
@@ -174,6 +176,9 @@ class RunState:
         if kind == Kind.STEP:
             for name in _STEP_COLS:
                 d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
+            for name in ("micro_batch", "micro_batches"):
+                if name in cols:
+                    d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
             self.present[slots, rank] = True
         elif kind == Kind.COLLECTIVE:
             self._collectives(slots, rank, cols, keep)
@@ -182,7 +187,7 @@ class RunState:
             red = np.isin(instr, _REDUCE_INSTR)
             np.add.at(d, (slots[red], F["reduce_ns"], rank[red]), np.asarray(cols["duration_ns"], np.float64)[keep][red])
         elif kind == Kind.MEMORY:
-            for name in ("rss_bytes", "allocated_bytes", "budget_bytes"):
+            for name in ("rss_bytes", "allocated_bytes", "budget_bytes", "peak_bytes"):
                 d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
         elif kind == Kind.THROUGHPUT:
             d[slots, F["mfu"], rank] = np.asarray(cols["mfu"], np.float64)[keep]
