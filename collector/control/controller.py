@@ -91,8 +91,8 @@ def load_settings(path: str | None, *, mode: str | None = None) -> ControllerSet
 
 
 class InputsSource(Protocol):
-    """Where the controller's inputs come from (inputs.RowInputs: the committed rows; after the
-    merge, an adapter over the live engine's state)."""
+    """Where the controller's inputs come from: live_inputs.EngineInputs (the live engine's state,
+    where it runs) or inputs.RowInputs (the committed rows, where it is off)."""
 
     def read(self) -> list[ControlInputs]: ...
 

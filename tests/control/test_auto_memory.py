@@ -1,5 +1,5 @@
-"""Auto mode end to end, on the committed rows (collector/control/inputs.py feeds the
-controller until the live engine does): a real collector with --controller auto, a real 2-rank
+"""Auto mode end to end (the collector runs its live engine, so collector/control/live_inputs.py
+feeds the controller): a real collector with --controller auto, a real 2-rank
 reference run (DP2, ZeRO 1, 4 x 2 samples) whose forwards hold 128 MiB per sample until their
 backward (the activation-like pressure), against a declared budget of 950 MiB per rank.
 

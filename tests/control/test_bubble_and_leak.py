@@ -1,11 +1,13 @@
-"""Two more closed-loop runs on the committed rows (real collector, real 2-rank reference runs):
+"""Two more closed-loop runs (real collector with its live engine feeding the controller, real 2-rank
+reference runs):
 
 - bubble, advise mode: PP2 with 2 micro-batches (the 1F1B bubble is at least 1/3) and a bubble
   threshold of 0.30: the controller proposes more micro-batches and nothing else happens until a
   person approves; then both ranks change at one step and the bubble falls.
 - the leak (--inject-mem-growth), auto mode: memory no batch shape can fix. At most
-  max_actions_per_problem (2) changes, then one "cannot fix" (an actions row), and nothing more:
-  the micro-batch only ever goes down (no oscillation)."""
+  max_actions_per_problem (2) changes, then one "cannot fix" (an actions row, and an alert the live
+  sinks receive: a webhook, a real Alertmanager, OTLP), and nothing more: the micro-batch only ever
+  goes down (no oscillation)."""
 
 from __future__ import annotations
 
