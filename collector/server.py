@@ -458,7 +458,7 @@ async def start(
         http, _ = serve_metrics(metrics_port, metrics.registry, auth=auth)
         metrics_port = http.server_port
     exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
-    tasks = control_loop.start_tasks(control, con, controller)
+    tasks = control_loop.start_tasks(control, con, controller, live=live, sinks=[*sinks, exports])
     return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports, live,
                      control, tasks, ends)
 

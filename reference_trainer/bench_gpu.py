@@ -1,6 +1,6 @@
 """``tracetop bench gpu --out DIR [--cpu] [--json]``: the GPU path, proved in one device call.
 
-Six parts, each in processes of its own, each with a time limit inside one budget
+Seven parts, each in processes of its own, each with a time limit inside one budget
 (``--budget-s``, default 480 s). A part that fails or runs out of time is recorded in the JSON
 with its error, its figures' keys set to null, and the next part runs. Writes two files into DIR:
 ``gpu.json`` (every figure; rewritten after each part, so a run cut short keeps what it had) and
@@ -37,6 +37,16 @@ with its error, its figures' keys set to null, and the next part runs. Writes tw
    (``--zero 2 --offload cpu``, 350m, bf16) while another process samples NVML's PCIe counters;
    the hooks' d2h/h2d bytes and GB/s over the measured steps against NVML's TX/RX over the same
    wall-clock window (goal: within 10%).
+6. ``loop`` (a collector of its own with ``--controller auto`` + the reference trainer under
+   torchrun; issue 11's offload must-show): ZeRO-1 at micro-batch 1 (the smallest allowed) with an
+   activation-like pressure of ``A`` MiB a sample freed every step, against a declared budget of
+   ``A`` MiB, which the step's peak exceeds whatever the rest weighs (weights alone are more than
+   nothing). The controller, at the smallest micro-batch, turns optimizer offload on; recorded:
+   the action and its step on every rank (the ranks' reports and the trainer's own per-rank logs),
+   the OFFLOAD rows before and after that step, and the step peak (MEMORY rows) over the steps
+   before and after it: on a GPU the device peak falls by the optimizer state (or the pressure,
+   whichever is smaller); on CPU the peak is the host's, where the state moved to, so
+   ``memory_fell`` is null with a note. One rank on a GPU (NCCL refuses two on one device), two on CPU.
 
 ``--cpu``: the same parts end to end on CPU with small sizes (gloo, the fake NVML, perf_counter;
 part 3 through the hooks' GPU accounting path with a host clock, so the emitter resolves), for the
@@ -94,7 +104,13 @@ FIGURES: dict[str, tuple[str, ...]] = {
                 "hooks_d2h_gbps", "hooks_h2d_gbps", "hooks_whats", "nvml_backend", "nvml_source", "nvml_tx_bytes",
                 "nvml_rx_bytes", "nvml_tx_gbps", "nvml_rx_gbps", "d2h_vs_tx_pct", "h2d_vs_rx_pct", "goal_pct",
                 "within_goal"),
+    "loop": ("model", "ranks", "micro_batch", "activation_mb_per_sample", "budget_mb", "memory_source",
+             "offload_action", "offload_state", "offload_step", "offload_on_every_rank_at_one_step",
+             "trainer_offloaded_from_step", "offload_rows_before", "offload_rows_after", "offload_bytes_after",
+             "peak_mb_before", "peak_mb_after", "memory_fell", "memory_note", "over_budget_after",
+             "actions", "cannot_fix", "verdict"),
 }
+PARTS = ("sync", "ddp", "overhead", "nvml", "offload", "loop")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,12 +118,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", action="store_true",
                    help="run every part on CPU with small sizes (gloo, fake NVML): the test suite's mode")
     p.add_argument("--json", action="store_true", help="print the JSON at the end")
-    p.add_argument("--budget-s", type=float, default=None, help="time budget of the whole (default 480; --cpu 240)")
+    p.add_argument("--budget-s", type=float, default=None, help="time budget of the whole (default 480; --cpu 360)")
     p.add_argument("--model", default=None, help="preset of parts 1-3 (default 1b; --cpu tiny)")
     p.add_argument("--offload-model", default=None, help="preset of part 5 (default 350m; --cpu tiny)")
     p.add_argument("--steps", type=int, default=None, help="steps of the overhead run (default 400; --cpu 96)")
     p.add_argument("--nvml-s", type=float, default=None, help="seconds of the agent part (default 30; --cpu 3)")
-    p.add_argument("--parts", default="sync,ddp,overhead,nvml,offload",
+    p.add_argument("--parts", default=",".join(PARTS),
                    help="comma-separated parts to run (timing comes with overhead); default all")
     p.add_argument("--keep", default=None, help="keep the temporary files (collector db, raw logs) in this folder")
 
@@ -211,6 +227,65 @@ def offload_figures(trainer: dict[str, Any], pcie: dict[str, Any]) -> dict[str, 
     }
 
 
+def loop_figures(actions: list[dict], ranks: list[dict], offload: list[dict], memory: list[dict],
+                 rank_logs: dict[int, list[dict]], *, world: int, budget_bytes: int, on_gpu: bool,
+                 window: int = 10) -> dict[str, Any]:
+    """Part 6 (pure): from the loop collector's `actions`, `action_ranks`, OFFLOAD and MEMORY rows
+    and the trainer's per-rank logs. ``offload`` rows: (rank, step, direction, what, bytes);
+    ``memory`` rows: (rank, step, peak_bytes). The peak is compared as the median over ranks'
+    steps in the ``window`` steps before the offload step against the ``window`` after it (the
+    step itself left out: the command applies at its boundary)."""
+    on = [a for a in actions if a["kind"] == "offload" and a["value"] == 1]
+    act = on[0] if on else None
+    step = act["step"] if act and act["state"] in ("applied", "verified", "rolled_back") else None
+    applied = [r for r in ranks if act and r["action_id"] == act["action_id"] and r["stage"] == "applied"]
+    every = bool(act) and step is not None and sorted(r["rank"] for r in applied) == list(range(world)) \
+        and {r["step"] for r in applied} == {step}
+    first_off = {rank: next((r["step"] for r in rows if r.get("offloaded_states")), None)
+                 for rank, rows in sorted(rank_logs.items())}
+    if step is None:
+        before = after = []
+        rows_before = rows_after = bytes_after = None
+    else:
+        before = [m["peak_bytes"] for m in memory if step - window <= m["step"] < step and m["peak_bytes"] >= 0]
+        after = [m["peak_bytes"] for m in memory if step < m["step"] <= step + window and m["peak_bytes"] >= 0]
+        # the boundary of step S follows step S-1: the first offload_states is in step S-1's rows
+        rows_before = sum(1 for o in offload if o["step"] < step - 1)
+        rows_after = sum(1 for o in offload if o["step"] >= step - 1)
+        bytes_after = {}
+        for o in offload:
+            if o["step"] >= step - 1:
+                k = f"{o['direction']}:{o['what']}"
+                bytes_after[k] = bytes_after.get(k, 0) + int(o["bytes"])
+    mb0 = statistics.median(before) / 2**20 if before else None
+    mb1 = statistics.median(after) / 2**20 if after else None
+    fell = (mb1 < mb0) if on_gpu and mb0 is not None and mb1 is not None else None
+    note = None if on_gpu else ("CPU: the step peak is the host's resident memory, and offload moves the optimizer "
+                                "state to the host, so it cannot fall here; the fall needs a GPU's device memory")
+    cannot = [a for a in actions if a["state"] == "cannot_fix"]
+    checks = {"offload on at one step on every rank": every,
+              "the trainer's logs agree": bool(first_off) and len(set(first_off.values())) == 1
+              and None not in first_off.values(),
+              "OFFLOAD rows only from that step": rows_before == 0 and bool(rows_after)}
+    if on_gpu:
+        checks["device memory fell"] = bool(fell)
+    failed = [k for k, ok in checks.items() if not ok]
+    return {
+        "offload_action": act and {k: act.get(k) for k in ("action_id", "rule", "reason", "proposed_by", "approved_by",
+                                                             "ranks_applied", "ranks_expected", "outcome",
+                                                             "verification")},
+        "offload_state": act and act["state"], "offload_step": step, "offload_on_every_rank_at_one_step": every,
+        "trainer_offloaded_from_step": {str(k): v for k, v in first_off.items()},
+        "offload_rows_before": rows_before, "offload_rows_after": rows_after, "offload_bytes_after": bytes_after,
+        "peak_mb_before": mb0, "peak_mb_after": mb1, "memory_fell": fell, "memory_note": note,
+        "over_budget_after": None if mb1 is None else mb1 * 2**20 > budget_bytes,
+        "actions": [(a["action_id"], a["kind"], a["value"], a["state"], a["rule"]) for a in actions],
+        "cannot_fix": cannot[0]["reason"] if cannot else None,
+        "verdict": "passed: " + "; ".join(checks) if not failed else "FAILED: " + "; ".join(failed),
+        "checks_failed": failed,
+    }
+
+
 # ----------------------------------------------------------------------------- the driver
 
 
@@ -222,7 +297,7 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.cpu = bool(args.cpu)
         self.out = Path(args.out)
-        self.budget_s = float(args.budget_s or (240 if self.cpu else 480))
+        self.budget_s = float(args.budget_s or (360 if self.cpu else 480))
         self.model = args.model or ("tiny" if self.cpu else "1b")
         self.offload_model = args.offload_model or ("tiny" if self.cpu else "350m")
         self.steps = int(args.steps or (96 if self.cpu else 400))
@@ -271,19 +346,36 @@ class Bench:
         e.setdefault("DS_BUILD_OPS", "0")
         return e
 
-    def spawn(self, name: str, argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> None:
-        """Run one process of a part, its output to the log; raise PartFailed on failure or timeout."""
+    def spawn(self, name: str, argv: list[str], timeout_s: float, env: dict[str, str] | None = None,
+              until: Any = None, linger_s: float = 0.0) -> None:
+        """Run one process of a part, its output to the log; raise PartFailed on failure or timeout.
+        ``until``: checked every second; once true, the process gets ``linger_s`` more seconds
+        and is then asked to stop (SIGTERM; torchrun passes it to its workers): done, not failed."""
         timeout_s = max(1.0, min(timeout_s, self.remaining_s()))
         raw = self.tmp / f"{name}.out"
         self.log(f"{name}: {' '.join(argv[1:])} (limit {timeout_s:.0f} s)")
+        stopped = False
         with open(raw, "w") as f:
             # not a session of its own: if this driver is killed (the device call's limit), its parts go too
             proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env or self.env(f"bench-gpu-{name}"))
+            deadline = time.monotonic() + timeout_s
+            rc = None
             try:
-                rc = proc.wait(timeout_s)
+                while until is not None and proc.poll() is None and time.monotonic() < deadline:
+                    if until():
+                        time.sleep(linger_s)
+                        if proc.poll() is None:
+                            self.log(f"{name}: the evidence is in; stopping the run")
+                            stopped = True
+                            proc.terminate()
+                        break
+                    time.sleep(1.0)
+                rc = proc.wait(max(1.0, deadline - time.monotonic()) if not stopped else 60)
             except subprocess.TimeoutExpired:
                 _kill(proc)
                 rc = None
+        if stopped and rc is not None:
+            rc = 0
         lines = raw.read_text(errors="replace").splitlines()
         keep = 150
         if len(lines) > keep:
@@ -428,6 +520,89 @@ class Bench:
         figures.update(shape="ZeRO-2, optimizer offload to cpu, pp 1", model=self.offload_model, dtype=dtype)
         return figures
 
+    def part_loop(self) -> dict[str, Any]:
+        """Part 6: the auto loop's offload on a budget the smallest micro-batch still exceeds."""
+        from tracetop import procs
+
+        folder = self.tmp / "loop"
+        folder.mkdir(exist_ok=True)
+        ranks, model = (2, "tiny") if self.cpu else (1, "350m")
+        # steps of peak compared on each side of the offload step (CPU: fewer, each offloaded step
+        # there spends seconds in DeepSpeed's offload_states / reload_states)
+        window = 3 if self.cpu else 10
+        act_mb = 16 if self.cpu else 2048
+        toml = folder / "controller.toml"
+        # offload slows the step by its copies; the verification is not what is shown here
+        toml.write_text("[controller]\ntick_s = 0.5\ncooldown_s = 1\ncooldown_steps = 3\nverify_steps = 4\n"
+                        "min_micro_batch = 1\nmax_throughput_drop = 0.95\n")
+        db = folder / "loop.duckdb"
+        col = procs.collector(db, "127.0.0.1:0", extra_args=["--controller", "auto", "--controller-config", str(toml),
+                                                              "--flush-interval-s", "0.2"])
+        try:
+            col.start(60)
+        except procs.ServiceError as e:
+            raise PartFailed(f"loop: the collector did not start: {e}") from None
+        run_id = "bench-gpu-loop"
+        env = self.env(run_id)
+        env.update(TRACETOP_ENDPOINT=col.address, TRACETOP_FLUSH_S="0.5", TRACETOP_COMMAND_EVERY_STEPS="2",
+                   TRACETOP_COMMAND_POLL_S="0.5")
+        # every rank 50 ms slower (alike: no straggler), so the run outlasts the controller's tick in wall time
+        slow = [a for r in range(ranks) for a in ("--inject-straggler", f"{r}:50")]
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                "-m", "reference_trainer", "--quiet", "--rank-log-dir", str(folder / "ranks"), "--pp", "1", "--zero", "1",
+                "--model", model, "--dtype", "fp32" if self.cpu else "bf16", "--micro-batch", "1", "--micro-batches", "2",
+                "--steps", "400", "--activation-mb-per-sample", str(act_mb), "--memory-budget-mb", str(act_mb), *slow]
+        rank_dir = folder / "ranks"
+
+        def logs() -> dict[int, list[dict]]:
+            out = {}
+            for p in sorted(rank_dir.glob("rank*.jsonl")):
+                text = p.read_text(errors="replace")
+                out[int(p.stem[4:])] = [json.loads(x) for x in text.splitlines()[:text.count("\n")] if x.strip()]
+            return out
+
+        def enough() -> bool:
+            """Every rank's own log shows offload on and ``window`` + the verification's 4 steps + 2 after it."""
+            got = logs()
+            if len(got) < ranks:
+                return False
+            for rows in got.values():
+                first = next((r["step"] for r in rows if r.get("offloaded_states")), None)
+                if first is None or rows[-1]["step"] < first + window + 6:
+                    return False
+            return True
+
+        try:
+            # the run is long enough for any machine's load; it is stopped once its logs hold the evidence
+            # (its rows ship every 0.5 s: a few seconds more, and the collector has them)
+            self.spawn("loop", argv, 150, env=env, until=enough, linger_s=4.0)
+        finally:
+            try:
+                col.stop(timeout_s=60)
+            except Exception:
+                col.kill()
+
+        def rows(sql: str) -> list[dict]:
+            r = subprocess.run([sys.executable, "-m", "tracetop.cli", "query", str(db), sql, "--json"],
+                               capture_output=True, text=True, timeout=60, env=self.env("bench-gpu-query"))
+            if r.returncode != 0:
+                raise PartFailed(f"loop: query failed: {r.stderr[-600:]}")
+            return json.loads(r.stdout or "[]")
+
+        where = f"WHERE run_id = '{run_id}'"
+        figures = loop_figures(
+            rows(f"SELECT * FROM actions {where} ORDER BY try_cast(action_id AS INT)"),
+            rows(f"SELECT action_id, rank, stage, step FROM action_ranks {where}"),
+            rows(f"SELECT rank, step, direction, what, bytes FROM offload {where}"),
+            rows(f"SELECT rank, step, peak_bytes FROM memory {where}"),
+            logs(), world=ranks, budget_bytes=act_mb * 2**20, on_gpu=not self.cpu, window=window)
+        figures.update(model=model, ranks=ranks, micro_batch=1, activation_mb_per_sample=act_mb, budget_mb=act_mb,
+                       memory_source="host resident memory (step peak)" if self.cpu
+                       else "device max_memory_allocated (step peak)")
+        if figures["checks_failed"]:
+            raise PartFailed(f"loop: {figures['verdict']}; actions {figures['actions']}")
+        return figures
+
     # ---- the whole ----
     def start_collector(self) -> Any:
         from trainer_hooks.bench import _Collector
@@ -454,6 +629,7 @@ class Bench:
             self.run_part("overhead", self.part_overhead, 40)
             self.run_part("nvml", self.part_nvml, self.nvml_s + 10)
             self.run_part("offload", self.part_offload, 30)
+            self.run_part("loop", self.part_loop, 45)
         finally:
             if collector is not None:
                 collector.stop()
@@ -486,9 +662,9 @@ def _loadavg() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    unknown = [p for p in args.parts.split(",") if p.strip() and p.strip() not in ("sync", "ddp", "overhead", "nvml", "offload")]
+    unknown = [p for p in args.parts.split(",") if p.strip() and p.strip() not in PARTS]
     if unknown:
-        print(f"tracetop bench gpu: unknown part(s) {', '.join(unknown)}; use sync, ddp, overhead, nvml, offload "
+        print(f"tracetop bench gpu: unknown part(s) {', '.join(unknown)}; use {', '.join(PARTS)} "
               "(timing comes with overhead)", file=sys.stderr)
         return 2
     out = Path(args.out)

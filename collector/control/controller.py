@@ -6,8 +6,12 @@ Each tick (``tick_s``), per run the inputs source reports:
 1. verify: an applied action ``verify_steps`` steps old is kept (``verified``) or rolled back on
    every rank (``policy.verify``: throughput fell more than ``max_throughput_drop``, or a larger
    micro-batch did not gain ``min_throughput_gain``), compared over the steps before and after it;
+   A tick that rolls back proposes nothing else; a rollback is verified but never rolled back;
 2. gate: no change while a hang or straggler alert fires, while an action is in flight, during
-   the cooldown, beyond the hourly cap;
+   while an applied change (not a rollback) awaits its verification, during
+   the cooldown, beyond the hourly cap. The cooldown (``cooldown_s`` and ``cooldown_steps``)
+   counts from the last change *applied* on the ranks (its step, its time), so after a rollback
+   the problem is judged again only on steps run with the rolled-back shape;
 3. decide: at most one proposal; a problem given up on is reported once as "cannot fix" (an
    Alert to the sink, and a `cannot_fix` row in `actions`).
 Every decision is kept with its reason (``decisions``, the newest 200).
@@ -87,8 +91,8 @@ def load_settings(path: str | None, *, mode: str | None = None) -> ControllerSet
 
 
 class InputsSource(Protocol):
-    """Where the controller's inputs come from (inputs.RowInputs: the committed rows; after the
-    merge, an adapter over the live engine's state)."""
+    """Where the controller's inputs come from: live_inputs.EngineInputs (the live engine's state,
+    where it runs) or inputs.RowInputs (the committed rows, where it is off)."""
 
     def read(self) -> list[ControlInputs]: ...
 
@@ -133,10 +137,24 @@ class Controller:
                     self.source.memory_share(inp.run_id, a.step + 1, a.step + k))
 
     def _to_verify(self, inp: ControlInputs) -> list[Any]:
+        """Applied actions ``verify_steps`` old, but not one a rollback was already sent for (on
+        its way, or failed: a failed rollback is left to a person, not retried every tick)."""
         k = self.settings.policy.verify_steps
-        return [a for a in list(self.service.actions.values())
+        acts = list(self.service.actions.values())
+        undoing = {a.rollback_of for a in acts if a.rollback_of}
+        return [a for a in acts
                 if a.run_id == inp.run_id and a.state == "applied" and a.step is not None and a.step >= 0
-                and inp.step >= a.step + k and a.kind in ("micro_batch", "offload")]
+                and inp.step >= a.step + k and a.kind in ("micro_batch", "offload") and a.action_id not in undoing]
+
+    def _last_change(self, run: str, recent: list[tuple[float, int]]) -> tuple[float, int]:
+        """(time, step) the cooldown counts from: the latest of the controller's own proposals and
+        of any change applied on the ranks (a rollback, a person's), at the step it took effect."""
+        last_t, last_step = recent[-1] if recent else (-math.inf, -(10**9))
+        for a in self.service.actions.values():
+            if (a.run_id == run and a.kind in ("micro_batch", "offload") and a.step is not None and a.step >= 0
+                    and a.done_ns and a.state in ("applied", "verified", "rolled_back")):
+                last_t, last_step = max(last_t, a.done_ns / 1e9), max(last_step, a.step)
+        return last_t, last_step
 
     def decide_and_act(self) -> None:
         if self.settings.mode == "off":
@@ -154,12 +172,14 @@ class Controller:
         if inp.samples_per_s > mem.best_samples_per_s:
             mem = dataclasses.replace(mem, best_samples_per_s=inp.samples_per_s, best_micro_batch=inp.micro_batch)
         # 1. verify what was applied
+        rolled = False
         for a in self._to_verify(inp):
             before, after, m0, m1 = getattr(self, "_windows", {}).get(a.action_id, (math.nan,) * 4)
             v = policy.verify(before, after, a.rule, s, m0, m1)
-            if not v.keep and a.proposed_by != "controller":  # a person's change: said, not undone
+            if not v.keep and (a.proposed_by != "controller" or a.rollback_of):  # said, not undone
+                who = "a rollback restores the shape before it" if a.rollback_of else "a person's change"
                 v = policy.Verdict(True, f"{v.text.replace('rolled back: ', 'not verified: ', 1)} "
-                                   f"(a person's change: the controller does not roll it back)")
+                                   f"({who}: the controller does not roll it back)")
             if v.keep:
                 self.service.verified(a.action_id, v.text)
                 self._log(run, inp.step, "verified", f"action {a.action_id}: {v.text}")
@@ -170,14 +190,21 @@ class Controller:
                 self.service.rollback(a.action_id, by="controller", reason=v.text, rule="verify")
                 self.changes[run].append((self.clock_s(), inp.step))
                 self._log(run, inp.step, "rolled_back", f"action {a.action_id}: {v.text}")
+                rolled = True
+        if rolled:  # nothing else this tick: the problem is judged again once the rollback is in force
+            self.memory[run] = mem
+            return
         # 2. gate
         now = self.clock_s()
         recent = [c for c in self.changes[run] if now - c[0] < 3600]
-        last_t, last_step = (recent[-1] if recent else (-math.inf, -(10**9)))
+        last_t, last_step = self._last_change(run, recent)
         open_action = next((a.action_id for a in self.service.actions.values()
                             if a.run_id == run and a.state in OPEN), "")
+        unverified = next((a.action_id for a in self.service.actions.values()
+                           if a.run_id == run and a.state == "applied" and not a.rollback_of
+                           and a.kind in ("micro_batch", "offload")), "")
         why = policy.gate(inp, s, now_s=now, last_change_s=last_t, last_change_step=last_step,
-                          changes_last_hour=len(recent), open_action=open_action)
+                          changes_last_hour=len(recent), open_action=open_action, unverified=unverified)
         if why:
             self.memory[run] = mem
             self._hold(run, inp.step, why)

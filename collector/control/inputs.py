@@ -1,5 +1,6 @@
-"""The controller's inputs from the committed rows: a small adapter, until the live engine's
-signals feed it (the same ``ControlInputs``; ``InputsSource`` in controller.py is the seam).
+"""The controller's inputs from the committed rows: the fallback where the live engine is off
+(``--no-rules``), and for verification windows the engine no longer holds (live_inputs.py is the
+default; the same ``ControlInputs``; ``InputsSource`` in controller.py is the seam).
 
 Per active run (STEP rows within ``active_s``): the latest step every rank has finished, the
 shape in force from rank 0's STEP rows, the step peak and budget per rank (MEMORY), the bubble

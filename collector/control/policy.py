@@ -236,13 +236,16 @@ def _give_up(mem: Memory, problem: str, reason: str) -> Decision:
 
 
 def gate(inputs: ControlInputs, s: Settings, *, now_s: float, last_change_s: float, last_change_step: int,
-         changes_last_hour: int, open_action: str = "") -> str | None:
-    """Why no change may be made now, or None."""
+         changes_last_hour: int, open_action: str = "", unverified: str = "") -> str | None:
+    """Why no change may be made now, or None. ``unverified``: an applied change (not a
+    rollback) still inside its verification window: one change is judged before the next."""
     firing = [a for a in inputs.alerts if a.state == "firing" and any(h in a.rule or h in a.signal for h in HOLD_ALERTS)]
     if firing:
         return f"no change while alert {firing[0].rule} fires ({firing[0].message})"
     if open_action:
         return f"action {open_action} is still in flight"
+    if unverified:
+        return f"action {unverified} is applied and not yet verified ({s.verify_steps} steps after it)"
     if now_s - last_change_s < s.cooldown_s or inputs.step - last_change_step < s.cooldown_steps:
         return (f"cooling down after the last change ({now_s - last_change_s:.0f} of {s.cooldown_s:.0f} s, "
                 f"{inputs.step - last_change_step} of {s.cooldown_steps} steps)")

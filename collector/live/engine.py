@@ -498,6 +498,18 @@ class LiveEngine:
                 self.errors += 1
                 log.exception("live: sink %r failed", s)
 
+    def raise_alert(self, alert: Alert) -> None:
+        """An alert from outside the rules (the controller's ``controller_cannot_fix``): into the
+        book as firing (so ``alerts()``, OTLP and every later publish carry it; no rule judges it,
+        it resolves when the run ends), the `alerts` table, and every sink. Any thread."""
+        with self._lock:
+            a = replace(alert, state=FIRING, fired_ns=alert.fired_ns or alert.last_ns,
+                        fired_step=alert.fired_step if alert.fired_step >= 0 else alert.last_step)
+            self.ev.book.tracks[(a.rule, a.run_id, tuple(sorted(a.labels.items())))] = _Track(a, 1, 0, None)
+            firing = self.ev.book.firing()
+            self._store([a])
+        self._publish([a], firing)
+
     # -- readers (exporters, the TUI's Watch) --------------------------------------------------
     def gauges(self) -> list[RunGauges]:
         with self._lock:
@@ -511,9 +523,13 @@ class LiveEngine:
 
     def read(self, fn: Callable[[LiveState], object]) -> object:
         """fn(the live state) under the engine's lock, between two ingests: the readers' way in
-        (Query.Watch's snapshots). fn must be quick and must not keep references to the arrays."""
+        (Query.Watch's snapshots, the controller's EngineInputs). fn must be quick and must not keep
+        references to the arrays."""
         with self._lock:
             return fn(self.ev.state)
+
+    #: the controller's EngineInputs name for the same way in
+    read_state = read
 
     def live_state_bytes(self) -> int:
         with self._lock:

@@ -1,8 +1,8 @@
 """Live state: per run, the last W steps of per-rank figures, the latest heartbeat of each rank,
 the agents' latest GPU samples. Fed with committed batches (decoded columns), vectorised.
 
-Memory is fixed by W and the ranks: one float64 matrix `data[W, FIELDS, ranks]` (25 figures a
-rank-step: 16,384 ranks x 64 steps = 210 MB) plus a presence mask and a collective-signature
+Memory is fixed by W and the ranks: one float64 matrix `data[W, FIELDS, ranks]` (28 figures a
+rank-step: 16,384 ranks x 64 steps = 235 MB) plus a presence mask and a collective-signature
 bitmask. A row for a step older than the window is dropped (counted in `rows_too_old`); a newer
 step reuses the oldest slot, and the steps it pushes out unevaluated are counted as skipped by
 the engine. Nothing here queues.
@@ -30,6 +30,8 @@ FIELDS = (
     # for Query.Watch's snapshots (collector/watch.py), with tracetop/snapshot.py's SQL definitions:
     "tokens_per_s",                                     # THROUGHPUT (NaN: no row)
     "dp_coll_ns",                                       # COLLECTIVE whose role names dp (LIKE '%dp%')
+    "micro_batch", "micro_batches",                     # STEP: the shape in force (the controller's inputs)
+    "peak_bytes",                                       # MEMORY: the step's peak
 )
 F = {name: i for i, name in enumerate(FIELDS)}
 _STEP_COLS = FIELDS[:10]
@@ -194,6 +196,9 @@ class RunState:
         if kind == Kind.STEP:
             for name in _STEP_COLS:
                 d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
+            for name in ("micro_batch", "micro_batches"):
+                if name in cols:
+                    d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
             self.present[slots, rank] = True
             end = np.asarray(cols["start_ns"], np.int64)[keep] + np.asarray(cols["duration_ns"], np.int64)[keep]
             np.maximum.at(self.slot_end_ns, slots, end)
@@ -206,7 +211,7 @@ class RunState:
             red = np.isin(instr, _REDUCE_INSTR)
             np.add.at(d, (slots[red], F["reduce_ns"], rank[red]), np.asarray(cols["duration_ns"], np.float64)[keep][red])
         elif kind == Kind.MEMORY:
-            for name in ("rss_bytes", "allocated_bytes", "budget_bytes"):
+            for name in ("rss_bytes", "allocated_bytes", "budget_bytes", "peak_bytes"):
                 d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
         elif kind == Kind.THROUGHPUT:
             d[slots, F["mfu"], rank] = np.asarray(cols["mfu"], np.float64)[keep]

@@ -3,18 +3,20 @@ background, and a client speaking the collector's Control and Query services."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, start_collector
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 
@@ -111,3 +113,46 @@ def changes(rows: list[dict]) -> list[tuple[int, tuple[int, int]]]:
         if (a["micro_batch"], a["micro_batches"]) != (b["micro_batch"], b["micro_batches"]):
             out.append((b["step"], (b["micro_batch"], b["micro_batches"])))
     return out
+
+
+@dataclass
+class Loop:
+    """One closed-loop run: the collector process, a client to it, the trainer under torchrun."""
+
+    collector: Any
+    client: Client
+    trainer: Trainer
+    run_id: str
+
+    def sql(self, sql: str) -> list[dict]:
+        return self.client.sql(sql)
+
+    def run_rows(self, table: str, columns: str) -> list[dict]:
+        """``columns`` of ``table`` for this run, by rank and step."""
+        return self.client.sql(f"SELECT {columns} FROM {table} WHERE run_id = '{self.run_id}' ORDER BY rank, step")
+
+
+@contextlib.contextmanager
+def loop_run(tmp: Path, run_id: str, trainer_args: list[str], *, controller: str = "off", toml: str | None = None,
+             collector_args: list[str] = (), env: dict[str, str] | None = None,  # type: ignore[assignment]
+             command_every_steps: int = 5, nproc: int = 2) -> Iterator[Loop]:
+    """Start a collector (``--controller MODE``, the [controller] TOML if given), a client, and
+    ``nproc`` ranks of the reference trainer shipping to it as ``run_id`` (flush every 0.5 s,
+    the command boundary every ``command_every_steps`` steps); stop all three on the way out."""
+    extra = ["--controller", controller, *collector_args]
+    if toml is not None:
+        (tmp / "c.toml").write_text(toml)
+        extra += ["--controller-config", str(tmp / "c.toml")]
+    c = start_collector(tmp, extra_args=extra)
+    client = Client(c.addr)
+    t = None
+    try:
+        t = Trainer(tmp, nproc=nproc, args=trainer_args,
+                    env={"TRACETOP_ENDPOINT": c.addr, "TRACETOP_RUN_ID": run_id, "TRACETOP_FLUSH_S": "0.5",
+                         "TRACETOP_COMMAND_EVERY_STEPS": str(command_every_steps), **(env or {})})
+        yield Loop(c, client, t, run_id)
+    finally:
+        if t is not None:
+            t.kill()
+        client.close()
+        c.stop()

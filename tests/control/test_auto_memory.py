@@ -1,5 +1,5 @@
-"""Auto mode end to end, on the committed rows (collector/control/inputs.py feeds the
-controller until the live engine does): a real collector with --controller auto, a real 2-rank
+"""Auto mode end to end (the collector runs its live engine, so collector/control/live_inputs.py
+feeds the controller): a real collector with --controller auto, a real 2-rank
 reference run (DP2, ZeRO 1, 4 x 2 samples) whose forwards hold 128 MiB per sample until their
 backward (the activation-like pressure), against a declared budget of 950 MiB per rank.
 
@@ -18,8 +18,7 @@ import statistics
 
 import pytest
 
-from tests.control.harness import Client, Trainer, changes, wait_for
-from tests.helpers import start_collector
+from tests.control.harness import changes, loop_run, wait_for
 
 pytestmark = pytest.mark.slow
 BUDGET = 950 * 2**20
@@ -35,30 +34,19 @@ max_throughput_drop = 0.5  # CPU: micro-batch 2 is slower than 4 per sample; the
 
 
 def _run(tmp, run_id: str, extra: list[str], until) -> dict:
-    (tmp / "c.toml").write_text(TOML)
-    c = start_collector(tmp, extra_args=["--controller", "auto", "--controller-config", str(tmp / "c.toml")])
-    client = Client(c.addr)
-    t = Trainer(tmp, nproc=2, args=["--steps", "120", "--micro-batch", "4", "--micro-batches", "2",
-                                    "--activation-mb-per-sample", "128", "--memory-budget-mb", "950",
-                                    "--inject-straggler", "0:40", *extra],
-                env={"TRACETOP_ENDPOINT": c.addr, "TRACETOP_RUN_ID": run_id, "TRACETOP_FLUSH_S": "0.5",
-                     "TRACETOP_COMMAND_EVERY_STEPS": "5"})
     out: dict = {}
-    try:
+    with loop_run(tmp, run_id, ["--steps", "120", "--micro-batch", "4", "--micro-batches", "2",
+                                "--activation-mb-per-sample", "128", "--memory-budget-mb", "950",
+                                "--inject-straggler", "0:40", *extra], controller="auto", toml=TOML) as lp:
+        client, t = lp.client, lp.trainer
         out["first"] = wait_for(lambda: until(client), 400, "the controller's action", lambda: client.sql(
             "SELECT action_id, state, rule, reason, outcome, verification FROM actions"))
         out["rc"] = t.wait()
         out["actions"] = client.sql("SELECT * FROM actions ORDER BY try_cast(action_id AS INT)")
-        out["steps"] = client.sql(f"SELECT rank, step, micro_batch, micro_batches FROM step WHERE run_id = '{run_id}' "
-                                  "ORDER BY rank, step")
-        out["memory"] = client.sql(f"SELECT rank, step, peak_bytes, budget_bytes FROM memory WHERE run_id = '{run_id}' "
-                                   "ORDER BY rank, step")
+        out["steps"] = lp.run_rows("step", "rank, step, micro_batch, micro_batches")
+        out["memory"] = lp.run_rows("memory", "rank, step, peak_bytes, budget_bytes")
         out["trainer"] = t.rank_rows()
         out["log"] = t.output()
-    finally:
-        t.kill()
-        client.close()
-        c.stop()
     return out
 
 
@@ -86,13 +74,15 @@ def test_memory_above_budget_shrinks_on_every_rank_at_one_step_rollback_then_ver
     assert "of its 0.93 GiB budget" in first["reason"] and "keeps 8 samples" in first["reason"]
     assert first["state"] == "rolled_back" and first["ranks_applied"] == 2, first
     assert "rolled back: throughput" in first["verification"] and "a fall of more than 50%" in first["verification"]
-    # the rollback and the next memory action are found by what they are, not by their order: the
-    # controller may propose micro-batch 1 in the same tick in which it rolls 2 back
     back = [a for a in acts if a["rollback_of"] == first["action_id"]]
     assert len(back) == 1 and (back[0]["value"], back[0]["rule"]) == (4, "verify"), acts
-    assert back[0]["state"] in ("applied", "verified")
+    assert back[0]["state"] in ("applied", "verified") and back[0]["action_id"] == "2", acts
     third = [a for a in acts if a["rule"] == "memory" and a["value"] == 1]
-    assert third and third[-1]["state"] == "verified", acts
+    assert third and third[-1]["state"] == "verified" and third[-1]["action_id"] == "3", acts
+    # the rollback first; micro-batch 1 is proposed only once the rollback is in force on the ranks
+    # (its reports are in) and its shape has run cooldown_steps (5) steps: judged on micro-batch 4 again
+    assert third[-1]["proposed_ns"] > back[0]["done_ns"], (third, back)
+    assert third[-1]["step"] >= back[0]["step"] + 5
     applied = sorted((a["step"], a["value"]) for a in acts if a["state"] in ("applied", "verified", "rolled_back"))
     expected = [(step, (value, 8 // value)) for step, value in applied]
     for rows in list(_by_rank(auto["steps"]).values()) + list(auto["trainer"].values()):

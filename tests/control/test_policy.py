@@ -147,3 +147,10 @@ def test_a_size_rolled_back_is_not_tried_again_by_memory():
     mem = Memory(no_gain=frozenset({2}))
     d, _ = policy.decide(inputs(0.95, mb=4, mbs=4), mem, S)
     assert (d.kind, d.value) == ("micro_batch", 1)
+
+
+def test_gate_holds_while_an_applied_change_awaits_verification():
+    base = dict(now_s=1000.0, last_change_s=0.0, last_change_step=0, changes_last_hour=0)
+    why = policy.gate(inputs(0.95), S, **base, unverified="4")
+    assert why and "action 4 is applied and not yet verified" in why
+    assert policy.gate(inputs(0.95), S, **base, unverified="") is None

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.control.harness import Client, Trainer, changes
-from tests.helpers import start_collector
+from tests.control import harness
+from tests.control.harness import changes, wait_for
 from tracetop.wire import tracetop_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -24,17 +24,13 @@ K = 5
 
 @pytest.fixture(scope="module")
 def loop_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("loop")
-    c = start_collector(tmp, extra_args=["--command-ttl-s", "8", "--controller", "off"])
-    client = Client(c.addr)
-    t = Trainer(tmp, nproc=2, args=["--pp", "2", "--steps", "400", "--micro-batch", "4", "--micro-batches", "4",
-                                    "--inject-straggler", "0:40", "--inject-refuse-command", "1:micro_batch=1"],
-                env={"TRACETOP_ENDPOINT": c.addr, "TRACETOP_RUN_ID": RUN, "TRACETOP_FLUSH_S": "0.5",
-                     "TRACETOP_COMMAND_EVERY_STEPS": str(K), "TRACETOP_TEST_DROP_COMMANDS": "micro_batch=8"})
     out = {}
-    try:
-        from tests.control.harness import wait_for
-
+    with harness.loop_run(tmp_path_factory.mktemp("loop"), RUN,
+                          ["--pp", "2", "--steps", "400", "--micro-batch", "4", "--micro-batches", "4",
+                           "--inject-straggler", "0:40", "--inject-refuse-command", "1:micro_batch=1"],
+                          collector_args=["--command-ttl-s", "8"], command_every_steps=K,
+                          env={"TRACETOP_TEST_DROP_COMMANDS": "micro_batch=8"}) as lp:
+        client, t = lp.client, lp.trainer
         wait_for(lambda: client.sql(f"SELECT count(*) AS n FROM run_start WHERE run_id = '{RUN}'")[0]["n"] == 2,
                  300, "both ranks' RUN_START", t.output)
         a = client.set_micro_batch(RUN, 2)
@@ -47,15 +43,10 @@ def loop_run(tmp_path_factory):
         d = client.set_micro_batch(RUN, 8)
         out["D"] = client.wait_action(d.action_id, ("applied", "rejected", "lost", "inconsistent"), timeout_s=120)
         out["rc"] = t.wait()
-        out["steps"] = client.sql(f"SELECT rank, step, micro_batch, micro_batches, samples FROM step "
-                                  f"WHERE run_id = '{RUN}' ORDER BY rank, step")
+        out["steps"] = lp.run_rows("step", "rank, step, micro_batch, micro_batches, samples")
         out["ranks"] = client.sql("SELECT * FROM action_ranks ORDER BY action_id, rank")
         out["trainer"] = t.rank_rows()
         out["log"] = t.output()
-    finally:
-        t.kill()
-        client.close()
-        c.stop()
     return out
 
 

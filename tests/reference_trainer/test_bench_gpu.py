@@ -118,6 +118,53 @@ def test_timing_figures_sum_the_phases_against_the_step_and_the_wall() -> None:
     assert g["within_tolerance"] is False  # 0.95 is 5% off
 
 
+def _loop_rows(step: int = 20, *, fall: bool = True, offload_rows_early: bool = False):
+    actions = [{"action_id": "1", "kind": "offload", "value": 1, "state": "verified", "step": step, "rule": "memory",
+                "reason": "at the smallest micro-batch 1: offload on"},
+               {"action_id": "2", "kind": "memory", "value": 0, "state": "cannot_fix", "step": None, "rule": "memory",
+                "reason": "nothing left to change"}]
+    ranks = [{"action_id": "1", "rank": 0, "stage": "received", "step": -1}] + [
+        {"action_id": "1", "rank": r, "stage": "applied", "step": step} for r in range(2)]
+    # the boundary of `step` follows step - 1: its offload_states lands in step - 1's rows
+    offload = [{"rank": r, "step": s, "direction": d, "what": "optim_state", "bytes": 100}
+               for r in range(2) for s in range(step - 1, step + 5) for d in ("d2h", "h2d")]
+    if offload_rows_early:
+        offload.append({"rank": 0, "step": step - 5, "direction": "d2h", "what": "grads", "bytes": 1})
+    mib = 2**20
+    memory = [{"rank": r, "step": s, "peak_bytes": (900 if s < step or not fall else 600) * mib}
+              for r in range(2) for s in range(0, step + 12)]
+    logs = {r: [{"step": s, "offloaded_states": ["optim_states"] if s >= step else []} for s in range(step + 12)]
+            for r in range(2)}
+    return actions, ranks, offload, memory, logs
+
+
+def test_loop_figures_offload_at_one_step_rows_after_it_and_the_peak_falling() -> None:
+    f = bench_gpu.loop_figures(*_loop_rows(), world=2, budget_bytes=500 * 2**20, on_gpu=True, window=10)
+    assert f["checks_failed"] == [] and f["verdict"].startswith("passed")
+    assert f["offload_step"] == 20 and f["offload_on_every_rank_at_one_step"] is True
+    assert f["trainer_offloaded_from_step"] == {"0": 20, "1": 20}
+    assert f["offload_rows_before"] == 0 and f["offload_rows_after"] == 2 * 6 * 2
+    assert f["offload_bytes_after"] == {"d2h:optim_state": 1200, "h2d:optim_state": 1200}
+    assert (f["peak_mb_before"], f["peak_mb_after"], f["memory_fell"]) == (900, 600, True)
+    assert f["over_budget_after"] is True and f["cannot_fix"] == "nothing left to change"
+    # the same rows on CPU: the fall is not judged, and said why
+    c = bench_gpu.loop_figures(*_loop_rows(fall=False), world=2, budget_bytes=500 * 2**20, on_gpu=False, window=10)
+    assert c["checks_failed"] == [] and c["memory_fell"] is None and "cannot fall" in c["memory_note"]
+
+
+def test_loop_figures_fail_what_did_not_happen() -> None:
+    g = bench_gpu.loop_figures(*_loop_rows(fall=False), world=2, budget_bytes=1, on_gpu=True)
+    assert g["checks_failed"] == ["device memory fell"]
+    acts, ranks, offload, memory, logs = _loop_rows(offload_rows_early=True)
+    h = bench_gpu.loop_figures(acts, ranks[:-1], offload, memory, logs, world=2, budget_bytes=1, on_gpu=True)
+    assert h["checks_failed"] == ["offload on at one step on every rank", "OFFLOAD rows only from that step"]
+    logs[1] = [{"step": s, "offloaded_states": ["x"] if s >= 21 else []} for s in range(30)]  # rank 1 a step later
+    k = bench_gpu.loop_figures(acts, ranks, offload[:-1], memory, logs, world=2, budget_bytes=1, on_gpu=True)
+    assert k["checks_failed"] == ["the trainer's logs agree"]
+    none = bench_gpu.loop_figures([], [], [], memory, logs, world=2, budget_bytes=1, on_gpu=True)
+    assert none["offload_step"] is None and none["verdict"].startswith("FAILED")
+
+
 # ----------------------------------------------------------------------------- the command
 
 
@@ -204,6 +251,15 @@ def test_cpu_rehearsal_writes_every_figure(tmp_path: Path) -> None:
     assert off["hooks_h2d_bytes"] == off["steps"] * 8 * n
     assert off["window_s"] > 0 and off["nvml_backend"] == "fake"
     assert off["nvml_tx_bytes"] == 0 and off["d2h_vs_tx_pct"] is None  # fake counters stand still: no ratio
+
+    loop = res["parts"]["loop"]  # the auto loop's offload on two gloo ranks (the GPU part's code path)
+    assert loop["offload_on_every_rank_at_one_step"] is True and loop["offload_state"] in ("applied", "verified")
+    assert set(loop["trainer_offloaded_from_step"].values()) == {loop["offload_step"]}
+    assert loop["offload_rows_before"] == 0 and loop["offload_rows_after"] > 0
+    # offload_states moves the optimizer state (Adam's two fp32 moments) and the fp32 params of each rank's partition
+    assert loop["offload_bytes_after"]["d2h:optim_state"] == 2 * loop["offload_bytes_after"]["d2h:params"]
+    assert loop["memory_fell"] is None and "cannot fall" in loop["memory_note"]
+    assert loop["offload_action"]["proposed_by"] == "controller" and "smallest micro-batch" in loop["offload_action"]["reason"]
     assert (out / "gpu.log").stat().st_size < 1 << 20
 
 
@@ -274,5 +330,5 @@ def test_parts_the_budget_cannot_hold_are_skipped_and_said_so(tmp_path: Path) ->
     r = _cli("--out", str(out), "--cpu", "--budget-s", "1")
     assert r.returncode == 1
     res = json.loads((out / "gpu.json").read_text())
-    for part in ("sync", "ddp", "overhead", "nvml", "offload"):
+    for part in bench_gpu.PARTS:
         assert res["parts"][part]["ok"] is False and res["parts"][part]["error"].startswith("skipped:"), part
