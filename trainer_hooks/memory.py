@@ -2,7 +2,7 @@
 
 The process-lifetime peak (``ru_maxrss``, ``max_memory_allocated`` without a reset) only ever
 grows, so it cannot show a smaller micro-batch helping. This is the peak *within one step*,
-reset at every step's end (on the training thread; on CPU ~16 us a step, measured below):
+reset at every step's end (on the training thread; on CPU ~27 us a step, measured below):
 
 - GPU: ``torch.cuda.max_memory_allocated()`` then ``torch.cuda.reset_peak_memory_stats()``;
   both read and reset the caching allocator's host-side counters (no device synchronization).
@@ -26,8 +26,9 @@ reset at every step's end (on the training thread; on CPU ~16 us a step, measure
   the mark itself, exact. Only a reading at or below ``floor`` (this step's peak may be below
   the parent's) falls back to ``VmHWM`` and lowers ``floor``. A trainer whose resident set
   outgrows its launcher's (the common case: torch and the model are loaded after the exec) reads
-  ``ru_maxrss`` only; ``status_reads`` counts the fallbacks. With the reset (~6 us) a step pays
-  ~16 us instead of ~41 us (``tracetop bench hooks``, trainer_hooks/README.md "Cost").
+  ``ru_maxrss`` only; ``status_reads`` counts the fallbacks. With the reset (~6 us), ``take()``
+  timed in place in the reference trainer cost 26-28 us a step instead of 50-52 us
+  (``scripts/probe_hook_costs.py``, trainer_hooks/README.md "Cost").
 
 A side effect, on purpose and to know: the kernel keeps one high-water mark per process, so
 after the hooks reset it the process's own ``getrusage(RUSAGE_SELF).ru_maxrss`` (and what a
@@ -35,7 +36,7 @@ parent's ``wait4`` reports at exit) is the peak since the last step began, not s
 started. Job accounting that samples ``/proc`` (Slurm's jobacct_gather) is not affected. The
 alternatives were worse: RSS sampled by the emitter misses a peak that lasts milliseconds, and
 RSS sampled at every phase and pipeline instruction costs ~2 us per event on the hot path against
-~16 us per step here.
+~27 us per step here.
 
 Where neither is available (no /proc, clear_refs not writable) ``take()`` returns -1 and the
 MEMORY rows fall back to the emitter's sample.
