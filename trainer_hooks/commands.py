@@ -182,14 +182,18 @@ class CommandBus:
                 self._setup()
                 if self.broken:
                     return None
-            buf = self._buf
-            buf.zero_()
-            if self.t.rank == 0:
-                self._fill(buf)
-            if self._group is not None:
+            if self._group is None:  # one process: nothing to broadcast, no tensor work on the training thread
+                words = [0] * WORDS
+                if self.t.rank == 0:
+                    self._fill(words)
+            else:
+                buf = self._buf
+                buf.zero_()
+                if self.t.rank == 0:
+                    self._fill(buf)
                 self._bcast(buf, src=self._src, group=self._group)
+                words = buf.tolist()
             self.stats["boundaries"] += 1
-            words = buf.tolist()
         except Exception as e:
             self._break("broadcast", e)
             return None

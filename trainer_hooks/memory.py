@@ -2,7 +2,7 @@
 
 The process-lifetime peak (``ru_maxrss``, ``max_memory_allocated`` without a reset) only ever
 grows, so it cannot show a smaller micro-batch helping. This is the peak *within one step*,
-reset at every step's end (on the training thread, ~3 us a step on CPU, measured):
+reset at every step's end (on the training thread; on CPU ~27 us a step, measured below):
 
 - GPU: ``torch.cuda.max_memory_allocated()`` then ``torch.cuda.reset_peak_memory_stats()``;
   both read and reset the caching allocator's host-side counters (no device synchronization).
@@ -15,13 +15,28 @@ reset at every step's end (on the training thread, ~3 us a step on CPU, measured
   end instead would miss exactly the transient peak; tracking allocations would miss what torch
   does not allocate.
 
+  Reading it cheaply. ``/proc/self/status`` is a large file to generate: in the reference
+  trainer, between steps of tensor work (cold caches), its read cost ~35 us of the training
+  thread's CPU a step (~3 us in a tight loop). ``getrusage(RUSAGE_THREAD).ru_maxrss`` reads the
+  same mark for ~10 us, but as ``max(S, mark)``, where S is the mark the process's image had
+  before its ``execve`` (the kernel folds the old image's, i.e. the launching parent's, mark
+  into the new one: ``exec_mmap``). S never changes while the process lives (a thread's exit
+  does not touch it, only the whole group's), and every ``ru_maxrss`` reading is >= S. So the
+  smallest reading seen so far, ``floor``, bounds S from above, and a reading above ``floor`` is
+  the mark itself, exact. Only a reading at or below ``floor`` (this step's peak may be below
+  the parent's) falls back to ``VmHWM`` and lowers ``floor``. A trainer whose resident set
+  outgrows its launcher's (the common case: torch and the model are loaded after the exec) reads
+  ``ru_maxrss`` only; ``status_reads`` counts the fallbacks. With the reset (~6 us), ``take()``
+  timed in place in the reference trainer cost 26-28 us a step instead of 50-52 us
+  (``scripts/probe_hook_costs.py``, trainer_hooks/README.md "Cost").
+
 A side effect, on purpose and to know: the kernel keeps one high-water mark per process, so
 after the hooks reset it the process's own ``getrusage(RUSAGE_SELF).ru_maxrss`` (and what a
 parent's ``wait4`` reports at exit) is the peak since the last step began, not since the process
 started. Job accounting that samples ``/proc`` (Slurm's jobacct_gather) is not affected. The
 alternatives were worse: RSS sampled by the emitter misses a peak that lasts milliseconds, and
 RSS sampled at every phase and pipeline instruction costs ~2 us per event on the hot path against
-~3 us per step here.
+~27 us per step here.
 
 Where neither is available (no /proc, clear_refs not writable) ``take()`` returns -1 and the
 MEMORY rows fall back to the emitter's sample.
@@ -30,7 +45,11 @@ MEMORY rows fall back to the emitter's sample.
 from __future__ import annotations
 
 import os
+import resource
 from typing import Any
+
+#: getrusage(RUSAGE_THREAD) (Linux): this thread's rusage, the process's memory mark (no walk over threads)
+_RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 
 class StepPeak:
@@ -40,12 +59,15 @@ class StepPeak:
                  clear_refs_path: str = "/proc/self/clear_refs") -> None:
         self._cuda = cuda  # torch.cuda, when the device is a GPU
         self._status = self._clear = -1
+        self.status_reads = 0  # steps whose peak came from VmHWM (ru_maxrss was at or below floor)
+        self._floor_kib = -1  # the smallest ru_maxrss seen: >= S, the mark the image started with
         if cuda is None:
             try:
                 self._status = os.open(status_path, os.O_RDONLY)
                 self._clear = os.open(clear_refs_path, os.O_WRONLY)
                 os.write(self._clear, b"5")
                 self._hwm()
+                self._floor_kib = resource.getrusage(_RUSAGE).ru_maxrss
             except (OSError, ValueError):
                 self.close()
         else:
@@ -68,8 +90,17 @@ class StepPeak:
             return peak
         if self._clear < 0:
             return -1
-        peak = self._hwm()
-        os.write(self._clear, b"5")
+        try:
+            kib = resource.getrusage(_RUSAGE).ru_maxrss  # max(S, the mark): the mark when above floor
+            if kib > self._floor_kib:
+                peak = kib * 1024
+            else:  # S may be what it shows: read the mark itself; this reading bounds S more tightly
+                self._floor_kib = kib
+                self.status_reads += 1
+                peak = self._hwm()
+            os.write(self._clear, b"5")
+        except (OSError, ValueError):  # the step's row still goes out, its peak unknown
+            return -1
         return peak
 
     def close(self) -> None:

@@ -176,10 +176,12 @@ class Tracer:
         tokens_per_step / samples_per_step: defaults for every step (per data-parallel replica).
         max_unacked_bytes: TRACETOP_BUFFER_BYTES; memory kept for telemetry while the endpoint is
             unreachable (beyond it the oldest batches are dropped and reported as gap rows).
-        drain_interval_s: how often the emitter turns hot-path rows into columns and samples memory
-            (default 5 s, and at every heartbeat; each drain is a short burst holding the GIL).
-        flush_interval_s: TRACETOP_FLUSH_S, default 5: how often the shipper sends one batch per kind
-            (each shipment costs the trainer process ~4 ms of CPU in gRPC, measured: fewer, larger).
+        drain_interval_s: how often the emitter turns hot-path rows into columns, samples memory and
+            ships them (default: the shipment interval, and at every heartbeat; each drain is a
+            short burst holding the GIL). Rows wait here, not in the shipper: this is what sets how
+            fresh the live view is.
+        flush_interval_s: TRACETOP_FLUSH_S (tracetop/env.py DEFAULT_FLUSH_S): how often a rank's
+            rows go out, one batch per kind (the shipper's own timer, and the drain's default).
         close_timeout_s: how long close() waits for the endpoint's acks.
         device_clock: the device timer (default: CUDA events when device="cuda"); any object with
             mark() / ready(ev) / elapsed_ns(a, b) / release(a, b) / memory(), see _CudaClock.
@@ -207,7 +209,7 @@ class Tracer:
         samples_per_step: int | None = None,
         max_unacked_bytes: int | None = None,
         close_timeout_s: float = 5.0,
-        drain_interval_s: float = 5.0,
+        drain_interval_s: float | None = None,
         flush_interval_s: float | None = None,
         clock_ns: Callable[[], int] = time.time_ns,
         device_clock: Any = None,
@@ -284,6 +286,8 @@ class Tracer:
         self.run_id = _agree_run_id(ident, explicit=run_id)
         self.heartbeat_s = _seconds(heartbeat_s, tenv.TRACETOP_HEARTBEAT_S, tenv.DEFAULT_HEARTBEAT_S, "heartbeat")
         flush_interval_s = _seconds(flush_interval_s, tenv.TRACETOP_FLUSH_S, tenv.DEFAULT_FLUSH_S, "shipment")
+        if drain_interval_s is None:  # rows reach the shipper as often as it ships them
+            self.drain_interval_s = flush_interval_s
         if shipper is not None:
             self.shipper = shipper
         else:
@@ -688,11 +692,15 @@ class Tracer:
                 now = time.monotonic()
                 if now >= next_drain or now >= next_hb:
                     next_drain = now + self.drain_interval_s
-                    self._drain()
-                if now >= next_hb:
-                    next_hb = now + self.heartbeat_s
-                    self._heartbeat()
-                    self._ship_soon()  # the heartbeat goes out now, with everything drained before it
+                    drained = self._drain()
+                    beat = now >= next_hb
+                    if beat:
+                        next_hb = now + self.heartbeat_s
+                        self._heartbeat()
+                    if drained or beat:
+                        # out now, one shipment with everything drained (and the heartbeat): a
+                        # row waits at most one drain interval, not a drain and then a flush
+                        self._ship_soon()
             except Exception as e:  # the emitter never dies
                 self._hook_error("emitter", e)
         if self._cuda is not None:
@@ -721,14 +729,18 @@ class Tracer:
         del buf[:n]
         return chunk
 
-    def _drain(self) -> None:
-        """Emitter: hot-path rows -> columns -> the shipper, a few vectorised operations per kind."""
+    def _drain(self) -> bool:
+        """Emitter: hot-path rows -> columns -> the shipper, a few vectorised operations per kind.
+        True when there were rows."""
+        drained = False
         with self._drain_lock:
             rows = self._take(self._rc)
             if rows:
+                drained = True
                 self.shipper.record_many(_COLL, cols.collective_columns(self.rank, rows, list(self._sig_list)))
             rows = self._take(self._ri)
             if rows:
+                drained = True
                 self.shipper.record_many(_INSTR, cols.instr_columns(self.rank, self.stage, rows, list(self._instr_names)))
             rows = self._take(self._rs)
             if rows:
@@ -738,6 +750,8 @@ class Tracer:
                 self.shipper.record_many(_STEP, step)
                 self.shipper.record_many(_THROUGHPUT, throughput)
                 self.shipper.record_many(_MEMORY, memory)
+                drained = True
+        return drained
 
     def _heartbeat(self, closed: bool = False) -> None:
         op, role, since = self.pending

@@ -69,6 +69,13 @@ def test_floats_and_cpu_tensors():
     assert got[:2] == [2.5, 1.25] and math.isnan(got[2])
 
 
+def test_cpu_tensors_of_any_shape_and_with_a_graph():
+    graph = (torch.ones(3, requires_grad=True) * 0.5).sum()  # 1.5, with a grad_fn
+    got = _losses(None, [graph, torch.tensor([[0.75, 9.0]]), torch.tensor([], dtype=torch.float64),
+                         torch.tensor(4, dtype=torch.int64)])
+    assert got[0] == 1.5 and got[1] == 0.75 and math.isnan(got[2]) and got[3] == 4.0
+
+
 def test_device_loss_read_by_the_emitter_after_the_step_event():
     loss = FakeDeviceLoss(3.75)
     assert _losses(FakeDeviceClock(), [loss, 1.5]) == [3.75, 1.5]
