@@ -110,3 +110,33 @@ def test_a_watching_tui_gets_live_built_snapshots(collector) -> None:
             break
     finally:
         src.close()
+
+
+def test_the_lost_line_comes_from_the_engines_gauges(collector) -> None:
+    """Live, the lost section is the engine's lost-time gauges (collector/live/lost.py over the
+    steps it judged), not SQL per new step; it names the injected straggler, as the SQL does."""
+    live = LiveSnapshots(collector.collector.live)
+    got = live.lost(RUN_ID)
+    assert got is not None
+    table, window_s = got
+    g = next(g for g in collector.collector.live.gauges() if g.run_id == RUN_ID)
+    assert window_s == g.lost_window_s
+    rows = table.to_pylist()
+    total = rows[0]
+    assert total["rank"] is None and math.isclose(total["lost_gpu_ms"], 1e3 * sum(g.lost_window_gpu_s.values()))
+    assert rows[1]["rank"] == STRAGGLER_RANK and rows[1]["lost_gpu_ms"] > 0.5 * total["lost_gpu_ms"]
+    cur = collector.collector.con.cursor()
+    try:
+        a = build(cur, RUN_ID, step=last_step(), live=live)
+        b = build(cur, RUN_ID, step=last_step())
+        assert a.table("lost").schema == b.table("lost").schema
+        assert a.header["lost_window_s"] == window_s
+        sql_top = next(r for r in b.table("lost").to_pylist() if r["rank"] is not None)
+        assert sql_top["rank"] == STRAGGLER_RANK
+    finally:
+        cur.close()
+    # and the TUI's line reads it
+    from tui.core import lost_figure
+
+    fig = lost_figure(a)
+    assert fig is not None and f"rank {STRAGGLER_RANK}" in fig.note
