@@ -404,27 +404,24 @@ def _parse_rule(name: str, body: dict, line_of, hline: int, faults: list[Fault])
                 enabled=enabled, line=hline)
 
 
-def load(path: str) -> list[Rule]:
+def _read(path: str) -> str:
+    """The rules file's text; RulesError naming what is wrong with the file itself."""
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            return f.read()
     except OSError as e:
         raise RulesError(path, [Fault(0, "", f"cannot read the rules file: {e.strerror}")]) from None
     except UnicodeDecodeError as e:
         raise RulesError(path, [Fault(1, "", f"not UTF-8 text ({e.reason}); save the rules file as UTF-8")]) from None
-    return parse(text, path)
+
+
+def load(path: str) -> list[Rule]:
+    return parse(_read(path), path)
 
 
 def load_all(path: str) -> tuple[list[Rule], CostSettings]:
     """The rules and the [cost] table of a rules file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise RulesError(path, [Fault(0, "", f"cannot read the rules file: {e.strerror}")]) from None
-    except UnicodeDecodeError as e:
-        raise RulesError(path, [Fault(1, "", f"not UTF-8 text ({e.reason}); save the rules file as UTF-8")]) from None
-    return parse_all(text, path)
+    return parse_all(_read(path), path)
 
 
 #: The built-in set (DESIGN's SLA table), as the file `tracetop rules defaults` prints.
