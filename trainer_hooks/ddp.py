@@ -374,16 +374,7 @@ def _timed(cell: _Cell) -> Any:
         if t._cuda is not None:
             return _timed_on_device(t, cell, inner, inner_state, bucket, local)
         try:
-            i = bucket.index()
-            if i == 0:
-                cell.current = _Pass()
-            p = cell.current
-            buf = bucket.buffer()
-            nbytes = buf.numel() * buf.element_size()
-            key = (_BUCKET, cell.group, buf.dtype, True, None)
-            sig = t._sig_cache.get(key)
-            if sig is None:
-                sig = t._new_sig(_BUCKET, cell.group, buf, True, None, key)
+            i, p, nbytes, sig = _bucket_of(t, cell, bucket)
             step = t.step_n
             t0 = perf_counter_ns()
             wall0 = t._step_wall0 + (t0 - t._step_perf0)
@@ -395,16 +386,7 @@ def _timed(cell: _Cell) -> Any:
         except Exception as e:
             t._hook_error("ddp", e)
             return inner(inner_state, bucket)
-        unwrap = inner is _allreduce_mean
-        if unwrap:  # ours: no torch.distributed call inside
-            fut = _allreduce_mean_raw(inner_state, bucket)
-        else:
-            inside = local.inside
-            local.inside = True  # the inner hook's dist.all_reduce is this row, not a row of its own
-            try:
-                fut = inner(inner_state, bucket)
-            finally:
-                local.inside = inside
+        unwrap, fut = _run_inner(inner, inner_state, bucket, local)
         rc, dones, tickets = t._rc, p.dones, p.tickets
 
         def done(f: Any) -> Any:  # the process group's thread (or inline, if already complete)
@@ -435,20 +417,36 @@ def _timed(cell: _Cell) -> Any:
 # ----------------------------------------------------------------------------- the device clock (GPU)
 
 
+def _bucket_of(t: Any, cell: _Cell, bucket: Any) -> tuple[int, Any, int, int]:
+    """A bucket's index, its backward pass (a new one at bucket 0), its bytes and its signature."""
+    i = bucket.index()
+    if i == 0:
+        cell.current = _Pass()
+    buf = bucket.buffer()
+    key = (_BUCKET, cell.group, buf.dtype, True, None)
+    sig = t._sig_cache.get(key)
+    if sig is None:
+        sig = t._new_sig(_BUCKET, cell.group, buf, True, None, key)
+    return i, cell.current, buf.numel() * buf.element_size(), sig
+
+
+def _run_inner(inner: Any, inner_state: Any, bucket: Any, local: Any) -> tuple[bool, Any]:
+    """The wrapped hook's future, and whether it is ours (whose future holds a one-element list)."""
+    if inner is _allreduce_mean:  # ours: no torch.distributed call inside
+        return True, _allreduce_mean_raw(inner_state, bucket)
+    inside = local.inside
+    local.inside = True  # the inner hook's dist.all_reduce is this row, not a row of its own
+    try:
+        return False, inner(inner_state, bucket)
+    finally:
+        local.inside = inside
+
+
 def _timed_on_device(t: Any, cell: _Cell, inner: Any, inner_state: Any, bucket: Any, local: Any) -> Any:
     """One bucket on the device clock (the module docstring says why events, and which)."""
     cuda = t._cuda
     try:
-        i = bucket.index()
-        if i == 0:
-            cell.current = _Pass()
-        p = cell.current
-        buf = bucket.buffer()
-        nbytes = buf.numel() * buf.element_size()
-        key = (_BUCKET, cell.group, buf.dtype, True, None)
-        sig = t._sig_cache.get(key)
-        if sig is None:
-            sig = t._new_sig(_BUCKET, cell.group, buf, True, None, key)
+        i, p, nbytes, sig = _bucket_of(t, cell, bucket)
         step = t.step_n
         wall0 = t._step_wall0 + (perf_counter_ns() - t._step_perf0)
         ev0 = cuda.mark()  # the current stream: done on the device once this bucket's gradients are
@@ -459,16 +457,7 @@ def _timed_on_device(t: Any, cell: _Cell, inner: Any, inner_state: Any, bucket: 
     except Exception as e:
         t._hook_error("ddp", e)
         return inner(inner_state, bucket)
-    unwrap = inner is _allreduce_mean
-    if unwrap:
-        fut = _allreduce_mean_raw(inner_state, bucket)
-    else:
-        inside = local.inside
-        local.inside = True  # the inner hook's dist.all_reduce is this row, not a row of its own
-        try:
-            fut = inner(inner_state, bucket)
-        finally:
-            local.inside = inside
+    unwrap, fut = _run_inner(inner, inner_state, bucket, local)
     buckets, tickets, deferred = p.buckets, p.tickets, t._deferred
 
     def done(f: Any) -> Any:
