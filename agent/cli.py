@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
     scheme = "https" if metrics_auth.tls_cert is not None else "http"
     metrics_url = f"{scheme}://{cfg.metrics_addr}:{agent.metrics_port}/metrics" if agent.metrics_port is not None else None
     listening = agent.relay.addresses() if agent.relay else cfg.listen
-    print(announce_agent(listening, gpus, cfg.collector, str(cfg.spool_dir), metrics_url), flush=True)
+    sys.stdout.write(announce_agent(listening, gpus, cfg.collector, str(cfg.spool_dir), metrics_url) + "\n")  # one write: a log line never splits it
+    sys.stdout.flush()
     try:
         agent.run(stop)
     finally:

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -39,6 +40,15 @@ from tracetop.wire.codec import Rejection, parse_batch, receive
 log = logging.getLogger("tracetop.agent.relay")
 
 MAX_MESSAGE_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class _End:
+    """How a relay stream or push ends before its last batch: the status, after the acks."""
+
+    code: grpc.StatusCode
+    message: str
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 class RelayListenError(RuntimeError):
@@ -141,6 +151,11 @@ class Relay:
                     request_deserializer=parse_batch,
                     response_serializer=pb.Ack.SerializeToString,
                 ),
+                "Push": grpc.unary_unary_rpc_method_handler(
+                    self._push,
+                    request_deserializer=pb.PushRequest.FromString,
+                    response_serializer=pb.PushReply.SerializeToString,
+                ),
                 "Clock": grpc.unary_unary_rpc_method_handler(
                     self._clock,
                     request_deserializer=pb.ClockRequest.FromString,
@@ -236,12 +251,6 @@ class Relay:
         )
 
     # ---- Ingest.Stream ----
-    def _reject(self, context: Any, r: Rejection) -> None:
-        self._count("relay_rejected")
-        log.warning("agent relay: rejected batch: %s: %s", r.fault, r.message)
-        context.set_trailing_metadata(r.metadata)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{r.fault}: {r.message}")
-
     def _source_lock(self, source: str) -> threading.Lock:
         with self._lock:
             lk = self._source_locks.get(source)
@@ -250,10 +259,22 @@ class Relay:
             return lk
 
     def _stream(self, request_iterator: Iterator[Any], context: Any) -> Iterator[pb.Ack]:
+        for item in self._take(request_iterator):
+            if isinstance(item, _End):
+                if item.metadata:
+                    context.set_trailing_metadata(item.metadata)
+                context.abort(item.code, item.message)
+                return
+            yield item
+
+    def _take(self, request_iterator: Iterator[Any]) -> Iterator[pb.Ack | _End]:
+        """Acks for the batches taken, in order; an _End last when one is refused."""
         for raw in request_iterator:
             batch = receive(raw)
             if isinstance(batch, Rejection):
-                self._reject(context, batch)
+                self._count("relay_rejected")
+                log.warning("agent relay: rejected batch: %s: %s", batch.fault, batch.message)
+                yield _End(grpc.StatusCode.INVALID_ARGUMENT, f"{batch.fault}: {batch.message}", batch.metadata)
                 return
             source, seq = batch.source_id, batch.seq
             # One source is one shipper: its batches are forwarded in order, even across a reconnect
@@ -265,11 +286,9 @@ class Relay:
                     continue
                 if not self.shipper.forward(raw):
                     self._spool_full(batch)
-                    context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"agent spool is full: batch {source}/{seq} not taken; keep it and resend "
-                        "(raise --spool-max-mb or bring the collector back)",
-                    )
+                    yield _End(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"agent spool is full: batch {source}/{seq} not taken; keep it and resend "
+                               "(raise --spool-max-mb or bring the collector back)")
                     return
                 self._high[source] = seq
             with self._lock:
@@ -281,6 +300,18 @@ class Relay:
                 except Exception:
                     log.exception("agent relay: on_batch hook failed (continuing)")
             yield pb.Ack(source_id=source, seq=seq)
+
+    def _push(self, request: pb.PushRequest, context: Any) -> pb.PushReply:
+        """Ingest.Push: a burst in one call, taken exactly as a stream takes it."""
+        # the collector's freshness request, as this relay's own shipper last heard it
+        reply = pb.PushReply(ship_interval_s=float(getattr(self.shipper, "asked_interval_s", 0.0)))
+        for item in self._take(parse_batch(raw) for raw in request.batches):
+            if isinstance(item, _End):  # the acks go back, the error after them (as a stream's)
+                reply.end_code, reply.end_message = item.code.name, item.message
+                reply.end_metadata.update(dict(item.metadata))
+                break
+            reply.acks.append(item)
+        return reply
 
     def _spool_full(self, batch: Any) -> None:
         """Count a refusal (every one) and log it once per batch; no GAP row (see the module doc)."""

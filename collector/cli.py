@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "80%% of RAM); a query needing more is refused, the collector lives on")
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
     parser.add_argument("--flush-interval-s", type=float, default=0.5, help="...or once the oldest waited this long")
+    parser.add_argument("--fresh-ship-s", type=float, default=None, metavar="S",
+                        help="while a TUI (Query.Watch) shows a run, ask its ranks to ship every S seconds instead "
+                        f"of their own TRACETOP_FLUSH_S (default ${env.TRACETOP_FRESH_SHIP_S} or "
+                        f"{env.DEFAULT_FRESH_SHIP_S}; 0: never ask)")
     parser.add_argument("--verbose", action="store_true", help="log every commit (rows, milliseconds)")
     out = parser.add_argument_group("outputs (alerts and per-run gauges; a dead receiver never slows ingest)")
     out.add_argument("--alertmanager", metavar="URL", default=None,
@@ -92,6 +96,17 @@ def run(args: argparse.Namespace) -> int:
               "holds every shipper's batches (they are up to 3 MiB); use the default 64", file=sys.stderr)
         return 2
 
+    from tracetop import env as tenv
+
+    raw_fresh = args.fresh_ship_s if args.fresh_ship_s is not None else tenv.get(tenv.TRACETOP_FRESH_SHIP_S)
+    try:
+        fresh_ship_s = float(raw_fresh) if raw_fresh is not None else tenv.DEFAULT_FRESH_SHIP_S
+    except ValueError:
+        fresh_ship_s = -1.0
+    if not fresh_ship_s >= 0:  # also NaN
+        print(f"tracetop collector: --fresh-ship-s / {tenv.TRACETOP_FRESH_SHIP_S} {raw_fresh!r} is not a number of "
+              "seconds >= 0 (0 turns freshness on demand off; the default is 1)", file=sys.stderr)
+        return 2
     if args.query_timeout_s <= 0 or args.max_query_rows <= 0 or (args.memory_limit_mb is not None and args.memory_limit_mb < 64):
         print("tracetop collector: --query-timeout-s and --max-query-rows must be positive, --memory-limit-mb "
               "at least 64", file=sys.stderr)
@@ -159,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
                 command_ttl_s=args.command_ttl_s,
                 controller=controller,
                 unclosed_after_s=args.unclosed_after_s,
+                fresh_ship_s=fresh_ship_s,
             )
         except (ListenError, SchemaError) as e:
             exports.close()
@@ -170,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         from tracetop.procs import announce_collector
 
-        print(announce_collector(c.address, c.db_path, c.metrics_port), flush=True)
+        sys.stdout.write(announce_collector(c.address, c.db_path, c.metrics_port) + "\n")  # one write: a log line never splits it
+        sys.stdout.flush()
         await stop.wait()
         await c.shutdown()
         print("tracetop collector: stopped; everything acked is committed", flush=True)

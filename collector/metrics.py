@@ -38,6 +38,7 @@ class CollectorMetrics:
         )
         self.flushes = Counter("tracetop_collector_commits", "Writer transactions committed", registry=r)
         self.streams = Counter("tracetop_collector_streams", "Ingest streams opened", registry=r)
+        self.pushes = Counter("tracetop_collector_pushes", "Ingest.Push calls (a burst in one call)", registry=r)
         self.streams_open = Gauge(
             "tracetop_collector_streams_open", "Ingest streams open now (shippers open one per burst)", registry=r
         )

@@ -104,12 +104,29 @@ class _AioSink(StreamSink):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _end_status(end: StreamEnd) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None:
+    """The status a stream (or push) ends with: a refused batch, a shutdown, a failed commit."""
+    if end.fault:
+        # end.metadata: tracetop-fault, then tracetop-rejected-source/-seq when the batch is known
+        return grpc.StatusCode.INVALID_ARGUMENT, f"{end.fault}: {end.message}", tuple(end.metadata)
+    if end.shutdown:
+        return (grpc.StatusCode.UNAVAILABLE,
+                "collector is shutting down; everything acked is committed, resend the rest to its successor", ())
+    if end.store_failed:
+        return (grpc.StatusCode.UNAVAILABLE,
+                f"collector could not commit ({end.store_failed}); nothing of the unacked batches is stored, resend", ())
+    return None
+
+
 class CollectorService:
     """Ingest + Query handlers over one Writer and its connection."""
 
     def __init__(self, con, writer: Writer, metrics: CollectorMetrics, *, max_query_rows: int,
-                 query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S) -> None:
+                 query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S, fresh_ship_s: float = 0.0) -> None:
         self.con = con
+        #: the shipment interval Push replies ask for while a run is watched (0: never ask)
+        self.fresh_ship_s = fresh_ship_s
+        self._watching: dict[int, str] = {}  # Watch stream -> the run it shows now
         self.query_timeout_s = query_timeout_s
         self.writer = writer
         self.metrics = metrics
@@ -151,37 +168,31 @@ class CollectorService:
             reader.cancel()
 
     async def _end(self, end: StreamEnd, context: grpc.aio.ServicerContext) -> None:
-        if end.fault:
-            # end.metadata: tracetop-fault, then tracetop-rejected-source/-seq when the batch is known
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{end.fault}: {end.message}", trailing_metadata=end.metadata)
-        if end.shutdown:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                "collector is shutting down; everything acked is committed, resend the rest to its successor",
-            )
-        if end.store_failed:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE,
-                f"collector could not commit ({end.store_failed}); nothing of the unacked batches is stored, resend",
-            )
+        status = _end_status(end)
+        if status is not None:
+            code, message, metadata = status
+            await context.abort(code, message, trailing_metadata=metadata)
+
+    async def _take(self, raw, sink: _AioSink) -> bool:
+        """Hand one received message to the writer; False when the stream (or push) is over."""
+        if self.closing or sink.failed:
+            return False  # not taken: unacked, the shipper resends
+        batch = receive(raw)
+        if isinstance(batch, Rejection):
+            self._reject(sink, batch)
+            return False
+        self.metrics.received.labels(table_name(batch.kind)).inc(batch.n)
+        table = batch_to_arrow(batch)
+        while self.writer.full() and not self.closing:
+            await asyncio.sleep(0.005)  # backpressure: gRPC flow control holds the shipper
+        return self.writer.submit(Pending(sink, batch, table))
 
     async def _read(self, request_iterator, sink: _AioSink) -> None:
-        writer = self.writer
         try:
             async for raw in request_iterator:
-                if self.closing or sink.failed:
-                    return  # not taken: unacked, the shipper resends
-                batch = receive(raw)
-                if isinstance(batch, Rejection):
-                    self._reject(sink, batch)
+                if not await self._take(raw, sink):
                     return
-                self.metrics.received.labels(table_name(batch.kind)).inc(batch.n)
-                table = batch_to_arrow(batch)
-                while writer.full() and not self.closing:
-                    await asyncio.sleep(0.005)  # backpressure: gRPC flow control holds the shipper
-                if not writer.submit(Pending(sink, batch, table)):
-                    return
-            writer.submit(Barrier(sink, StreamEnd()))
+            self.writer.submit(Barrier(sink, StreamEnd()))
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as e:  # the client went away mid-stream; the RPC ends with it
@@ -197,6 +208,42 @@ class CollectorService:
         end = StreamEnd(fault=r.fault, message=r.message, metadata=r.metadata)
         if not self.writer.submit(Barrier(sink, end)):
             sink.deliver(end)
+
+    # ---- Ingest.Push ----------------------------------------------------------------------
+    async def push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> pb.PushReply:
+        """Stream's work for one burst in one call: the acks come back together once committed."""
+        sink = _AioSink(asyncio.get_running_loop())
+        self.sinks.add(sink)
+        self.metrics.pushes.inc()
+        runs: set[str] = set()
+        try:
+            for raw in request.batches:
+                batch = parse_batch(raw)
+                runs.add(getattr(batch, "run_id", ""))
+                if not await self._take(batch, sink):
+                    break
+            else:
+                self.writer.submit(Barrier(sink, StreamEnd()))
+            acks = []
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, Ack):
+                    acks.append(pb.Ack(source_id=item.source_id, seq=item.seq))
+                    continue
+                reply = pb.PushReply(acks=acks, ship_interval_s=self.ship_interval_for(runs))
+                status = _end_status(item)
+                if status is not None:  # the acks still go back, the error after them (as a stream's)
+                    code, message, metadata = status
+                    reply.end_code, reply.end_message = code.name, message
+                    reply.end_metadata.update(dict(metadata))
+                return reply
+        finally:
+            self.sinks.discard(sink)
+
+    def ship_interval_for(self, runs: set[str]) -> float:
+        """What a Push reply asks of shippers of `runs`: fresh_ship_s while one of them is watched."""
+        watched = self._watching.values()
+        return self.fresh_ship_s if self.fresh_ship_s > 0 and any(r in watched for r in runs) else 0.0
 
     # ---- Ingest.Clock ---------------------------------------------------------------------
     async def clock(self, request: pb.ClockRequest, context) -> pb.ClockReply:
@@ -261,6 +308,8 @@ class CollectorService:
                 if not run_id:
                     run_id = await asyncio.to_thread(build, watch.newest_run) or ""
                     state = snap.Cursor(run_id)
+                if run_id:
+                    self._watching[id(cur)] = run_id  # its shippers are asked to ship fresh (Push replies)
                 if not run_id:  # nothing started yet: say so, keep the stream
                     data = snap.encode(snap.Snapshot({"run_id": "", "waiting": True, "source": "collector"}))
                 else:
@@ -272,6 +321,7 @@ class CollectorService:
                 await context.write(pb.Snapshot(taken_ns=time.time_ns(), arrow_ipc=data))
                 await asyncio.sleep(max(interval_s - (time.monotonic() - t0), 0.0))
         finally:
+            self._watching.pop(id(cur), None)
 
             def close() -> None:
                 with lock, contextlib.suppress(Exception):
@@ -286,6 +336,10 @@ class CollectorService:
             {
                 "Stream": grpc.stream_stream_rpc_method_handler(
                     self.stream, request_deserializer=parse_batch, response_serializer=pb.Ack.SerializeToString
+                ),
+                "Push": grpc.unary_unary_rpc_method_handler(
+                    self.push, request_deserializer=pb.PushRequest.FromString,
+                    response_serializer=pb.PushReply.SerializeToString,
                 ),
                 "Clock": grpc.unary_unary_rpc_method_handler(
                     self.clock,
@@ -378,6 +432,7 @@ async def start(
     controller: object = None,
     unclosed_after_s: float | None = None,
     cost: object = None,
+    fresh_ship_s: float = 1.0,
 ) -> Collector:
     """Open the file, start the writer and the gRPC server. Call inside a running event loop.
 
@@ -387,6 +442,9 @@ async def start(
     rules: the live judgments' rules (collector.live.rules.Rule; None = no live engine); sinks:
     where alerts go besides the `alerts` table (collector.live.model.AlertSink; the exports' sinks
     are added); baseline: a run id in this file that scaling rules compare against.
+
+    fresh_ship_s: while a Watch stream shows a run, Push replies to its shippers ask for a shipment
+    this often (TRACETOP_FRESH_SHIP_S; 0: never, the shippers keep their own interval).
 
     exports (collector.export.build): its metrics go on /metrics and its OTLP export starts, fed by
     gauges_fn / alerts_fn (default: the live engine's gauges() / alerts()). Closed at shutdown, bounded."""
@@ -417,7 +475,8 @@ async def start(
     )
     writer.start()
     ends = _watch_source_ends(writer, unclosed_after_s)
-    service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows, query_timeout_s=query_timeout_s)
+    service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows, query_timeout_s=query_timeout_s,
+                               fresh_ship_s=fresh_ship_s)
     if live is not None:
         from collector.watch import LiveSnapshots
 

@@ -37,6 +37,11 @@ hooks' threads' share of step time read 1.22% against 0.27% at 5 s, 0.81% at 2 s
 trainer_hooks/README.md "Cost"; against the 1% overhead bar, too much to be the default).
 Default: 5."""
 
+TRACETOP_FRESH_SHIP_S = "TRACETOP_FRESH_SHIP_S"
+"""Collector: while a Query.Watch stream (the TUI) watches a run, the seconds between that run's
+shipments the collector asks for in its Ingest.Push replies (the shippers go back to their own
+TRACETOP_FLUSH_S once nobody watches). 0 turns it off. Default: 1."""
+
 TRACETOP_BUFFER_BYTES = "TRACETOP_BUFFER_BYTES"
 """Bytes of unacked telemetry one rank's hooks keep in memory while their endpoint is unreachable.
 Beyond it the oldest batches are dropped, counted and shipped as gap rows. Default: 256 MiB."""
@@ -107,6 +112,7 @@ DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_FLUSH_S = 5.0
+DEFAULT_FRESH_SHIP_S = 1.0
 
 
 def get(name: str, default: str | None = None) -> str | None:

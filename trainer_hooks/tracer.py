@@ -286,6 +286,7 @@ class Tracer:
         self.run_id = _agree_run_id(ident, explicit=run_id)
         self.heartbeat_s = _seconds(heartbeat_s, tenv.TRACETOP_HEARTBEAT_S, tenv.DEFAULT_HEARTBEAT_S, "heartbeat")
         flush_interval_s = _seconds(flush_interval_s, tenv.TRACETOP_FLUSH_S, tenv.DEFAULT_FLUSH_S, "shipment")
+        self._drain_follows_shipper = drain_interval_s is None
         if drain_interval_s is None:  # rows reach the shipper as often as it ships them
             self.drain_interval_s = flush_interval_s
         if shipper is not None:
@@ -691,7 +692,7 @@ class Tracer:
                     self._resolve_deferred()
                 now = time.monotonic()
                 if now >= next_drain or now >= next_hb:
-                    next_drain = now + self.drain_interval_s
+                    next_drain = now + self._drain_every()
                     drained = self._drain()
                     beat = now >= next_hb
                     if beat:
@@ -712,6 +713,13 @@ class Tracer:
             self._drain()
         except Exception as e:
             self._hook_error("emitter", e)
+
+    def _drain_every(self) -> float:
+        """The drain interval: the shipper's interval now (shorter while the collector asks for
+        fresh rows because someone watches the run), unless one was given."""
+        if self._drain_follows_shipper:
+            return float(getattr(self.shipper, "ship_interval_s", self.drain_interval_s))
+        return self.drain_interval_s
 
     def _instr_code(self, instr: str) -> int:
         code = self._instr_codes.get(instr)

@@ -26,7 +26,12 @@ def test_chaos_scenario_short_form(tmp_path: Path, scenario: str) -> None:
         assert r["spool_refusals"] > 0 and r["lost"] > 0 and r["gaps_recorded"] == r["lost"], r
     else:
         assert r["lost"] == 0 and r["gaps_recorded"] == 0, r
-    if scenario in ("partition", "agent-kill"):
+    if scenario == "partition":
         assert r["reconnects"] > 0, r
+    # agent-kill: the sources ship in Ingest.Push calls of a few ms each, so a kill between two
+    # bursts may never fail one (the channel reconnects before the next): no reconnect to require,
+    # only that both kills landed while the run was shipping and nothing was lost or doubled
+    if scenario == "agent-kill":
+        assert r["kills"] == 2, r
     if scenario.startswith("agent"):
         assert r["agent_exit_code"] == 0, r

@@ -39,6 +39,19 @@ def _row(i: int) -> tuple:
     return (3, i, 1_700_000_000_000_000_000 + i, 1000, "all_reduce", "dp", 2, 4096, -1, "float32", 0)
 
 
+def step_row(i: int) -> tuple:
+    return (0, i, 1_700_000_000_000_000_000 + i, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 1, 1)
+
+
+def run_start_row() -> tuple:
+    from tracetop.events import SCHEMAS
+
+    given = {"rank": 0, "step": -1, "start_ns": time.time_ns(), "world_size": 1, "tp": 1, "pp": 1, "dp": 1,
+             "stage": 0, "micro_batch": 1, "micro_batches": 1, "model_name": "m", "hostname": "h"}
+    return tuple(given.get(c.name, "" if c.dtype == "str" else 0.0 if c.dtype == "f8" else 0)
+                 for c in SCHEMAS[Kind.RUN_START])
+
+
 def _time_records(shipper: Shipper, n: int) -> float:
     record = shipper.record
     t0 = time.perf_counter()
@@ -139,26 +152,114 @@ def test_gap_rows_count_exactly_what_was_lost_across_a_reconnect(tmp_path: Path)
     assert stored + dropped == 300, (stored, dropped)
 
 
-def test_streams_open_per_burst_and_close_between(tmp_path: Path) -> None:
-    """An idle open stream costs the producer CPU in grpcio's polling threads, so the shipper
-    opens one stream per burst: after its acks nothing stays open, and the next burst opens anew."""
+def test_one_push_per_burst_and_nothing_open_between(tmp_path: Path) -> None:
+    """A gRPC stream costs the producer two Python threads per call and an idle open one keeps
+    grpcio's pollers busy, so a burst goes out as Ingest.Push calls: one per burst here (a burst's
+    batches gathered into one call), no stream opened, nothing left open between bursts."""
     c = start_collector(tmp_path, extra_args=["--flush-interval-s", "0.05"], metrics=True)
     try:
         s = Shipper(c.addr, run_id="burst", flush_interval_s=60, burst_linger_s=0.05)
         for burst in range(3):
             for i in range(100):
                 s.record(Kind.COLLECTIVE, *_row(burst * 100 + i))
+                s.record(Kind.STEP, *step_row(burst * 100 + i))
             assert s.flush(30)
-            deadline = time.monotonic() + 30
-            while scrape_metrics(c.metrics_port)["tracetop_collector_streams_open"] != 0:
-                assert time.monotonic() < deadline, "the stream stayed open after its burst was acked"
-                time.sleep(0.05)
-        assert s.stats()["batches_acked"] == 3
+            m = scrape_metrics(c.metrics_port)
+            assert m["tracetop_collector_streams_open"] == 0
+            assert m["tracetop_collector_pushes_total"] == burst + 1, "a burst's two batches went out in one call"
+        assert s.stats()["batches_acked"] == 6
         s.close()
-        assert scrape_metrics(c.metrics_port)["tracetop_collector_streams_total"] == 3
+        m = scrape_metrics(c.metrics_port)
+        assert m["tracetop_collector_streams_total"] == 0
     finally:
         assert c.stop() == 0
     con = duckdb.connect(str(c.db), read_only=True)
     steps = [r[0] for r in con.execute("SELECT step FROM collective ORDER BY step").fetchall()]
+    n_steps = con.execute("SELECT count(DISTINCT step) FROM step WHERE run_id = 'burst'").fetchone()[0]
     con.close()
     assert steps == list(range(300))
+    assert n_steps == 300
+
+
+def test_a_receiver_without_push_gets_streams(tmp_path: Path) -> None:
+    """A receiver older than Ingest.Push (here a gRPC server with Stream alone) answers
+    UNIMPLEMENTED: the shipper streams from then on, and every batch arrives once."""
+    from concurrent import futures
+
+    import grpc
+
+    from tracetop.wire import tracetop_pb2 as pb
+
+    got: list[tuple[str, int]] = []
+
+    def stream(request_iterator, context):
+        for batch in request_iterator:
+            got.append((batch.source_id, batch.seq))
+            yield pb.Ack(source_id=batch.source_id, seq=batch.seq)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("tracetop.v1.Ingest", {
+        "Stream": grpc.stream_stream_rpc_method_handler(
+            stream, request_deserializer=pb.ColumnBatch.FromString, response_serializer=pb.Ack.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        s = Shipper(f"127.0.0.1:{port}", run_id="old", flush_interval_s=60)
+        for burst in range(3):
+            for i in range(10):
+                s.record(Kind.COLLECTIVE, *_row(burst * 10 + i))
+            assert s.flush(30)
+        stats = s.stats()
+        s.close()
+    finally:
+        server.stop(0)
+    assert stats["batches_acked"] == 3
+    assert sorted(got) == sorted(set(got)) and len(got) == 3, got
+
+
+def test_a_watched_run_ships_at_the_interval_the_collector_asks(tmp_path: Path) -> None:
+    """Freshness on demand: while a Query.Watch stream shows the run, Push replies ask its
+    shippers for TRACETOP_FRESH_SHIP_S (here 0.2 s) instead of their own 60 s; once nobody
+    watches, the next reply says 0 and the 60 s are back."""
+    from tui.sources import CollectorSource
+
+    c = start_collector(tmp_path, extra_args=["--flush-interval-s", "0.05", "--fresh-ship-s", "0.2"])
+    try:
+        s = Shipper(c.addr, run_id="watched", flush_interval_s=60)
+        s.record(Kind.RUN_START, *run_start_row())
+        s.record(Kind.STEP, *step_row(0))
+        assert s.flush(30)
+        assert s.ship_interval_s == 60, "nobody watches yet: the shipper's own interval"
+        src = CollectorSource(c.addr, "watched")
+        src.open()
+        import threading
+
+        stop = threading.Event()
+        watching = threading.Thread(target=lambda: [None for _ in src.watch(0.2, stop)], daemon=True)
+        watching.start()
+        try:
+            deadline = time.monotonic() + 60
+            while s.ship_interval_s != 0.2:  # the next push's reply carries the request
+                s.record(Kind.STEP, *step_row(1))
+                assert s.flush(30)
+                assert time.monotonic() < deadline, "no Push reply asked for fresh shipments while watched"
+                time.sleep(0.1)
+            # now a row leaves within the asked interval on its own, with no flush(): well before 60 s
+            before = s.stats()["batches_acked"]
+            s.record(Kind.STEP, *step_row(2))
+            while s.stats()["batches_acked"] == before:
+                assert time.monotonic() < deadline, "a row waited for the 60 s interval although the run is watched"
+                time.sleep(0.05)
+        finally:
+            stop.set()
+            watching.join(30)
+            src.close()
+        deadline = time.monotonic() + 60
+        while s.ship_interval_s != 60:
+            s.record(Kind.STEP, *step_row(3))
+            assert s.flush(30)
+            assert time.monotonic() < deadline, "the fresh interval outlived the watcher"
+            time.sleep(0.1)
+        s.close()
+    finally:
+        assert c.stop() == 0

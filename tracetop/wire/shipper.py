@@ -51,7 +51,9 @@ from tracetop.wire.transport import (
     MemoryTransport,
     Rejected,
     SendTransport,
+    Unsupported,
     default_channel,
+    push_end,
 )
 
 __all__ = ["BATCH_BYTES", "MAX_BATCH_ROWS", "MAX_MESSAGE_BYTES", "MemoryTransport", "NullShipper", "Shipper",
@@ -64,6 +66,8 @@ MiB = 1 << 20
 #: every message fits gRPC's default 4 MiB receive limit with room to spare.
 MAX_BATCH_ROWS = 65536
 BATCH_BYTES = 3 * MiB
+#: How long a push waits for the rest of a flusher pass's batches (sealed a kind at a time).
+PUSH_GATHER_S = 0.005
 
 
 def _rows_per_batch(kind: Kind, budget_bytes: int = BATCH_BYTES) -> int:
@@ -164,6 +168,8 @@ class Shipper:
         self._clock_ns = clock_ns
         self._reconnect_max_s = reconnect_max_s
         self.burst_linger_s = burst_linger_s
+        self._use_push = True  # Ingest.Push where the transport has it, until the receiver lacks it
+        self._asked_interval_s = 0.0  # the receiver's freshness request (ship_interval_s)
 
         # --- producer side: guarded by _lock, held only for append / swap ---
         self._lock = threading.Lock()
@@ -290,15 +296,15 @@ class Shipper:
         return bool(self._bulk or self._ledger or any(self._pending.values()))
 
     def _run_flusher(self) -> None:
-        busy_tick = max(0.01, self.flush_interval_s / 4)
-        tick = busy_tick
+        tick = max(0.01, self.ship_interval_s / 4)
         while True:
             self._wake.wait(tick)
             self._wake.clear()
             if self._stop.is_set():
                 return
-            # Idle: wake once per flush interval (a first record then waits at most that long).
-            tick = busy_tick if self._has_pending() else self.flush_interval_s
+            # Idle: wake once per interval (a first record then waits at most that long).
+            interval = self.ship_interval_s
+            tick = max(0.01, interval / 4) if self._has_pending() else interval
             force, self._ship_now = self._ship_now, False
             try:
                 self._seal(force=force)
@@ -308,18 +314,19 @@ class Shipper:
     def _seal(self, force: bool) -> None:
         with self._seal_lock:
             now = self._clock_ns()
+            interval = self.ship_interval_s
             due: list[tuple[Kind, list, int]] = []
             with self._lock:
                 for kind, q in self._pending.items():
                     if not q:
                         continue
                     age_s = (now - self._first_ns.get(kind, now)) / 1e9
-                    if force or len(q) >= self.flush_rows or age_s >= self.flush_interval_s:
+                    if force or len(q) >= self.flush_rows or age_s >= interval:
                         self._pending[kind] = collections.deque(maxlen=self._max_pending)
                         due.append((kind, list(q), self._first_ns.pop(kind, now)))
                 bulk: list[tuple[Kind, Mapping[str, Any], int]] = []
                 if self._bulk and (
-                    force or self._bulk_rows >= self.flush_rows or (now - self._bulk[0][2]) / 1e9 >= self.flush_interval_s
+                    force or self._bulk_rows >= self.flush_rows or (now - self._bulk[0][2]) / 1e9 >= interval
                 ):
                     bulk, self._bulk, self._bulk_rows = self._bulk, [], 0
                 overflow = {k: v for k, v in self._overflow.items() if v}
@@ -513,6 +520,48 @@ class Shipper:
                 return
             yield batch
 
+    def _pushes(self, epoch: int, push: Callable[[Sequence[pb.ColumnBatch]], Any]) -> Iterator[Any]:
+        """A burst over ``Ingest.Push``: what is due goes out in calls of up to BATCH_BYTES (one
+        larger batch alone), each call's acks yielded once it returns; the burst ends when nothing
+        comes within burst_linger_s, as a stream's does. Each reply's ship_interval_s is taken."""
+        batch = self._next_to_send(epoch, self.burst_linger_s)
+        while batch is not None:
+            calls, size, carry = [batch], batch.ByteSize(), None
+            while size < BATCH_BYTES:
+                # the flusher enqueues one pass's batches a kind at a time: gather them into one call
+                nxt = self._next_to_send(epoch, PUSH_GATHER_S)
+                if nxt is None:
+                    break
+                if size + nxt.ByteSize() > BATCH_BYTES:
+                    carry = nxt
+                    break
+                calls.append(nxt)
+                size += nxt.ByteSize()
+            reply = push(calls)
+            self._asked(float(getattr(reply, "ship_interval_s", 0.0) or 0.0))
+            yield from reply.acks
+            end = push_end(reply)
+            if end is not None:  # taken up to here, then refused or cut short: as a stream that ends so
+                raise end
+            batch = carry if carry is not None else self._next_to_send(epoch, self.burst_linger_s)
+
+    @property
+    def ship_interval_s(self) -> float:
+        """Seconds between shipments now: flush_interval_s, or the shorter interval the receiver
+        asks for while someone watches the run (Ingest.Push replies; 0 = none asked)."""
+        asked = self._asked_interval_s
+        return min(asked, self.flush_interval_s) if asked > 0 else self.flush_interval_s
+
+    @property
+    def asked_interval_s(self) -> float:
+        """The receiver's latest freshness request (0: none); a relay passes it on to its hooks."""
+        return self._asked_interval_s
+
+    def _asked(self, interval_s: float) -> None:
+        if interval_s != self._asked_interval_s and interval_s >= 0:
+            self._asked_interval_s = interval_s
+            self._wake.set()  # the flusher may be asleep for a whole (longer) interval
+
     def _wait_for_work(self) -> bool:
         """Sender between bursts: True once a batch waits (between bursts every unacked batch is
         one to send), False when stopping."""
@@ -544,7 +593,8 @@ class Shipper:
                 clean = False
                 acks = None
                 try:
-                    acks = self._transport.stream(self._requests(epoch))
+                    push = getattr(self._transport, "push", None) if self._use_push else None
+                    acks = self._pushes(epoch, push) if push is not None else self._transport.stream(self._requests(epoch))
                     for ack in acks:
                         if not self.stats_.connected:
                             self.stats_.connected = True
@@ -555,6 +605,9 @@ class Shipper:
                     self.stats_.last_error = str(e)
                     self._on_rejected(e)
                     backoff = 0.05
+                except Unsupported as e:  # an older receiver: stream from now on (what it had, resent)
+                    log.info("tracetop: %s; streaming instead", e)
+                    self._use_push = False
                 except Exception as e:  # Disconnected, or a transport's own failure: resend on the next
                     self.stats_.connected = False
                     self.stats_.last_error = str(e)

@@ -115,6 +115,33 @@ class Ack(_message.Message):
     seq: int
     def __init__(self, source_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
 
+class PushRequest(_message.Message):
+    __slots__ = ("batches",)
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    batches: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, batches: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("acks", "ship_interval_s", "end_code", "end_message", "end_metadata")
+    class EndMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    SHIP_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    END_CODE_FIELD_NUMBER: _ClassVar[int]
+    END_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    END_METADATA_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[Ack]
+    ship_interval_s: float
+    end_code: str
+    end_message: str
+    end_metadata: _containers.ScalarMap[str, str]
+    def __init__(self, acks: _Optional[_Iterable[_Union[Ack, _Mapping]]] = ..., ship_interval_s: _Optional[float] = ..., end_code: _Optional[str] = ..., end_message: _Optional[str] = ..., end_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
 class ClockRequest(_message.Message):
     __slots__ = ("client_send_ns",)
     CLIENT_SEND_NS_FIELD_NUMBER: _ClassVar[int]

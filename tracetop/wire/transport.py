@@ -54,6 +54,10 @@ class Rejected(TransportError):
         self.seq = seq
 
 
+class Unsupported(TransportError):
+    """The receiver lacks the call asked for (Ingest.Push on an older collector)."""
+
+
 class Disconnected(TransportError):
     """The stream broke or never opened (receiver unreachable, gone, shutting down, full)."""
 
@@ -140,22 +144,49 @@ class GrpcTransport:
         try:
             yield from call
         except self._grpc.RpcError as e:
-            grpc = self._grpc
-            code = e.code() if hasattr(e, "code") else None
-            detail = (e.details() if hasattr(e, "details") else str(e)) or ""
-            if code == grpc.StatusCode.INVALID_ARGUMENT:
-                md = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
-                fault = md.get("tracetop-fault") or (detail.split(":", 1)[0][:40] if detail else "invalid")
-                source, seq = md.get("tracetop-rejected-source"), md.get("tracetop-rejected-seq")
-                raise Rejected(fault, detail, source, int(seq) if seq is not None else None) from e
-            raise Disconnected(f"{code}: {detail}") from e
+            raise self._error(e) from e
         finally:
             call.cancel()
+
+    def push(self, batches: Sequence[pb.ColumnBatch]) -> Any:
+        """``Ingest.Push``: the batches in one unary call; the reply (``.acks``, and
+        ``.ship_interval_s``, the receiver's freshness request) once they are committed. A receiver
+        without Push raises Unsupported (the shipper then streams)."""
+        stub = self.open()
+        request = pb.PushRequest(batches=[b.SerializeToString() for b in batches])
+        try:
+            return stub.Push(request, metadata=self.call_metadata)
+        except self._grpc.RpcError as e:
+            if e.code() == self._grpc.StatusCode.UNIMPLEMENTED:
+                raise Unsupported(f"{self.endpoint} has no Ingest.Push (an older collector)") from e
+            raise self._error(e) from e
+
+    def _error(self, e: Any) -> TransportError:
+        code = e.code() if hasattr(e, "code") else None
+        detail = (e.details() if hasattr(e, "details") else str(e)) or ""
+        md = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+        return status_error(code.name if code is not None else "", detail, md, str(code))
 
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
             self._channel = self._stub = None
+
+
+def status_error(code: str, detail: str, metadata: dict, shown: str | None = None) -> TransportError:
+    """The error a stream or push ended with (its gRPC code's name, details, trailing metadata):
+    Rejected for a refused batch (INVALID_ARGUMENT naming it), else Disconnected (resend)."""
+    if code == "INVALID_ARGUMENT":
+        fault = metadata.get("tracetop-fault") or (detail.split(":", 1)[0][:40] if detail else "invalid")
+        source, seq = metadata.get("tracetop-rejected-source"), metadata.get("tracetop-rejected-seq")
+        return Rejected(fault, detail, source, int(seq) if seq is not None else None)
+    return Disconnected(f"{shown or 'StatusCode.' + code}: {detail}")
+
+
+def push_end(reply: Any) -> TransportError | None:
+    """What a PushReply's end fields say: None when every batch was taken."""
+    code = getattr(reply, "end_code", "")
+    return status_error(code, reply.end_message, dict(reply.end_metadata)) if code else None
 
 
 class SendTransport:
