@@ -1,9 +1,9 @@
 """The per-step views materialized beside the rows (schema version of migration `_v10`).
 
 `step_ranks` aggregated 5*10^7 collective and 3*10^7 pipe_instr rows per (run, step, rank) on every
-read, and `stragglers`, `grad_sync`, `bubble_budget`, `step_throughput`, `lost_time` (and through
-them `run_scaling`, `scaling_efficiency`, `loss_spikes`) read it: 17 to 228 s at 10^8 rows.
-Each of the six is a function of one step's rows (it partitions by run and step), plus per-run
+read, and `stragglers`, `grad_sync`, `bubble_budget`, `step_throughput` (and through them
+`run_scaling`, `scaling_efficiency`, `loss_spikes`, `lost_time`) read it: 17 to 228 s at 10^8 rows.
+Each of the five is a function of one step's rows (it partitions by run and step), plus per-run
 inputs from `run_start`. So each has a table `<view>_m` with exactly the view's columns, holding
 the rows of the *materialized* steps, and:
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 #: the input tables whose rows past a watermark make steps live
 INPUTS = ("step", "collective", "pipe_instr", "run_start")
 #: materialized views, in dependency order (step_ranks first)
-VIEWS = ("step_ranks", "stragglers", "grad_sync", "bubble_budget", "step_throughput", "lost_time")
+VIEWS = ("step_ranks", "stragglers", "grad_sync", "bubble_budget", "step_throughput")
 #: steps of this many step rows at most are recomputed in one statement (bounded memory)
 CHUNK_ROWS = 1_000_000
 
@@ -91,8 +91,7 @@ def step_ranks_sql(keys: str | None = None, lo: int | None = None, hi: int | Non
         LEFT JOIN i ON i.run_id = s.run_id AND i.step = s.step AND i.rank = s.rank"""
 
 
-def stragglers_sql(sr: str = "step_ranks", keys: str | None = None, lo: int | None = None,
-                   hi: int | None = None) -> str:
+def stragglers_sql(sr: str = "step_ranks") -> str:
     """_v5's stragglers SELECT over the step_ranks relation `sr`."""
     return f"""WITH g AS (
             SELECT run_id, step, stage, rank, compute_ms, wait_ms,
@@ -129,8 +128,7 @@ def stragglers_sql(sr: str = "step_ranks", keys: str | None = None, lo: int | No
               FROM o)"""
 
 
-def grad_sync_sql(sr: str = "step_ranks", keys: str | None = None, lo: int | None = None,
-                  hi: int | None = None) -> str:
+def grad_sync_sql(sr: str = "step_ranks") -> str:
     """_v5's grad_sync SELECT over `sr`."""
     return f"""SELECT run_id, step, count(*) AS ranks,
                quantile_cont(grad_sync_ms, 0.5) AS grad_sync_ms_p50, quantile_cont(grad_sync_ms, 0.99) AS grad_sync_ms_p99,
@@ -139,8 +137,7 @@ def grad_sync_sql(sr: str = "step_ranks", keys: str | None = None, lo: int | Non
         FROM {sr} GROUP BY run_id, step"""
 
 
-def bubble_budget_sql(sr: str = "step_ranks", keys: str | None = None, lo: int | None = None,
-                      hi: int | None = None) -> str:
+def bubble_budget_sql(sr: str = "step_ranks") -> str:
     """_v5's bubble_budget SELECT over `sr`."""
     return f"""WITH b AS (
             SELECT *, max(best_p2p_bytes_per_ns) OVER (PARTITION BY run_id, step) AS best
@@ -161,8 +158,7 @@ def bubble_budget_sql(sr: str = "step_ranks", keys: str | None = None, lo: int |
         FROM s WINDOW w AS (PARTITION BY run_id, step)"""
 
 
-def step_throughput_sql(sr: str = "step_ranks", keys: str | None = None, lo: int | None = None,
-                        hi: int | None = None) -> str:
+def step_throughput_sql(sr: str = "step_ranks") -> str:
     """_v5's step_throughput SELECT over `sr`."""
     return f"""SELECT sr.run_id, sr.step,
                median(sr.tokens / ((sr.step_ms) / 1e3)) FILTER (WHERE sr.tokens >= 0 AND sr.step_ms > 0)
@@ -170,29 +166,14 @@ def step_throughput_sql(sr: str = "step_ranks", keys: str | None = None, lo: int
         FROM {sr} sr JOIN runs r ON r.run_id = sr.run_id GROUP BY sr.run_id, sr.step"""
 
 
-def lost_time_sql(sr: str = "step_ranks", keys: str | None = None, lo: int | None = None,
-                  hi: int | None = None) -> str:
-    """_v8's lost_time SELECT (tracetop/lost_sql.py's text, built-in baseline) over `sr`, its
-    `step` rows restricted as step_ranks' are."""
-    from tracetop.lost_sql import lost_time_sql as text
-
-    out = text()
-    for old, new in (("FROM step_ranks )", f"FROM {sr} )"),
-                     ("micro_batches FROM step )", f"micro_batches FROM {_rows('step', keys, lo, hi)} )")):
-        assert out.count(old) == 1, f"lost_sql's text changed: {old!r}"  # it is _v8's: it never does
-        out = out.replace(old, new)
-    return out
-
-
-#: the views read from step_ranks: (its relation, the keys and step range its rows are restricted to)
 DERIVED = {"stragglers": stragglers_sql, "grad_sync": grad_sync_sql, "bubble_budget": bubble_budget_sql,
-           "step_throughput": step_throughput_sql, "lost_time": lost_time_sql}
+           "step_throughput": step_throughput_sql}
 
 
 def original_sql(view: str, keys: str | None = None) -> str:
     """The view's original SELECT over the raw rows (restricted to relation `keys` when given)."""
     sr = f"({step_ranks_sql(keys)})"
-    return step_ranks_sql(keys) if view == "step_ranks" else DERIVED[view](sr, keys)
+    return step_ranks_sql(keys) if view == "step_ranks" else DERIVED[view](sr)
 
 
 def _mark(table: str, prefix: str = "") -> str:
@@ -289,7 +270,7 @@ def advance_in(con, *, final: bool = False) -> int:
             con.execute(f"CREATE OR REPLACE TEMP TABLE _tt_sr AS {step_ranks_sql(keys, lo, hi)}")
             con.execute("INSERT INTO step_ranks_m SELECT * FROM _tt_sr")
             for v, sql in DERIVED.items():
-                con.execute(f"INSERT INTO {v}_m SELECT * FROM ({sql('_tt_sr', keys, lo, hi)})")
+                con.execute(f"INSERT INTO {v}_m SELECT * FROM ({sql('_tt_sr')})")
         con.execute("DROP TABLE _tt_sr")
     con.execute("DELETE FROM views_pending")
     con.execute("INSERT INTO views_pending SELECT run_id, step FROM _tt_touched t WHERE NOT EXISTS "

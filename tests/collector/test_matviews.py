@@ -25,6 +25,7 @@ from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import decode_batch, encode_batch
 
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
+KEYS = {"step_ranks": 3, "stragglers": 4, "grad_sync": 2, "bubble_budget": 3, "step_throughput": 2}
 
 
 def reference(con) -> duckdb.DuckDBPyConnection:
