@@ -267,3 +267,26 @@ def test_two_files_give_the_original_views(tmp_path) -> None:
     finally:
         ref.close()
         many.close()
+
+
+def test_a_late_run_start_row_makes_its_run_live(tmp_path) -> None:
+    """A run_start row past its watermark (a rank's stage changed after its steps were
+    materialized) puts every step of its run in the live set: the views follow the new stage at
+    once, and again after the next roll re-materializes them."""
+    path = tmp_path / "fx.duckdb"
+    shutil.copy(FIXTURE, path)
+    con = open_store(str(path))
+    try:
+        run, rank, stage = con.execute("SELECT run_id, rank, stage FROM run_start ORDER BY rank LIMIT 1").fetchone()
+        before = con.execute("SELECT count(*) FROM step_ranks WHERE rank = ? AND stage = ?", [rank, stage + 7]).fetchall()
+        con.execute("INSERT INTO run_start (run_id, rank, step, stage, world_size, pp, dp) VALUES (?, ?, -1, ?, 4, 2, 2)",
+                    [run, rank, stage + 7]).fetchall()
+        assert matviews.pending_rows(con) == 1
+        after = con.execute("SELECT count(*) FROM step_ranks WHERE rank = ? AND stage = ?", [rank, stage + 7]).fetchall()
+        assert before[0][0] == 0 and after[0][0] > 0  # max(stage) per rank: the new row wins
+        check_views(con, reference(con))
+        assert matviews.advance(con) > 0  # every step of the run recomputed
+        assert matviews.pending_rows(con) == 0
+        check_views(con, reference(con))
+    finally:
+        con.close()
