@@ -37,6 +37,9 @@ from __future__ import annotations
 INPUTS = ("step", "collective", "pipe_instr", "run_start")
 #: materialized views, in dependency order (step_ranks first)
 VIEWS = ("step_ranks", "stragglers", "grad_sync", "bubble_budget", "step_throughput")
+#: a step is materialized, complete or not, once its run has rows this many steps later (a rank that
+#: died never completes its steps; rows arriving later still make the step live again)
+SETTLE_STEPS = 16
 #: steps of this many step rows at most are recomputed in one statement (bounded memory)
 CHUNK_ROWS = 1_000_000
 
@@ -247,7 +250,7 @@ def advance_in(con, *, final: bool = False) -> int:
         con.execute("CREATE OR REPLACE TEMP TABLE _tt_done AS SELECT * FROM _tt_touched")
     else:
         # complete: each of the run's started ranks has its step row (a run with no run_start rows:
-        # every step with a step row)
+        # every step with a step row), or the run has rows SETTLE_STEPS steps later
         lo, hi = con.execute("SELECT min(step), max(step) FROM _tt_touched").fetchone()
         rng = f"AND s.step BETWEEN {int(lo)} AND {int(hi)}" if lo is not None else ""
         con.execute(f"""CREATE OR REPLACE TEMP TABLE _tt_done AS
@@ -256,8 +259,13 @@ def advance_in(con, *, final: bool = False) -> int:
                          AND (NOT EXISTS (SELECT 1 FROM run_start r WHERE r.run_id = s.run_id)
                               OR EXISTS (SELECT 1 FROM run_start r WHERE r.run_id = s.run_id AND r.rank = s.rank))
                        GROUP BY ALL),
-                 r AS (SELECT run_id, count(DISTINCT rank) AS started FROM run_start GROUP BY run_id)
-            SELECT n.run_id, n.step FROM n LEFT JOIN r ON r.run_id = n.run_id WHERE n.ranks >= coalesce(r.started, 0)""")
+                 r AS (SELECT run_id, count(DISTINCT rank) AS started FROM run_start GROUP BY run_id),
+                 newest AS (SELECT run_id, max(step) AS step FROM _tt_touched GROUP BY run_id)
+            SELECT t.run_id, t.step FROM _tt_touched t
+            LEFT JOIN n ON n.run_id = t.run_id AND n.step = t.step
+            LEFT JOIN r ON r.run_id = t.run_id
+            LEFT JOIN newest ON newest.run_id = t.run_id
+            WHERE n.ranks >= coalesce(r.started, 0) OR t.step + {SETTLE_STEPS} <= newest.step""")
     steps = [s for (s,) in con.execute("SELECT DISTINCT step FROM _tt_done ORDER BY 1").fetchall()]
     if steps:
         per_step = con.execute("SELECT coalesce(max(ranks_started), 1) FROM runs").fetchone()[0]

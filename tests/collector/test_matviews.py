@@ -290,3 +290,26 @@ def test_a_late_run_start_row_makes_its_run_live(tmp_path) -> None:
         check_views(con, reference(con))
     finally:
         con.close()
+
+
+def test_a_rank_that_stops_leaves_steps_pending_only_until_they_settle(tmp_path) -> None:
+    """Rank 3 sends no step rows after step 1 (it died): its run's steps never complete, so each
+    is materialized once the run has rows SETTLE_STEPS steps later; the views stay exact."""
+    con = open_store(str(tmp_path / "d.duckdb"))
+    try:
+        con.execute("INSERT INTO run_start (run_id, rank, step, stage, world_size, pp, dp) "
+                    "SELECT 'run-d', i, -1, i % 2, 4, 2, 2 FROM range(4) r(i)").fetchall()
+        last = matviews.SETTLE_STEPS + 9
+        con.execute("INSERT INTO step (run_id, rank, step, start_ns, duration_ns, compute_ns, comm_exposed_ns, tokens) "
+                    f"SELECT 'run-d', i % 4, i // 4, i, 1000000 + i * 997, 500000 + i * 13, i, 100 "
+                    f"FROM range(4 * ({last} + 1)) r(i) WHERE i % 4 < 3 OR i // 4 <= 1").fetchall()
+        con.execute("INSERT INTO collective (run_id, rank, step, start_ns, duration_ns, op, role, group_size, bytes) "
+                    f"SELECT 'run-d', i % 4, i // 8, i, 10000 + i, 'all_reduce', 'dp', 2, 4096 "
+                    f"FROM range(8 * ({last} + 1)) r(i)").fetchall()
+        matviews.advance(con)
+        pending = sorted(s for (s,) in con.execute("SELECT step FROM views_pending").fetchall())
+        assert pending == list(range(last - matviews.SETTLE_STEPS + 1, last + 1))
+        assert con.execute("SELECT count(DISTINCT step) FROM step_ranks_m").fetchall()[0][0] == last + 1 - len(pending)
+        check_views(con, reference(con))
+    finally:
+        con.close()
