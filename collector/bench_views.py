@@ -5,8 +5,9 @@ The file is made by DuckDB itself (`INSERT ... SELECT FROM range(n)`, no Python 
 `collector.schema.open_store`, so it has this version's tables and views. Rows are split as a
 pipeline run's file splits them: 50% collective, 30% pipe_instr, 10% step, 5% memory, 4.9%
 offload, the rest gap; one run, `--ranks` ranks (PP 4 stages), steps filling the step share; the
-rollups the writer keeps (collector/rollup.py) are filled from those rows in the same transaction
-(as a closed collector leaves them: no tail past the watermark).
+rollups the writer keeps (collector/rollup.py) and the materialized per-step views
+(collector/matviews.py) are filled from those rows in the same transaction (as a closed collector
+leaves them: no tail past the watermarks).
 `--file` times an existing file as it is (an older schema keeps its older views: migrate a copy
 with `open_store` first to time this version's).
 Each view is then computed whole (every column of every row hashed as one struct, so nothing is
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def generate(path: str, rows: int, ranks: int, memory_limit_gb: float = 4.0) -> dict[str, int]:
     """Write a collector file of about `rows` event rows; return rows per table."""
-    from collector import rollup
+    from collector import matviews, rollup
     from collector.schema import connect, migrate
 
     con = connect(path)
@@ -103,6 +104,7 @@ def generate(path: str, rows: int, ranks: int, memory_limit_gb: float = 4.0) -> 
                 SELECT 'bench', i % {ranks}, -1, {t0} + i, 0, 'collective', 10, 'queue_full', 'rank-' || (i % {ranks})
                 FROM range({n['gap']}) r(i)""")
         rollup.rebuild(con)  # what the collector's writer rolls up as the rows come
+        matviews.rebuild(con)  # and materializes, step by step
         con.execute("COMMIT")
         con.execute("CHECKPOINT")
     finally:

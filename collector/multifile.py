@@ -10,7 +10,8 @@ leave `step_summary` reading one file's `step`. Instead:
    `collective_hist` are made per file (collector/rollup.py: a file older than the rollups gets
    them from its rows);
 3. each view is recreated as a TEMP view from its stored SQL (the definition of the file with
-   the newest schema), so its unqualified names now resolve to the unions of step 2;
+   the newest schema), so its unqualified names now resolve to the unions of step 2; the
+   materialized per-step views (collector/matviews.py) from their original SQL over the rows;
 4. then external access is switched off and the configuration locked, as for one file: no
    further ATTACH, no file reads, no COPY. The SQL gate (collector.readonly) runs as usual.
 
@@ -72,7 +73,7 @@ def connect_many(paths: list[str]):
         hist = _hist_views(tables)
         for sql in hist.values():
             con.execute(sql)
-        _create_views(con, {n: sql for n, (_, sql) in views.items() if n not in tables and n not in hist})
+        _create_views(con, {n: _original(n, sql) for n, (_, sql) in views.items() if n not in tables and n not in hist})
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except Exception:
@@ -101,6 +102,17 @@ def _hist_views(tables: dict[str, list[str]]) -> dict[str, str]:
         if parts:
             out[view] = f"CREATE TEMP VIEW {_ident(view)} AS " + " UNION ALL BY NAME ".join(parts)
     return out
+
+
+def _original(name: str, sql: str) -> str:
+    """A materialized view (collector/matviews.py: its `_m` rows and watermarks are per file, by
+    rowid) over several files is its original SQL over the unions of the raw rows."""
+    from collector import matviews
+
+    if name not in matviews.VIEWS:
+        return sql
+    body = matviews.step_ranks_sql() if name == "step_ranks" else matviews.DERIVED[name]("step_ranks")
+    return f"CREATE VIEW {_ident(name)} AS {body}"
 
 
 def _literal(text: str) -> str:

@@ -412,10 +412,29 @@ def _v9() -> list[str]:
     return rollup.migration()
 
 
+def _v10() -> list[str]:
+    """step_ranks, stragglers, grad_sync, bubble_budget and step_throughput read tables of their
+    rows per materialized step, beside the rows (collector/matviews.py), and their original SQL for
+    the steps with rows past the watermarks (the live set): always the original definition over the
+    stored rows. Every stored step is materialized here."""
+    from collector import matviews
+
+    return matviews.migration()
+
+
+def _v10_post(con) -> None:
+    from collector import matviews
+
+    matviews.rebuild(con)
+
+
+_v10.post = _v10_post  # type: ignore[attr-defined]  # run by migrate() after _v10's statements
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10]
 STORE_VERSION = len(MIGRATIONS)
 
 
@@ -467,6 +486,9 @@ def migrate(con, path: str = "") -> tuple[int, int]:
         for version in range(found, STORE_VERSION):
             for stmt in MIGRATIONS[version]():
                 con.execute(stmt)
+            post = getattr(MIGRATIONS[version], "post", None)  # a migration's step that needs Python
+            if post is not None:
+                post(con)
             con.execute(
                 "INSERT INTO schema_meta VALUES (?, CAST(epoch_ns(now()) AS BIGINT))", [version + 1]
             )

@@ -10,6 +10,8 @@ commit runs, so commits grow with it (group commit), which is what makes ingest 
 Once `rollup.ROLL_EVERY_ROWS` step or collective rows are past their rollup's watermark, a second
 thread (`tracetop-rollup`, its own cursor and transactions) rolls them up for the views
 (collector/rollup.py), so commits never wait for it; the writer rolls up the rest when it closes.
+The same thread materializes the per-step views (collector/matviews.py) once ROLL_EVERY_ROWS rows of
+their inputs are past their watermarks, and everything pending at close.
 
 Exactly once: a batch with seq <= its source's high-water mark (committed, or accepted earlier in
 the same group) is a duplicate: acked, not stored. Seqs may skip; hwm becomes the batch's seq.
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from collector import rollup
+from collector import matviews, rollup
 from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import DecodedBatch
 
@@ -148,6 +150,8 @@ class Writer:
         # rows of each rolled-up kind committed past its rollup's watermark (a hint: the watermark
         # in the file is the truth)
         self._unrolled: dict[str, int] = {t: rollup.tail_rows(con, t) for t in rollup.TABLES}
+        # rows past the materialized views' watermarks, and pending steps (collector/matviews.py)
+        self._unrolled["views"] = matviews.pending_rows(con)
         self._roll_lock = threading.Lock()
         self._roll_wanted = threading.Event()
         self._roll_stop = False
@@ -283,6 +287,8 @@ class Writer:
                 table = rollup.for_kind(kind)
                 if table:
                     self._unrolled[table] += n
+                if table_name(kind) in matviews.INPUTS:
+                    self._unrolled["views"] += n
             if max(self._unrolled.values()) > rollup.ROLL_EVERY_ROWS:
                 self._roll_wanted.set()
         return stats
@@ -301,14 +307,17 @@ class Writer:
     def _roll_up(self, con, at_least: int) -> None:
         """Roll up each kind with more than `at_least` rows past its watermark. A failure leaves
         them in the tail, which the views read from the rows."""
-        for table in rollup.TABLES:
+        for table in (*rollup.TABLES, "views"):
             with self._roll_lock:
                 n = self._unrolled[table]
-                if n <= at_least:
+                if n <= at_least and not (table == "views" and at_least == 0):  # close: pending steps too
                     continue
                 self._unrolled[table] = 0
             try:
-                rollup.advance(con, table)
+                if table == "views":  # at close (at_least 0) pending steps are materialized too
+                    matviews.advance(con, final=at_least == 0)
+                else:
+                    rollup.advance(con, table)
             except Exception:
                 log.exception("collector: rolling up %s failed", table)
                 with self._roll_lock:

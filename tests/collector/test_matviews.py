@@ -1,0 +1,315 @@
+"""The materialized per-step views (migration _v10, collector/matviews.py) against the original
+definitions: a separate in-memory database built by migrations 1-9 only (the views as they were
+before _v10, over the raw rows) is filled with the file's raw event rows, and every materialized
+view must give the same rows (order-insensitive, floats to a relative 1e-9). Through the real
+writer and its roll thread (small ROLL_EVERY_ROWS), with a rank's step rows arriving after its
+collectives, late rows for an already materialized step, a file with a tail (read while the
+writer runs), after a clean close, on the migrated committed fixture, and over two files."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+
+import duckdb
+import numpy as np
+import pytest
+
+from collector import matviews, rollup
+from collector.multifile import connect_many
+from collector.schema import MIGRATIONS, open_store
+from collector.writer import Pending, StreamSink, Writer, batch_to_arrow
+from tests.helpers import ROOT
+from tracetop.events import SCHEMAS, Kind, table_name
+from tracetop.wire.codec import decode_batch, encode_batch
+
+FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
+KEYS = {"step_ranks": 3, "stragglers": 4, "grad_sync": 2, "bubble_budget": 3, "step_throughput": 2}
+
+
+def reference(con) -> duckdb.DuckDBPyConnection:
+    """A fresh database at schema 9 (the views' original definitions) holding `con`'s raw rows."""
+    con.execute("SELECT 1").fetchall()  # finish the connection's last result before con.sql
+    ref = duckdb.connect(":memory:")
+    ref.execute("CREATE TABLE schema_meta (version INTEGER NOT NULL, applied_ns BIGINT NOT NULL)")
+    for mig in MIGRATIONS[:9]:
+        for stmt in mig():
+            ref.execute(stmt)
+    for kind in Kind:
+        t = table_name(kind)
+        rows = con.sql(f"SELECT * FROM {t}").to_arrow_table()
+        ref.register("_rows", rows)
+        ref.execute(f"INSERT INTO {t} BY NAME SELECT * FROM _rows")
+        ref.unregister("_rows")
+    return ref
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        if math.isnan(a) or math.isnan(b):
+            return math.isnan(a) and math.isnan(b)
+        if math.isinf(a) or math.isinf(b):
+            return a == b
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return a == b
+
+
+def check_views(con, ref, views=matviews.VIEWS) -> None:
+    """Every view in `views` holds the reference's rows (sorted by all columns, floats to 1e-9)."""
+    for v in views:
+        got = con.execute(f"SELECT * FROM {v} ORDER BY ALL").fetchall()
+        want = ref.execute(f"SELECT * FROM {v} ORDER BY ALL").fetchall()
+        assert len(got) == len(want), f"{v}: {len(got)} rows, the original SQL gives {len(want)}"
+        for g, w in zip(got, want):
+            assert len(g) == len(w) and all(_same(x, y) for x, y in zip(g, w)), f"{v}: {g} != {w}"
+
+
+def _batch(kind: Kind, cols: dict, seq: int, run_id: str = "run-m"):
+    n = len(next(iter(cols.values())))
+    full = {}
+    for c in SCHEMAS[kind]:
+        full[c.name] = cols.get(c.name, [""] * n if c.dtype == "str" else np.zeros(n))
+    return encode_batch(kind, full, source_id="mat", seq=seq, run_id=run_id)
+
+
+RANKS, STAGES = 4, 2
+
+
+def _run_start(seq: int):
+    r = np.arange(RANKS)
+    return _batch(Kind.RUN_START, {"rank": r, "step": np.full(RANKS, -1), "world_size": np.full(RANKS, RANKS),
+                                   "tp": np.ones(RANKS), "pp": np.full(RANKS, STAGES), "dp": np.full(RANKS, 2),
+                                   "stage": r % STAGES, "micro_batches": np.full(RANKS, 4),
+                                   "hostname": [f"node{i // 2}" for i in r]}, seq)
+
+
+def _coll(rng, step: int, ranks, seq: int, n_each: int = 6):
+    ranks = np.repeat(np.asarray(ranks), n_each)
+    n = len(ranks)
+    k = rng.integers(0, 4, n)
+    return _batch(Kind.COLLECTIVE, {
+        "rank": ranks, "step": np.full(n, step), "start_ns": np.arange(n) + step * 10**9,
+        "duration_ns": rng.integers(10_000, 5_000_000, n),
+        "op": [("all_reduce", "all_gather_into_tensor", "send", "recv")[i] for i in k],
+        "role": [("dp", "tp", "p2p:pp", "p2p:pp")[i] for i in k], "group_size": np.where(k >= 2, 2, 2),
+        "bytes": rng.choice([4, 4096, 1 << 20], n), "peer": np.full(n, -1), "dtype": ["bfloat16"] * n}, seq)
+
+
+def _pipe(rng, step: int, ranks, seq: int):
+    ranks = np.asarray(ranks)
+    n = len(ranks) * 2
+    return _batch(Kind.PIPE_INSTR, {
+        "rank": np.repeat(ranks, 2), "step": np.full(n, step), "duration_ns": rng.integers(1000, 3_000_000, n),
+        "stage": np.repeat(ranks, 2) % STAGES, "instr": ["ReduceGrads", "ForwardPass"] * len(ranks)}, seq)
+
+
+def _steps(rng, step: int, ranks, seq: int):
+    ranks = np.asarray(ranks)
+    n = len(ranks)
+    return _batch(Kind.STEP, {
+        "rank": ranks, "step": np.full(n, step), "start_ns": step * 10**9 + ranks,
+        "duration_ns": rng.integers(50_000_000, 90_000_000, n), "forward_ns": rng.integers(1_000_000, 9_000_000, n),
+        "backward_ns": rng.integers(1_000_000, 9_000_000, n), "optimizer_ns": rng.integers(0, 1_000_000, n),
+        "comm_exposed_ns": rng.integers(0, 9_000_000, n), "compute_ns": rng.integers(20_000_000, 40_000_000, n),
+        "tokens": np.full(n, 4096), "samples": np.full(n, 8), "loss": rng.random(n) + 1, "micro_batches": np.full(n, 4)},
+        seq)
+
+
+class _Sink(StreamSink):
+    def deliver(self, item) -> None:
+        pass
+
+
+def _state(cur) -> dict:
+    return dict(cur.execute("SELECT table_name, rows_upto FROM views_state").fetchall())
+
+
+def _rolled(con, writer, seq: int, timeout_s: float = 60.0) -> None:
+    """Wait until batch `seq` is committed and the roll thread has taken every committed row (the
+    caller's last batch holds more than ROLL_EVERY_ROWS rows, so a roll starts after its commit)."""
+    deadline = time.monotonic() + timeout_s
+    while writer.hwm.get("mat", 0) < seq and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert writer.hwm.get("mat", 0) >= seq
+    cur = con.cursor()
+    try:
+        while time.monotonic() < deadline:
+            counts = {t: cur.execute(f"SELECT coalesce(max(rowid) + 1, 0) FROM {t}").fetchone()[0] for t in matviews.INPUTS}
+            st = _state(cur)
+            if all(st.get(t, 0) >= counts[t] for t in matviews.INPUTS):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"the roll thread did not take the rows: {st} < {counts}")
+    finally:
+        cur.close()
+
+
+def test_writer_materializes_exactly_with_late_rows_and_a_tail(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(rollup, "ROLL_EVERY_ROWS", 40)
+    rng = np.random.default_rng(11)
+    con = open_store(str(tmp_path / "m.duckdb"))
+    writer = Writer(con, flush_rows=50, flush_interval_s=0.02)
+    writer.start()
+    sink = _Sink()
+    seq = 0
+
+    def send(b) -> None:
+        nonlocal seq
+        writer.submit(Pending(sink, decode_batch(b), batch_to_arrow(decode_batch(b))))
+
+    try:
+        seq += 1
+        send(_run_start(seq))
+        for step in range(8):  # rank 3's step row comes two steps after its collectives
+            for make in (_coll, _pipe):
+                seq += 1
+                send(make(rng, step, range(RANKS), seq))
+            seq += 1
+            send(_steps(rng, step, [0, 1, 2], seq))
+            if step >= 2:
+                seq += 1
+                send(_steps(rng, step - 2, [3], seq))
+        seq += 1
+        send(_coll(rng, 7, range(RANKS), seq, n_each=12))  # 48 rows > ROLL_EVERY_ROWS: a roll after it
+        _rolled(con, writer, seq)
+        cur = con.cursor()
+        done = {s for (s,) in cur.execute("SELECT DISTINCT step FROM step_ranks_m").fetchall()}
+        pending = {s for (s,) in cur.execute("SELECT step FROM views_pending").fetchall()}
+        assert done == set(range(6)) and pending == {6, 7}  # 6, 7 lack rank 3's step row
+        check_views(cur, reference(cur))  # pending steps: the original SQL over their rows
+
+        # late rows for materialized step 2 (a collective of rank 0), committed, not rolled: a tail
+        monkeypatch.setattr(rollup, "ROLL_EVERY_ROWS", 10**9)
+        seq += 1
+        send(_coll(rng, 2, [0], seq, n_each=3))
+        seq += 1
+        send(_steps(rng, 6, [3], seq))
+        deadline = time.monotonic() + 60
+        while writer.hwm.get("mat", 0) < seq and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert matviews.pending_rows(cur) > 0  # rows past the watermarks: the views read them live
+        ref = reference(cur)
+        check_views(cur, ref)
+        # the planted error: a materialized row changed, outside the live set, fails the comparison
+        cur.execute("UPDATE step_ranks_m SET wait_ms = wait_ms + 1 WHERE step = 4 AND rank = 1").fetchall()
+        with pytest.raises(AssertionError, match="step_ranks"):
+            check_views(cur, ref, ("step_ranks",))
+        cur.execute("UPDATE step_ranks_m SET wait_ms = wait_ms - 1 WHERE step = 4 AND rank = 1").fetchall()
+        check_views(cur, ref)
+        cur.close()
+
+        monkeypatch.setattr(rollup, "ROLL_EVERY_ROWS", 40)
+        seq += 1
+        send(_coll(rng, 7, range(RANKS), seq, n_each=12))
+        _rolled(con, writer, seq)  # step 2 recomputed with its late rows, step 6 now complete
+        cur = con.cursor()
+        assert {s for (s,) in cur.execute("SELECT step FROM views_pending").fetchall()} == {7}
+        check_views(cur, reference(cur))
+        cur.close()
+    finally:
+        writer.close()
+    # a clean close materializes the pending step: an empty live set, the same views
+    assert matviews.pending_rows(con) == 0
+    assert con.execute("SELECT count(DISTINCT step) FROM step_ranks_m").fetchone()[0] == 8
+    check_views(con, reference(con))
+    con.close()
+
+
+def test_migrated_fixture_gives_the_original_views(tmp_path) -> None:
+    """The committed fixture (schema 7, a real 4-rank run) migrated to 10: every step
+    materialized, none live, and every view the original SQL's rows; a planted error fails."""
+    path = tmp_path / "fx.duckdb"
+    shutil.copy(FIXTURE, path)
+    con = open_store(str(path))
+    try:
+        assert matviews.pending_rows(con) == 0
+        steps = con.execute("SELECT count(DISTINCT step) FROM step WHERE step >= 0").fetchone()[0]
+        assert con.execute("SELECT count(DISTINCT step) FROM step_ranks_m").fetchone()[0] == steps > 0
+        ref = reference(con)
+        check_views(con, ref)
+        con.execute("UPDATE grad_sync_m SET grad_sync_ms_p50 = grad_sync_ms_p50 * (1 + 1e-6) WHERE step = 3").fetchall()
+        with pytest.raises(AssertionError, match="grad_sync"):
+            check_views(con, ref, ("grad_sync",))
+    finally:
+        con.close()
+
+
+def test_two_files_give_the_original_views(tmp_path) -> None:
+    """`tracetop query A B`: the views over a migrated fixture and a file with rows past its
+    watermarks are the original SQL over both files' rows."""
+    a = tmp_path / "a.duckdb"
+    shutil.copy(FIXTURE, a)
+    open_store(str(a)).close()
+    b = tmp_path / "b.duckdb"
+    con = open_store(str(b))
+    con.execute("INSERT INTO step (run_id, rank, step, start_ns, duration_ns, compute_ns, comm_exposed_ns, tokens) "
+                "SELECT 'run-b', i % 2, i // 2, i, 1000000 + i * 1000, 500000 + i, 10 * i, 100 FROM range(20) r(i)")
+    con.execute("INSERT INTO collective (run_id, rank, step, start_ns, duration_ns, op, role, group_size, bytes) "
+                "SELECT 'run-b', i % 2, i // 4, i, 10000 + i, 'all_reduce', 'dp', 2, 4096 FROM range(40) r(i)")
+    assert matviews.pending_rows(con) > 0
+    con.close()
+    many = connect_many([str(a), str(b)])
+    ref = duckdb.connect(":memory:")
+    try:
+        ref.execute("CREATE TABLE schema_meta (version INTEGER NOT NULL, applied_ns BIGINT NOT NULL)")
+        for mig in MIGRATIONS[:9]:
+            for stmt in mig():
+                ref.execute(stmt)
+        for kind in Kind:
+            t = table_name(kind)
+            ref.register("_rows", many.sql(f"SELECT * FROM {t}").to_arrow_table())
+            ref.execute(f"INSERT INTO {t} BY NAME SELECT * FROM _rows")
+            ref.unregister("_rows")
+        check_views(many, ref)
+        runs = {r for (r,) in many.execute("SELECT DISTINCT run_id FROM step_ranks").fetchall()}
+        assert runs == {"fixture-straggler", "run-b"}
+    finally:
+        ref.close()
+        many.close()
+
+
+def test_a_late_run_start_row_makes_its_run_live(tmp_path) -> None:
+    """A run_start row past its watermark (a rank's stage changed after its steps were
+    materialized) puts every step of its run in the live set: the views follow the new stage at
+    once, and again after the next roll re-materializes them."""
+    path = tmp_path / "fx.duckdb"
+    shutil.copy(FIXTURE, path)
+    con = open_store(str(path))
+    try:
+        run, rank, stage = con.execute("SELECT run_id, rank, stage FROM run_start ORDER BY rank LIMIT 1").fetchone()
+        before = con.execute("SELECT count(*) FROM step_ranks WHERE rank = ? AND stage = ?", [rank, stage + 7]).fetchall()
+        con.execute("INSERT INTO run_start (run_id, rank, step, stage, world_size, pp, dp) VALUES (?, ?, -1, ?, 4, 2, 2)",
+                    [run, rank, stage + 7]).fetchall()
+        assert matviews.pending_rows(con) == 1
+        after = con.execute("SELECT count(*) FROM step_ranks WHERE rank = ? AND stage = ?", [rank, stage + 7]).fetchall()
+        assert before[0][0] == 0 and after[0][0] > 0  # max(stage) per rank: the new row wins
+        check_views(con, reference(con))
+        assert matviews.advance(con) > 0  # every step of the run recomputed
+        assert matviews.pending_rows(con) == 0
+        check_views(con, reference(con))
+    finally:
+        con.close()
+
+
+def test_a_rank_that_stops_leaves_steps_pending_only_until_they_settle(tmp_path) -> None:
+    """Rank 3 sends no step rows after step 1 (it died): its run's steps never complete, so each
+    is materialized once the run has rows SETTLE_STEPS steps later; the views stay exact."""
+    con = open_store(str(tmp_path / "d.duckdb"))
+    try:
+        con.execute("INSERT INTO run_start (run_id, rank, step, stage, world_size, pp, dp) "
+                    "SELECT 'run-d', i, -1, i % 2, 4, 2, 2 FROM range(4) r(i)").fetchall()
+        last = matviews.SETTLE_STEPS + 9
+        con.execute("INSERT INTO step (run_id, rank, step, start_ns, duration_ns, compute_ns, comm_exposed_ns, tokens) "
+                    f"SELECT 'run-d', i % 4, i // 4, i, 1000000 + i * 997, 500000 + i * 13, i, 100 "
+                    f"FROM range(4 * ({last} + 1)) r(i) WHERE i % 4 < 3 OR i // 4 <= 1").fetchall()
+        con.execute("INSERT INTO collective (run_id, rank, step, start_ns, duration_ns, op, role, group_size, bytes) "
+                    f"SELECT 'run-d', i % 4, i // 8, i, 10000 + i, 'all_reduce', 'dp', 2, 4096 "
+                    f"FROM range(8 * ({last} + 1)) r(i)").fetchall()
+        matviews.advance(con)
+        pending = sorted(s for (s,) in con.execute("SELECT step FROM views_pending").fetchall())
+        assert pending == list(range(last - matviews.SETTLE_STEPS + 1, last + 1))
+        assert con.execute("SELECT count(DISTINCT step) FROM step_ranks_m").fetchall()[0][0] == last + 1 - len(pending)
+        check_views(con, reference(con))
+    finally:
+        con.close()
