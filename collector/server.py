@@ -104,6 +104,11 @@ class _AioSink(StreamSink):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+#: A Watch's request for a run keeps that run's shipments fresh this long (its retries while the
+#: run is unknown, or a TUI reconnecting, keep it so).
+WATCH_GRACE_S = 10.0
+
+
 def _end_status(end: StreamEnd) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]] | None:
     """The status a stream (or push) ends with: a refused batch, a shutdown, a failed commit."""
     if end.fault:
@@ -127,6 +132,7 @@ class CollectorService:
         #: the shipment interval Push replies ask for while a run is watched (0: never ask)
         self.fresh_ship_s = fresh_ship_s
         self._watching: dict[int, str] = {}  # Watch stream -> the run it shows now
+        self._asked_for: dict[str, float] = {}  # run -> when a Watch last asked for it (monotonic), known or not
         self.query_timeout_s = query_timeout_s
         self.writer = writer
         self.metrics = metrics
@@ -242,8 +248,12 @@ class CollectorService:
 
     def ship_interval_for(self, runs: set[str]) -> float:
         """What a Push reply asks of shippers of `runs`: fresh_ship_s while one of them is watched."""
-        watched = self._watching.values()
-        return self.fresh_ship_s if self.fresh_ship_s > 0 and any(r in watched for r in runs) else 0.0
+        if self.fresh_ship_s <= 0:
+            return 0.0
+        watched, recent = self._watching.values(), time.monotonic() - WATCH_GRACE_S
+        # a Watch that asked for a run not started yet retries: its run counts for a while
+        fresh = any(r in watched or self._asked_for.get(r, -1e18) > recent for r in runs)
+        return self.fresh_ship_s if fresh else 0.0
 
     # ---- Ingest.Clock ---------------------------------------------------------------------
     async def clock(self, request: pb.ClockRequest, context) -> pb.ClockReply:
@@ -300,6 +310,11 @@ class CollectorService:
             with lock:
                 return fn(cur, *args, **kw)
 
+        if request.run_id:
+            self._asked_for[request.run_id] = time.monotonic()
+            if len(self._asked_for) > 1024:  # a bound: the oldest asks go
+                for old in sorted(self._asked_for, key=self._asked_for.__getitem__)[:512]:
+                    del self._asked_for[old]
         try:
             run_id = request.run_id
             state = snap.Cursor(run_id)
@@ -416,7 +431,7 @@ async def start(
     max_batch_mb: float = 64,
     metrics_port: int | None = None,
     flush_rows: int = 10_000,
-    flush_interval_s: float = 0.5,
+    flush_interval_s: float = 0.25,
     max_query_rows: int = readonly.DEFAULT_MAX_ROWS,
     query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S,
     auth: ServerAuth | None = None,

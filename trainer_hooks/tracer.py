@@ -328,6 +328,9 @@ class Tracer:
         if wrap_collectives:
             self._wrapped = self._install_collectives()
         self._stop = threading.Event()
+        self._rewake = threading.Event()  # the emitter's sleep, cut short by close() or a new interval
+        if self._drain_follows_shipper and hasattr(self.shipper, "on_interval_change"):
+            self.shipper.on_interval_change(self._rewake.set)
         self._emitter = threading.Thread(target=self._run_emitter, name="tracetop-emitter", daemon=True)
         self._emitter.start()
 
@@ -470,6 +473,7 @@ class Tracer:
             ddp.uninstall(self)
             self._commands.close()
             self._stop.set()
+            self._rewake.set()
             self._emitter.join(timeout=max(2.0, self.close_timeout_s))
             self._heartbeat(closed=True)  # the clean close: collector/source_ends.py watches for it
         except Exception as e:
@@ -686,13 +690,20 @@ class Tracer:
             due = max(0.0, min(next_hb, next_drain) - time.monotonic())
             return min(0.05, due) if self._cuda is not None else due
 
-        while not self._stop.wait(wait()):
+        last_drain = time.monotonic()
+        while True:
+            if self._rewake.wait(wait()):
+                self._rewake.clear()
+                # a new interval (the collector asks for fresh rows while the run is watched)
+                next_drain = min(next_drain, last_drain + self._drain_every())
+            if self._stop.is_set():
+                break
             try:
                 if self._cuda is not None:
                     self._resolve_deferred()
                 now = time.monotonic()
                 if now >= next_drain or now >= next_hb:
-                    next_drain = now + self._drain_every()
+                    last_drain, next_drain = now, now + self._drain_every()
                     drained = self._drain()
                     beat = now >= next_hb
                     if beat:

@@ -3,7 +3,10 @@
 A real collector process; --ranks simulated ranks in --sources shipper processes (each the
 shipper the hooks use, configured as the hooks configure it: one shipment every --flush-s,
 default TRACETOP_FLUSH_S or the hooks' default, 65,536 rows a shipment); every --step-s each
-process records one STEP row per rank with the step's real end time (start_ns + duration_ns).
+process makes one STEP row per rank with the step's real end time (start_ns + duration_ns), and
+hands its rows to the shipper as the hooks' emitter does: on its own timer, every
+`Shipper.ship_interval_s` (the flush interval, or the shorter one the collector asks for while the
+run is watched: TRACETOP_FRESH_SHIP_S), then ships at once.
 A Watch client (the TUI's CollectorSource, at the TUI's default 0.5 s) notes when each step
 first shows as the snapshot's complete step. Latency = that arrival time − the step's last rank's
 end, p50/p99 over the steps (wall clocks of one machine, so no offset).
@@ -60,6 +63,28 @@ def _source(endpoint: str, run_id: str, lo: int, hi: int, world: int, steps: int
               dp=np.full(n, world, "<i4"), stage=zeros4, model_name=["sim"] * n,
               hostname=[f"node{r // 8:05d}" for r in range(lo, hi)])
     sh.record_many(Kind.RUN_START, rs)
+    sh.ship_soon()
+    held: list = []  # the emitter's buffer: step rows wait here for the next drain
+    lock = threading.Lock()
+    done, rewake = threading.Event(), threading.Event()
+    sh.on_interval_change(rewake.set)
+
+    def emitter() -> None:  # trainer_hooks.tracer.Tracer._run_emitter's timing, on this process's rows
+        last = time.monotonic()
+        while not done.is_set():
+            if rewake.wait(max(0.0, last + sh.ship_interval_s - time.monotonic())):
+                rewake.clear()  # a new interval: drain on its schedule (maybe now)
+                continue
+            last = time.monotonic()
+            with lock:
+                parts, held[:] = list(held), []
+            for cols in parts:
+                sh.record_many(Kind.STEP, cols)
+            if parts:
+                sh.ship_soon()
+
+    drain = threading.Thread(target=emitter, daemon=True)
+    drain.start()
     while time.time() < start_at:
         time.sleep(0.005)
     for step in range(steps):
@@ -73,7 +98,14 @@ def _source(endpoint: str, run_id: str, lo: int, hi: int, world: int, steps: int
         dur = np.full(n, int(step_s * 1e9), "<i8")
         cols.update(rank=ranks, step=np.full(n, step, "<i8"), start_ns=np.full(n, end_ns, "<i8") - dur,
                     duration_ns=dur, compute_ns=dur // 2, forward_ns=dur // 6, backward_ns=dur // 3)
-        sh.record_many(Kind.STEP, cols)
+        with lock:
+            held.append(cols)
+    done.set()
+    rewake.set()
+    drain.join()
+    with lock:
+        for cols in held:
+            sh.record_many(Kind.STEP, cols)
     sh.flush(timeout_s=60)
     sh.close()
 

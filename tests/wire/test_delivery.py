@@ -263,3 +263,59 @@ def test_a_watched_run_ships_at_the_interval_the_collector_asks(tmp_path: Path) 
         s.close()
     finally:
         assert c.stop() == 0
+
+
+def test_real_hooks_drain_at_the_interval_a_watched_run_asks(tmp_path: Path) -> None:
+    """The hooks' rows wait in the tracer, not in the shipper: the emitter follows the interval the
+    collector asks for while the run is watched, so a step ends visible long before the hooks'
+    own 60 s (TRACETOP_FLUSH_S here) would have shipped it; nobody watching, it stays put."""
+    import threading
+
+    from trainer_hooks.tracer import Tracer
+    from tui.sources import CollectorSource
+
+    c = start_collector(tmp_path, extra_args=["--flush-interval-s", "0.05", "--fresh-ship-s", "0.2"])
+    try:
+        src = CollectorSource(c.addr, "hooks-watched")
+        src.open()
+        stop = threading.Event()
+
+        def watch() -> None:  # retries while the run is unknown, as the TUI does
+            while not stop.is_set():
+                try:
+                    for _ in src.watch(0.2, stop):
+                        pass
+                except Exception:
+                    time.sleep(0.2)
+
+        watching = threading.Thread(target=watch, daemon=True)
+        watching.start()
+        t = Tracer(endpoint=c.addr, run_id="hooks-watched", rank=0, world_size=1, wrap_collectives=False,
+                   flush_interval_s=120, heartbeat_s=120)
+        try:
+            deadline = time.monotonic() + 60  # half the hooks' own intervals: only the asked one meets it
+            step = 0
+            while t.shipper.ship_interval_s != 0.2:  # a push's reply carries the request
+                with t.step(step):
+                    time.sleep(0.01)
+                step += 1
+                t.shipper.ship_soon()  # only these first pushes are forced; the steps below are not
+                assert time.monotonic() < deadline, "the hooks never took the watched run's interval"
+                time.sleep(0.1)
+            target = step + 3
+            while step < target:
+                with t.step(step):
+                    time.sleep(0.01)
+                step += 1
+            seen = None
+            while seen is None or seen < target - 1:
+                seen = src.sql("SELECT max(step) AS s FROM step WHERE run_id = 'hooks-watched'").column("s")[0].as_py()
+                assert time.monotonic() < deadline, f"step {target - 1} waited for the hooks' 60 s interval"
+                time.sleep(0.1)
+        finally:
+            stop.set()
+            watching.join(30)
+            src.close()
+            t.close()
+    finally:
+        assert c.stop() == 0

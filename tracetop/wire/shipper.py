@@ -170,6 +170,7 @@ class Shipper:
         self.burst_linger_s = burst_linger_s
         self._use_push = True  # Ingest.Push where the transport has it, until the receiver lacks it
         self._asked_interval_s = 0.0  # the receiver's freshness request (ship_interval_s)
+        self._interval_listeners: list[Callable[[], None]] = []
 
         # --- producer side: guarded by _lock, held only for append / swap ---
         self._lock = threading.Lock()
@@ -557,10 +558,20 @@ class Shipper:
         """The receiver's latest freshness request (0: none); a relay passes it on to its hooks."""
         return self._asked_interval_s
 
+    def on_interval_change(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (from the sender thread; it must not block) whenever ship_interval_s
+        changes: a producer that buffers rows itself (the hooks' emitter) wakes to follow it."""
+        self._interval_listeners.append(fn)
+
     def _asked(self, interval_s: float) -> None:
         if interval_s != self._asked_interval_s and interval_s >= 0:
             self._asked_interval_s = interval_s
             self._wake.set()  # the flusher may be asleep for a whole (longer) interval
+            for fn in self._interval_listeners:
+                try:
+                    fn()
+                except Exception as e:  # a listener never stops the sender
+                    self._warn_once("interval-listener", f"tracetop: interval listener failed: {e!r}")
 
     def _wait_for_work(self) -> bool:
         """Sender between bursts: True once a batch waits (between bursts every unacked batch is
