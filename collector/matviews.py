@@ -2,8 +2,8 @@
 
 `step_ranks` aggregated 5*10^7 collective and 3*10^7 pipe_instr rows per (run, step, rank) on every
 read, and `stragglers`, `grad_sync`, `bubble_budget`, `step_throughput` (and through them
-`run_scaling`, `scaling_efficiency`, `loss_spikes`, `lost_time`) read it: 17 to 228 s at 10^8 rows.
-Each of the five is a function of one step's rows (it partitions by run and step), plus per-run
+`run_scaling`, `scaling_efficiency`, `loss_spikes`) and `lost_time` (which also reads `step`) read
+it: 17 to 228 s at 10^8 rows. Each of the six is a function of one step's rows (it partitions by run and step), plus per-run
 inputs from `run_start`. So each has a table `<view>_m` with exactly the view's columns, holding
 the rows of the *materialized* steps, and:
 

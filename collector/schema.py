@@ -413,7 +413,8 @@ def _v9() -> list[str]:
 
 
 def _v10() -> list[str]:
-    """step_ranks, stragglers, grad_sync, bubble_budget and step_throughput read tables of their
+    """step_ranks, stragglers, grad_sync, bubble_budget, step_throughput and lost_time (now
+    tracetop/lost_sql.py's text: one step row per (run, step, rank), linear in repeats) read tables of their
     rows per materialized step, beside the rows (collector/matviews.py), and their original SQL for
     the steps with rows past the watermarks (the live set): always the original definition over the
     stored rows. Every stored step is materialized here."""

@@ -5,8 +5,15 @@ One text, three users: collector/schema.py's migration 8 creates the view from `
 tracetop/snapshot.py (the TUI's "lost in the last 10 min" line) and `tracetop report` run the same
 text bounded to one run and a range of steps, over the view `step_ranks` of schema 5, so they work
 on files written before schema 8 too. It lives here because
-tracetop/ may not import the collector. It is schema 8's view: a change here is a new migration
-(`CREATE OR REPLACE VIEW lost_time ...`), with this text copied into the old one.
+tracetop/ may not import the collector. Schema 10 (collector/matviews.py) materializes it per step
+over `step_ranks` and the step rows of the steps it recomputes (`lost_time_over`). A change here is
+a new migration (`CREATE OR REPLACE VIEW lost_time ...`), with this text copied into the old one,
+as schema 8's is (`_SQL_V8`).
+
+A (run, step, rank) with several step rows (a job re-run from a checkpoint under the same run id
+re-runs its steps) counts the row that ended last: schema 8's text joined each rank's step rows
+with one another (k repeats: k^3 rows for the rank, a collector's close on such a file took
+minutes); this one is linear in them, and equal to it when no step row repeats.
 
 Columns (one row per run, step and rank; GPU-ms = ms x GPUs):
 run_id, step, rank, stage, node, gpus (the run's GPUs: world size, or the ranks reporting),
