@@ -2,8 +2,8 @@
 
 `step_ranks` aggregated 5*10^7 collective and 3*10^7 pipe_instr rows per (run, step, rank) on every
 read, and `stragglers`, `grad_sync`, `bubble_budget`, `step_throughput` (and through them
-`run_scaling`, `scaling_efficiency`, `loss_spikes`, `lost_time`) read it: 17 to 228 s at 10^8 rows.
-Each of the five is a function of one step's rows (it partitions by run and step), plus per-run
+`run_scaling`, `scaling_efficiency`, `loss_spikes`) and `lost_time` (which also reads `step`) read
+it: 17 to 228 s at 10^8 rows. Each of the six is a function of one step's rows (it partitions by run and step), plus per-run
 inputs from `run_start`. So each has a table `<view>_m` with exactly the view's columns, holding
 the rows of the *materialized* steps, and:
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 #: the input tables whose rows past a watermark make steps live
 INPUTS = ("step", "collective", "pipe_instr", "run_start")
 #: materialized views, in dependency order (step_ranks first)
-VIEWS = ("step_ranks", "stragglers", "grad_sync", "bubble_budget", "step_throughput")
+VIEWS = ("step_ranks", "stragglers", "grad_sync", "bubble_budget", "step_throughput", "lost_time")
 #: a step is materialized, complete or not, once its run has rows this many steps later (a rank that
 #: died never completes its steps; rows arriving later still make the step live again)
 SETTLE_STEPS = 16
@@ -169,14 +169,31 @@ def step_throughput_sql(sr: str = "step_ranks") -> str:
         FROM {sr} sr JOIN runs r ON r.run_id = sr.run_id GROUP BY sr.run_id, sr.step"""
 
 
+def lost_time_sql(sr: str = "step_ranks", keys: str | None = None, lo: int | None = None,
+                  hi: int | None = None) -> str:
+    """tracetop/lost_sql.py's lost_time SELECT (built-in baseline) over `sr`, its `step` rows
+    restricted as step_ranks' are (keys, steps lo..hi). It reads one step row per (run, step, rank),
+    so a step's cost is linear in its rows however often a step row repeats."""
+    from tracetop.lost_sql import lost_time_over
+
+    return lost_time_over(sr, _rows("step", keys, lo, hi))
+
+
 DERIVED = {"stragglers": stragglers_sql, "grad_sync": grad_sync_sql, "bubble_budget": bubble_budget_sql,
            "step_throughput": step_throughput_sql}
+#: the derived views that also read the raw `step` rows: (sr, keys, lo, hi)
+WITH_STEP = {"lost_time": lost_time_sql}
+
+
+def derived_sql(view: str, sr: str, keys: str | None = None, lo: int | None = None, hi: int | None = None) -> str:
+    """A derived view's SELECT over the step_ranks relation `sr` (and the step rows of keys lo..hi)."""
+    return WITH_STEP[view](sr, keys, lo, hi) if view in WITH_STEP else DERIVED[view](sr)
 
 
 def original_sql(view: str, keys: str | None = None) -> str:
     """The view's original SELECT over the raw rows (restricted to relation `keys` when given)."""
     sr = f"({step_ranks_sql(keys)})"
-    return step_ranks_sql(keys) if view == "step_ranks" else DERIVED[view](sr)
+    return step_ranks_sql(keys) if view == "step_ranks" else derived_sql(view, sr, keys)
 
 
 def _mark(table: str, prefix: str = "") -> str:
@@ -277,8 +294,8 @@ def advance_in(con, *, final: bool = False) -> int:
                             f"(SELECT 1 FROM {keys} k WHERE k.run_id = m.run_id AND k.step = m.step)")
             con.execute(f"CREATE OR REPLACE TEMP TABLE _tt_sr AS {step_ranks_sql(keys, lo, hi)}")
             con.execute("INSERT INTO step_ranks_m SELECT * FROM _tt_sr")
-            for v, sql in DERIVED.items():
-                con.execute(f"INSERT INTO {v}_m SELECT * FROM ({sql('_tt_sr')})")
+            for v in VIEWS[1:]:
+                con.execute(f"INSERT INTO {v}_m SELECT * FROM ({derived_sql(v, '_tt_sr', keys, lo, hi)})")
         con.execute("DROP TABLE _tt_sr")
     con.execute("DELETE FROM views_pending")
     con.execute("INSERT INTO views_pending SELECT run_id, step FROM _tt_touched t WHERE NOT EXISTS "

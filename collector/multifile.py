@@ -111,7 +111,7 @@ def _original(name: str, sql: str) -> str:
 
     if name not in matviews.VIEWS:
         return sql
-    body = matviews.step_ranks_sql() if name == "step_ranks" else matviews.DERIVED[name]("step_ranks")
+    body = matviews.step_ranks_sql() if name == "step_ranks" else matviews.derived_sql(name, "step_ranks")
     return f"CREATE VIEW {_ident(name)} AS {body}"
 
 

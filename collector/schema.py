@@ -398,9 +398,9 @@ def _v8() -> list[str]:
     lost to a straggler, data loading, pipeline waiting above the 1F1B ideal and exposed
     communication above the built-in 30% baseline (collector/live/lost.py states the definition;
     tracetop/lost_sql.py holds the text, which the TUI and the report also run)."""
-    from tracetop.lost_sql import lost_time_sql
+    from tracetop.lost_sql import lost_time_sql_v8  # this text, frozen (lost_time_sql() is _v10's)
 
-    return [f"CREATE VIEW lost_time AS {lost_time_sql()}"]
+    return [f"CREATE VIEW lost_time AS {lost_time_sql_v8()}"]
 
 
 def _v9() -> list[str]:
@@ -413,7 +413,8 @@ def _v9() -> list[str]:
 
 
 def _v10() -> list[str]:
-    """step_ranks, stragglers, grad_sync, bubble_budget and step_throughput read tables of their
+    """step_ranks, stragglers, grad_sync, bubble_budget, step_throughput and lost_time (now
+    tracetop/lost_sql.py's text: one step row per (run, step, rank), linear in repeats) read tables of their
     rows per materialized step, beside the rows (collector/matviews.py), and their original SQL for
     the steps with rows past the watermarks (the live set): always the original definition over the
     stored rows. Every stored step is materialized here."""

@@ -22,20 +22,30 @@ from collector.schema import MIGRATIONS, open_store
 from collector.writer import Pending, StreamSink, Writer, batch_to_arrow
 from tests.helpers import ROOT
 from tracetop.events import SCHEMAS, Kind, table_name
+from tracetop.lost_sql import lost_time_sql, lost_time_sql_v8
 from tracetop.wire.codec import decode_batch, encode_batch
 
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
 KEYS = {"step_ranks": 3, "stragglers": 4, "grad_sync": 2, "bubble_budget": 3, "step_throughput": 2}
 
 
-def reference(con) -> duckdb.DuckDBPyConnection:
-    """A fresh database at schema 9 (the views' original definitions) holding `con`'s raw rows."""
-    con.execute("SELECT 1").fetchall()  # finish the connection's last result before con.sql
+def original_db() -> duckdb.DuckDBPyConnection:
+    """An empty in-memory database at schema 9 (the views' original definitions over the raw rows),
+    its lost_time being tracetop/lost_sql.py's text (schema 8's text, frozen in _v8, crossed every
+    repeat of a (run, step, rank) step row with every other)."""
     ref = duckdb.connect(":memory:")
     ref.execute("CREATE TABLE schema_meta (version INTEGER NOT NULL, applied_ns BIGINT NOT NULL)")
     for mig in MIGRATIONS[:9]:
         for stmt in mig():
             ref.execute(stmt)
+    ref.execute(f"CREATE OR REPLACE VIEW lost_time AS {lost_time_sql()}")
+    return ref
+
+
+def reference(con) -> duckdb.DuckDBPyConnection:
+    """A fresh database at schema 9 (the views' original definitions) holding `con`'s raw rows."""
+    con.execute("SELECT 1").fetchall()  # finish the connection's last result before con.sql
+    ref = original_db()
     for kind in Kind:
         t = table_name(kind)
         rows = con.sql(f"SELECT * FROM {t}").to_arrow_table()
@@ -231,6 +241,10 @@ def test_migrated_fixture_gives_the_original_views(tmp_path) -> None:
         con.execute("UPDATE grad_sync_m SET grad_sync_ms_p50 = grad_sync_ms_p50 * (1 + 1e-6) WHERE step = 3").fetchall()
         with pytest.raises(AssertionError, match="grad_sync"):
             check_views(con, ref, ("grad_sync",))
+        assert con.execute("SELECT count(*) FROM lost_time_m WHERE lost_gpu_ms > 0").fetchone()[0] > 0
+        con.execute("UPDATE lost_time_m SET lost_gpu_ms = lost_gpu_ms * (1 + 1e-6) WHERE lost_gpu_ms > 0").fetchall()
+        with pytest.raises(AssertionError, match="lost_time"):
+            check_views(con, ref, ("lost_time",))
     finally:
         con.close()
 
@@ -250,12 +264,8 @@ def test_two_files_give_the_original_views(tmp_path) -> None:
     assert matviews.pending_rows(con) > 0
     con.close()
     many = connect_many([str(a), str(b)])
-    ref = duckdb.connect(":memory:")
+    ref = original_db()
     try:
-        ref.execute("CREATE TABLE schema_meta (version INTEGER NOT NULL, applied_ns BIGINT NOT NULL)")
-        for mig in MIGRATIONS[:9]:
-            for stmt in mig():
-                ref.execute(stmt)
         for kind in Kind:
             t = table_name(kind)
             ref.register("_rows", many.sql(f"SELECT * FROM {t}").to_arrow_table())
@@ -311,5 +321,48 @@ def test_a_rank_that_stops_leaves_steps_pending_only_until_they_settle(tmp_path)
         assert pending == list(range(last - matviews.SETTLE_STEPS + 1, last + 1))
         assert con.execute("SELECT count(DISTINCT step) FROM step_ranks_m").fetchall()[0][0] == last + 1 - len(pending)
         check_views(con, reference(con))
+    finally:
+        con.close()
+
+
+def test_repeated_step_rows_give_one_lost_time_row_per_rank_exactly(tmp_path) -> None:
+    """A (run, step, rank) with REPEAT step rows (a job re-run from a checkpoint under the same run
+    id; tests/collector/util writes 62): lost_time keeps the one that ended last, one row per
+    (run, step, rank) where schema 8's text gave REPEAT^3, and the materialized view equals
+    lost_sql's text over the raw rows, live and after a roll; a planted error fails."""
+    repeat, ranks, steps = 7, 4, 3
+    con = open_store(str(tmp_path / "r.duckdb"))
+    try:
+        con.execute("INSERT INTO run_start (run_id, rank, step, stage, world_size, pp, dp, micro_batches, hostname) "
+                    f"SELECT 'run-r', i, -1, i % 2, {ranks}, 2, 2, 4, 'n' || (i // 2) FROM range({ranks}) r(i)").fetchall()
+        # attempt a (0..repeat-1) of (step, rank): start and length differ per attempt, so which one counts matters
+        con.execute("INSERT INTO step (run_id, rank, step, start_ns, duration_ns, compute_ns, forward_ns, backward_ns, "
+                    "comm_exposed_ns, data_wait_ns, micro_batches, tokens) "
+                    "SELECT 'run-r', r, s, s * 10000000000 + ((a * 7919) % " + str(repeat) + ") * 1000000000 + r, "
+                    "60000000 + ((a * 31 + r * 17 + s) % 11) * 1000000, 30000000 + ((a * 13 + r * 7) % 5) * 4000000, "
+                    "5000000 + r * 100000, 6000000, (a * 3 + r) * 1000000, ((a + r) % 3) * 2000000, 4, 4096 "
+                    f"FROM range({repeat}) x(a), range({ranks}) y(r), range({steps}) z(s)").fetchall()
+        con.execute("INSERT INTO collective (run_id, rank, step, start_ns, duration_ns, op, role, group_size, bytes) "
+                    f"SELECT 'run-r', i % {ranks}, i // {4 * ranks} % {steps}, i, 10000 + i * 37, "
+                    "CASE WHEN i % 2 = 0 THEN 'all_reduce' ELSE 'send' END, CASE WHEN i % 2 = 0 THEN 'dp' ELSE 'p2p:pp' END, "
+                    f"2, 1048576 FROM range({4 * ranks * steps}) r(i)").fetchall()
+        keys = ranks * steps
+        assert matviews.pending_rows(con) > 0
+        check_views(con, reference(con))  # all live: the original SQL over the rows
+        matviews.advance(con, final=True)
+        assert matviews.pending_rows(con) == 0
+        assert con.execute("SELECT count(*) FROM lost_time_m").fetchone()[0] == keys
+        ref = reference(con)
+        check_views(con, ref)
+        # the counted row is each key's last-ending step row (its end and its length)
+        got = con.execute("SELECT run_id, step, rank, end_ns, step_ms FROM lost_time ORDER BY ALL").fetchall()
+        want = con.execute("SELECT run_id, step, rank, arg_max(start_ns + duration_ns, start_ns + duration_ns), "
+                           "arg_max(duration_ns, start_ns + duration_ns) / 1e6 FROM step GROUP BY ALL ORDER BY ALL").fetchall()
+        assert got == want and len(got) == keys
+        # schema 8's text crossed the repeats: REPEAT^3 rows a key (why the close took minutes)
+        assert ref.execute(f"SELECT count(*) FROM ({lost_time_sql_v8()})").fetchone()[0] == keys * repeat**3
+        con.execute("UPDATE lost_time_m SET end_ns = end_ns + 1 WHERE rank = 1 AND step = 2").fetchall()
+        with pytest.raises(AssertionError, match="lost_time"):
+            check_views(con, ref, ("lost_time",))
     finally:
         con.close()
