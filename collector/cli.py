@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap DuckDB's memory for the file (ingest and queries together; default DuckDB's, "
                         "80%% of RAM); a query needing more is refused, the collector lives on")
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
-    parser.add_argument("--flush-interval-s", type=float, default=0.25,
-                        help="...or once the oldest waited this long (default 0.25: a watched step shows within ~2 s)")
+    parser.add_argument("--flush-interval-s", type=float, default=0.5,
+                        help="...or once the oldest waited this long (default 0.5)")
     parser.add_argument("--fresh-ship-s", type=float, default=None, metavar="S",
                         help="while a TUI (Query.Watch) shows a run, ask its ranks to ship every S seconds instead "
                         f"of their own TRACETOP_FLUSH_S (default ${env.TRACETOP_FRESH_SHIP_S} or "

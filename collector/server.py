@@ -431,7 +431,7 @@ async def start(
     max_batch_mb: float = 64,
     metrics_port: int | None = None,
     flush_rows: int = 10_000,
-    flush_interval_s: float = 0.25,
+    flush_interval_s: float = 0.5,
     max_query_rows: int = readonly.DEFAULT_MAX_ROWS,
     query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S,
     auth: ServerAuth | None = None,

@@ -544,7 +544,14 @@ class Shipper:
             end = push_end(reply)
             if end is not None:  # taken up to here, then refused or cut short: as a stream that ends so
                 raise end
+            if carry is None and not self._small_backlog():
+                return  # a backlog built up meanwhile: the next burst streams it
             batch = carry if carry is not None else self._next_to_send(epoch, self.burst_linger_s)
+
+    def _small_backlog(self) -> bool:
+        """Whether what waits to be acked fits one push (BATCH_BYTES)."""
+        with self._cv:
+            return self._outbox.unacked_bytes <= BATCH_BYTES
 
     @property
     def ship_interval_s(self) -> float:
@@ -604,7 +611,9 @@ class Shipper:
                 clean = False
                 acks = None
                 try:
-                    push = getattr(self._transport, "push", None) if self._use_push else None
+                    # a push waits for its commit before the next can go: fine for a burst, not for a
+                    # backlog, which a stream pipelines (its acks come while it sends)
+                    push = getattr(self._transport, "push", None) if self._use_push and self._small_backlog() else None
                     acks = self._pushes(epoch, push) if push is not None else self._transport.stream(self._requests(epoch))
                     for ack in acks:
                         if not self.stats_.connected:
