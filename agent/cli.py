@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
     import threading
 
     from agent.daemon import Agent, AgentConfig
-    from agent.relay import RelayListenError
     from tracetop import env
+    from tracetop.errors import ListenError
 
     logging.basicConfig(
         level=getattr(logging, str(args.log_level).upper(), logging.WARNING), format="%(name)s: %(message)s"
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     agent = Agent(cfg, nvml_backend=backend)
     try:
         agent.start()
-    except (RelayListenError, OSError) as e:
+    except (ListenError, OSError) as e:
         print(f"tracetop agent: {e}", file=sys.stderr)
         agent.stop(0.1)
         return 1

@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from tracetop.errors import TracetopError
+
 log = logging.getLogger("tracetop.agent.nvml")
 
 #: Error class names (pynvml's) that mean "this GPU/driver does not have that": expected, quiet.
@@ -26,7 +28,7 @@ _UNSUPPORTED = ("NVMLError_NotSupported", "NVMLError_FunctionNotFound", "NVMLErr
 _VALUE_MEMBER = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
-class NVMLUnavailable(RuntimeError):
+class NVMLUnavailable(TracetopError, RuntimeError):
     """NVML could not be started (no library, no driver, no GPU). str() ends with a HINT."""
 
     def __init__(self, reason: str, hint: str) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 
+from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.codec import Rejection, parse_batch, receive
 
@@ -49,10 +50,6 @@ class _End:
     code: grpc.StatusCode
     message: str
     metadata: tuple[tuple[str, str], ...] = ()
-
-
-class RelayListenError(RuntimeError):
-    pass
 
 
 
@@ -80,7 +77,7 @@ def _prepare_unix_socket(path: str) -> None:
         return
     finally:
         s.close()
-    raise RelayListenError(
+    raise ListenError(
         f"another process is already listening on {path}; stop it or pass another --listen"
     )
 
@@ -178,15 +175,15 @@ class Relay:
             else:
                 host = addr.rpartition(":")[0]
                 if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
-                    raise RelayListenError(
+                    raise ListenError(
                         f"relay address {addr!r}: the relay listens on a unix socket or loopback only"
                     )
             try:
                 port = server.add_insecure_port(addr)
             except RuntimeError as e:
-                raise RelayListenError(f"cannot listen on {addr}: {e}") from e
+                raise ListenError(f"cannot listen on {addr}: {e}") from e
             if port == 0 and path is None:
-                raise RelayListenError(f"cannot listen on {addr} (address in use?)")
+                raise ListenError(f"cannot listen on {addr} (address in use?)")
             self.ports[addr] = port
         server.start()
         self.server = server

@@ -171,10 +171,10 @@ def step_throughput_sql(sr: str = "step_ranks") -> str:
 
 def lost_time_sql(sr: str = "step_ranks", keys: str | None = None, lo: int | None = None,
                   hi: int | None = None) -> str:
-    """tracetop/lost_sql.py's lost_time SELECT (built-in baseline) over `sr`, its `step` rows
+    """collector/query/lost_sql.py's lost_time SELECT (built-in baseline) over `sr`, its `step` rows
     restricted as step_ranks' are (keys, steps lo..hi). It reads one step row per (run, step, rank),
     so a step's cost is linear in its rows however often a step row repeats."""
-    from tracetop.lost_sql import lost_time_over
+    from collector.query.lost_sql import lost_time_over
 
     return lost_time_over(sr, _rows("step", keys, lo, hi))
 

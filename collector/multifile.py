@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import re
 
+from tracetop.errors import TracetopError
+
 _CREATE_VIEW = re.compile(r"^\s*CREATE\s+(OR\s+REPLACE\s+)?VIEW\s+", re.IGNORECASE)
 
 
-class MultiFileError(RuntimeError):
+class MultiFileError(TracetopError, RuntimeError):
     """A file cannot be attached (missing, not a tracetop file, held by a writer)."""
 
 

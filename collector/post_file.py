@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 
+from tracetop.errors import TracetopError
 
-class PostFileError(RuntimeError):
+
+class PostFileError(TracetopError, RuntimeError):
     """The file or the run cannot be used; the message says why and what there is (exit 2)."""
 
 

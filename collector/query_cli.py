@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         return _via_collector(env.collector(addr or None), positional[0], args)
     if len(positional) < 2:
         return _usage('give a FILE and the SQL: tracetop query FILE [FILE ...] "SQL" (or --collector ADDR "SQL")')
-    return _on_file(positional[:-1], positional[-1], args)
+    return on_file(positional[:-1], positional[-1], args)
 
 
 def _usage(msg: str) -> int:
@@ -59,7 +59,7 @@ def _usage(msg: str) -> int:
     return EXIT_REFUSED
 
 
-def _on_file(paths: list[str], sql: str, args: argparse.Namespace) -> int:
+def on_file(paths: list[str], sql: str, args: argparse.Namespace) -> int:
     import os
 
     import duckdb

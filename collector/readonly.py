@@ -13,16 +13,18 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 
+from tracetop.errors import TracetopError
+
 ALLOWED = {duckdb.StatementType.SELECT}
 DEFAULT_MAX_ROWS = 100_000
 DEFAULT_TIMEOUT_S = 30.0
 
 
-class QueryLimit(Exception):
+class QueryLimit(TracetopError):
     """A query ran past a limit (its time); str() says which and what to do."""
 
 
-class ReadOnlyViolation(Exception):
+class ReadOnlyViolation(TracetopError):
     """The SQL would write, or reach outside the file. str() says what and what to do instead."""
 
 

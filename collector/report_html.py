@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from collector.report import render, summarize
+from tracetop.errors import TracetopError
 
 GRAD_SYNC_SLO_MS = 200.0
 MAX_STEP_BUCKETS = 600
@@ -38,7 +39,7 @@ LOST_TOP_RANKS = 16
 PROGRESS_MIN_BYTES = 20 * 1024 * 1024
 
 
-class ReportError(RuntimeError):
+class ReportError(TracetopError, RuntimeError):
     """Cannot write a report: the message says why and what to do."""
 
 
@@ -72,9 +73,9 @@ def gather_steps(con, run_id: str) -> dict:
 
 
 def gather_lost(con, run_id: str, comm_baseline_share: float = 0.30) -> dict:
-    """What the run lost (tracetop/lost_sql.py, the lost_time view's text over this run): GPU-ms per
+    """What the run lost (collector/query/lost_sql.py, the lost_time view's text over this run): GPU-ms per
     cause summed per step bucket, per cause, per node and for the ranks charged the most."""
-    from tracetop.lost_sql import lost_time_sql
+    from collector.query.lost_sql import lost_time_sql
 
     if not _has_table(con, "step_ranks"):
         return {}

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tracetop.errors import TracetopError
 from tracetop.events import SCHEMAS, Kind, table_name
 
 DUCK_TYPES = {"i4": "INTEGER", "i8": "BIGINT", "f8": "DOUBLE", "str": "VARCHAR"}
 
 
-class SchemaError(RuntimeError):
+class SchemaError(TracetopError, RuntimeError):
     """The file cannot be used by this version of tracetop (newer schema, locked, not ours)."""
 
 
@@ -397,8 +398,8 @@ def _v8() -> list[str]:
     """What did it cost (issue 17): `lost_time`, one row per run, step and rank with the GPU time
     lost to a straggler, data loading, pipeline waiting above the 1F1B ideal and exposed
     communication above the built-in 30% baseline (collector/live/lost.py states the definition;
-    tracetop/lost_sql.py holds the text, which the TUI and the report also run)."""
-    from tracetop.lost_sql import lost_time_sql_v8  # this text, frozen (lost_time_sql() is _v10's)
+    collector/query/lost_sql.py holds the text, which the TUI and the report also run)."""
+    from collector.query.lost_sql import lost_time_sql_v8  # this text, frozen (lost_time_sql() is _v10's)
 
     return [f"CREATE VIEW lost_time AS {lost_time_sql_v8()}"]
 
@@ -414,7 +415,7 @@ def _v9() -> list[str]:
 
 def _v10() -> list[str]:
     """step_ranks, stragglers, grad_sync, bubble_budget, step_throughput and lost_time (now
-    tracetop/lost_sql.py's text: one step row per (run, step, rank), linear in repeats) read tables of their
+    collector/query/lost_sql.py's text: one step row per (run, step, rank), linear in repeats) read tables of their
     rows per materialized step, beside the rows (collector/matviews.py), and their original SQL for
     the steps with rows past the watermarks (the live set): always the original definition over the
     stored rows. Every stored step is materialized here."""

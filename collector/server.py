@@ -33,6 +33,7 @@ from collector.export.prometheus import AlertsFn, GaugesFn
 from collector.metrics import CollectorMetrics, serve_metrics
 from collector.schema import open_store
 from collector.writer import Ack, Barrier, Pending, StreamEnd, StreamSink, Writer, batch_to_arrow
+from tracetop.errors import ListenError
 from tracetop.events import table_name
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
@@ -42,10 +43,6 @@ from tracetop.wire.codec import Rejection, parse_batch, receive
 log = logging.getLogger("tracetop.collector")
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
-
-
-class ListenError(ValueError):
-    pass
 
 
 
@@ -296,7 +293,7 @@ class CollectorService:
         """Snapshots of one run (the newest when run_id is empty) every interval_s, built off the
         event loop on a cursor of this stream's own (collector/watch.py)."""
         from collector import watch
-        from tracetop import snapshot as snap
+        from collector.query import snapshot as snap
 
         interval_s = watch.clamp_interval(request.interval_s)
         with self._query_lock:

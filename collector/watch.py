@@ -1,6 +1,6 @@
 """Query.Watch's snapshots: one function the gRPC handler calls, on the collector's own cursor.
 
-A snapshot (tracetop/snapshot.py) is built in a worker thread (never on the event loop) on a
+A snapshot (collector/query/snapshot.py) is built in a worker thread (never on the event loop) on a
 cursor of the writer's own connection. Where the collector runs the live engine (the default;
 not with --no-rules), the per-rank sections (ranks, steps, bubble, offload_rate: the heavy ones
 at scale) come from the engine's in-memory state (collector/live/state.py, fed by the writer's
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracetop import snapshot as snap
+from collector.query import snapshot as snap
+from tracetop.errors import TracetopError
 
 #: Rates a client may ask for, in seconds between snapshots.
 MIN_INTERVAL_S = 0.1
@@ -26,7 +27,7 @@ MAX_INTERVAL_S = 60.0
 DEFAULT_INTERVAL_S = 1.0
 
 
-class UnknownRun(LookupError):
+class UnknownRun(TracetopError, LookupError):
     """The asked-for run is not in this collector; str() lists the runs it has."""
 
 
@@ -45,7 +46,7 @@ def snapshot(con, run_id: str, *, cursor: snap.Cursor | None = None,
              window_steps: int = snap.DEFAULT_WINDOW_STEPS, live: LiveSnapshots | None = None,
              step: int | None = None) -> bytes:
     """Arrow IPC bytes of run `run_id`'s snapshot at its latest complete step (or `step`);
-    tracetop/snapshot.py says what it holds. `con` is a cursor owned by the calling thread; `live`
+    collector/query/snapshot.py says what it holds. `con` is a cursor owned by the calling thread; `live`
     the engine's state where the collector has one. Raises UnknownRun."""
     return snap.encode(build(con, run_id, cursor=cursor, window_steps=window_steps, live=live, step=step))
 
@@ -70,7 +71,7 @@ def _col(x: np.ndarray, pa_type, null: np.ndarray | None = None):
 
 class LiveSnapshots:
     """snapshot.LiveSections over a LiveEngine: the ranks, steps, bubble and offload_rate sections
-    from its state, with the SQL's definitions (tracetop/snapshot.py) and Arrow types.
+    from its state, with the SQL's definitions (collector/query/snapshot.py) and Arrow types.
 
     Each call takes the engine's lock once and reduces the window to a few per-step figures and
     one row per rank while holding it (vectorised numpy). A step's figures are kept until a row
@@ -109,7 +110,7 @@ class LiveSnapshots:
 
         import pyarrow as pa
 
-        from tracetop.snapshot import lost_schema
+        from collector.query.snapshot import lost_schema
 
         g = next((g for g in self.engine.gauges() if g.run_id == run_id), None)
         if g is None or not g.lost_window_gpu_s or not (g.lost_window_span_s > 0):

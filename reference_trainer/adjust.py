@@ -22,8 +22,10 @@ import dataclasses
 import re
 from typing import Any
 
+from tracetop.errors import TracetopError
 
-class AdjustError(ValueError):
+
+class AdjustError(TracetopError, ValueError):
     """An adjustment that cannot be applied; the message says why and what to do instead."""
 
 

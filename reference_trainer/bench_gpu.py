@@ -72,6 +72,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tracetop.errors import TracetopError
+
 SCHEMA = 1
 JSON_NAME, LOG_NAME = "gpu.json", "gpu.log"
 GOAL_OVERHEAD_PCT = 0.2
@@ -289,7 +291,7 @@ def loop_figures(actions: list[dict], ranks: list[dict], offload: list[dict], me
 # ----------------------------------------------------------------------------- the driver
 
 
-class PartFailed(RuntimeError):
+class PartFailed(TracetopError, RuntimeError):
     pass
 
 

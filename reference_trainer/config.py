@@ -10,6 +10,8 @@ import argparse
 import dataclasses
 from typing import Any
 
+from tracetop.errors import TracetopError
+
 # ----------------------------------------------------------------------------- presets
 
 
@@ -67,7 +69,7 @@ def flops_per_token(p: ModelPreset) -> int:
 # ----------------------------------------------------------------------------- layouts
 
 
-class LayoutError(ValueError):
+class LayoutError(TracetopError, ValueError):
     """A parallel layout that cannot run; the message says why and what to use instead."""
 
 

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tracetop.errors import TracetopError
+
 KINDS = ("straggler", "comm_delay", "stage_imbalance", "mem_growth", "hang", "kill")
 _SPEC = {
     "straggler": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MS[@STEP], e.g. 1:200@5"),
@@ -42,7 +44,7 @@ _SPEC = {
 }
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(TracetopError, ValueError):
     """An --inject-* value that cannot be used; the message says which and how to write it."""
 
 

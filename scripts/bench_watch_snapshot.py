@@ -28,8 +28,8 @@ def main() -> int:
     a = p.parse_args()
     from collector import watch
     from collector.live.engine import LiveEngine
+    from collector.query import snapshot as snap
     from collector.schema import open_store
-    from tracetop import snapshot as snap
 
     n, steps = a.ranks, a.steps
     with tempfile.TemporaryDirectory() as d:
@@ -70,9 +70,9 @@ def main() -> int:
         for how, ts in took.items():
             later = sorted(ts[1:])  # the first SQL one builds the per-step cache
             print(f"{how}: median {later[len(later) // 2]:.0f} ms a snapshot after the first")
-        # the lost-time section alone (tracetop/lost_sql.py over the same window), interleaved with
+        # the lost-time section alone (collector/query/lost_sql.py over the same window), interleaved with
         # the snapshot's other sections' cost above: what the TUI's lost line adds
-        from tracetop.lost_sql import lost_window_sql
+        from collector.query.lost_sql import lost_window_sql
 
         top = snap.decode(b).step
         for lo_steps in (1, snap.DEFAULT_WINDOW_STEPS):

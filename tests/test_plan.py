@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from planner import model as P
 from reference_trainer.config import PRESETS, make_layout
-from tracetop import plan as P
 
 GB = 1e9
 

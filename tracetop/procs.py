@@ -24,6 +24,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tracetop.errors import TracetopError
+
 _COLLECTOR_RE = re.compile(
     r"tracetop collector: listening on (?P<address>\S+), db (?P<db>\S+?)(?:, metrics on 127\.0\.0\.1:(?P<metrics_port>\d+))?$"
 )
@@ -43,7 +45,7 @@ def announce_agent(addresses: Sequence[str], gpus: int, collector: str, spool: s
     return f"tracetop agent: listening on {', '.join(addresses)}; {gpus} GPUs; shipping to {collector}; spool {spool}{metrics}"
 
 
-class ServiceError(RuntimeError):
+class ServiceError(TracetopError, RuntimeError):
     """A service exited or stayed silent instead of announcing where it listens; str() has its output."""
 
 

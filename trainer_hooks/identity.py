@@ -16,12 +16,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tracetop import env as tenv
+from tracetop.errors import TracetopError
 
 _RUN_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _RUN_ID_BAD_CHARS = re.compile(r"[^A-Za-z0-9._:-]+")
 
 
-class SetupError(ValueError):
+class SetupError(TracetopError, ValueError):
     """A configuration the hooks cannot start with; the message says what to change."""
 
 

@@ -29,7 +29,7 @@ from textual.scroll_view import ScrollView
 from textual.strip import Strip
 from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
 
-from tracetop import snapshot as snapmod
+from collector.query import snapshot as snapmod
 from tui import core
 from tui.sources import Decision, Source, SourceError
 

@@ -1,6 +1,6 @@
 """What each screen shows, from a snapshot: rows, cells, words and colours. No UI, no I/O.
 
-Every function here takes plain data (a tracetop.snapshot.Snapshot: a header and pyarrow tables)
+Every function here takes plain data (a collector.query.snapshot.Snapshot: a header and pyarrow tables)
 and returns plain records; the widgets in tui/app.py only draw them. Colour never carries meaning
 alone: every coloured thing also has a word or a mark (`STATUS_MARK`).
 

@@ -1,5 +1,5 @@
 """Simulated snapshots of a large run (thousands of ranks) for `tracetop bench tui` and the
-scale tests. Same sections and columns as tracetop/snapshot.py builds; values drawn around a
+scale tests. Same sections and columns as collector/query/snapshot.py builds; values drawn around a
 step time with one slow rank, so the screens have something real to aggregate.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from tracetop import snapshot as snapmod
+from collector.query import snapshot as snapmod
 
 
 def layout(n_ranks: int) -> tuple[int, int, int]:

@@ -7,7 +7,7 @@
   (with the control token where the collector demands one). The TUI never opens a file a
   collector holds.
 
-Both build snapshots with tracetop/snapshot.py (the one definition); nothing here imports the
+Both build snapshots with collector/query/snapshot.py (the one definition); nothing here imports the
 collector. Every failure a person can act on is a SourceError with a title, what happened and
 what to do, which the app shows as a screen (harlequin's domain errors with a title).
 """
@@ -19,10 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from tracetop import snapshot as snap
+from collector.query import snapshot as snap
+from tracetop.errors import TracetopError
 
 
-class SourceError(Exception):
+class SourceError(TracetopError):
     """A condition the person at the terminal must act on."""
 
     def __init__(self, title: str, message: str, hint: str) -> None:
@@ -260,7 +261,7 @@ class CollectorSource:
             reply = self.stub.Sql(pb.QueryRequest(sql=text), timeout=30, metadata=self.metadata)
         except grpc.RpcError as e:
             raise self._error(e) from None
-        return snap._from_ipc(reply.arrow_ipc)
+        return snap.from_ipc(reply.arrow_ipc)
 
     def rank_detail(self, rank: int, step: int) -> dict:
         params = {"run": self.run_id, "rank": int(rank), "step": int(step),

@@ -40,4 +40,4 @@ def run(args: argparse.Namespace) -> int:
         return query_cli._via_collector(env.collector(args.collector or None), sql, args)
     if not args.file:
         return query_cli._usage("give a collector's FILE, or --collector ADDR")
-    return query_cli._on_file(args.file, sql, args)
+    return query_cli.on_file(args.file, sql, args)

@@ -33,13 +33,14 @@ from collector.control import policy
 from collector.control.actions import OPEN
 from collector.control.policy import ControlInputs, Memory, Settings
 from collector.live.model import FIRING, Alert
+from tracetop.errors import TracetopError
 
 log = logging.getLogger("tracetop.collector")
 
 MODES = ("off", "advise", "auto")
 
 
-class SettingsError(ValueError):
+class SettingsError(TracetopError, ValueError):
     """A bad [controller] table or flag; the message names the key and the fix."""
 
 

@@ -22,6 +22,7 @@ import grpc
 
 from collector.control import actions as act
 from collector.control.check import RunShape, refusal
+from tracetop.errors import TracetopError
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 
@@ -30,7 +31,7 @@ log = logging.getLogger("tracetop.collector")
 DEFAULT_TTL_S = 600.0
 
 
-class ControlError(Exception):
+class ControlError(TracetopError):
     """A request refused: ``code`` is the gRPC status it is answered with."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:

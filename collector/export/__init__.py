@@ -25,9 +25,10 @@ from collector.export.alertmanager import AlertmanagerSink
 from collector.export.prometheus import AlertsFn, GaugesFn, LiveCollector, SinkStatsCollector
 from collector.export.webhook import WebhookSink
 from collector.live.model import Alert, RunGauges
+from tracetop.errors import TracetopError
 
 
-class ExportConfigError(ValueError):
+class ExportConfigError(TracetopError, ValueError):
     """A bad --alertmanager / --webhook / --otlp value; the message names the flag and the fix."""
 
 

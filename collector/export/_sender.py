@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from collector.live.model import FIRING, RESOLVED, Alert
+from tracetop.errors import TracetopError
 
 log = logging.getLogger("tracetop.export")
 
@@ -33,7 +34,7 @@ HTTP_TIMEOUT_S = 2.0
 CLOSE_TIMEOUT_S = 1.0
 
 
-class SendError(Exception):
+class SendError(TracetopError):
     """A receiver refused, failed or did not answer in time; the message says which and where."""
 
 

@@ -34,6 +34,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from collector.live.model import FIRING, PENDING, Alert, RunGauges
+from tracetop.errors import TracetopError
 
 log = logging.getLogger("tracetop.export")
 
@@ -61,7 +62,7 @@ RUN_GAUGES: tuple[tuple[str, str, str, str, float], ...] = (
 )
 
 
-class OtlpUnavailable(RuntimeError):
+class OtlpUnavailable(TracetopError, RuntimeError):
     """The `otlp` extra is not installed."""
 
 

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.collector:
         return query_cli._via_collector(args.collector, sql, args)
-    return query_cli._on_file(args.file, sql, args)
+    return query_cli.on_file(args.file, sql, args)
 
 
 def _recompute(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """What did it cost? GPU time lost per step, split by cause, summed into GPU-hours (and money where
 a price per GPU-hour is declared). Pure functions over one step's per-rank figures; no I/O.
 
-The `lost_time` view (tracetop/lost_sql.py, schema 8) gives the same numbers over stored rows and
+The `lost_time` view (collector/query/lost_sql.py, schema 8) gives the same numbers over stored rows and
 tests hold the two equal. One step, every figure in ms, per rank r:
 
 - **late** (what the step waits for): synchronous training waits for the slowest rank, so a rank
@@ -40,6 +40,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from tracetop.errors import TracetopError
 
 CAUSES = ("straggler", "data", "pipeline", "comm")
 DEFAULT_COMM_BASELINE_SHARE = 0.30
@@ -140,7 +142,7 @@ def step_lost(rank: np.ndarray, step_ms: np.ndarray, compute_ms: np.ndarray, oth
                     pipe, comm)
 
 
-class CostError(ValueError):
+class CostError(TracetopError, ValueError):
     """A price or currency that cannot be used; str() names the value and the fix."""
 
 

@@ -26,6 +26,7 @@ import tomllib
 
 from collector.live.lost import CostSettings
 from collector.live.model import SCOPES, SEVERITIES
+from tracetop.errors import TracetopError
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ class Fault:
     message: str
 
 
-class RulesError(ValueError):
+class RulesError(TracetopError, ValueError):
     """A rules file that cannot be used. `faults`: every one found, each with line and key."""
 
     def __init__(self, path: str, faults: list[Fault]) -> None:

@@ -10,7 +10,8 @@ import grpc
 import numpy as np
 import pytest
 
-from agent.relay import Relay, RelayListenError
+from agent.relay import Relay
+from tracetop.errors import ListenError
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
@@ -177,7 +178,7 @@ def test_full_spool_refuses_without_ack_and_records_no_loss(relay_env):
 
 def test_second_relay_on_a_live_socket_is_refused(relay_env, tmp_path):
     relay, shipper, mem, sock = relay_env()
-    with pytest.raises(RelayListenError, match="already listening"):
+    with pytest.raises(ListenError, match="already listening"):
         Relay(shipper, [sock]).start()
 
 
@@ -224,7 +225,7 @@ def test_restarted_relay_acks_resends_of_what_the_killed_agent_spooled(tmp_path)
 
 def test_loopback_tcp_listen_and_non_loopback_refused():
     shipper = Shipper(None, run_id="r", transport=MemoryTransport())
-    with pytest.raises(RelayListenError, match="loopback only"):
+    with pytest.raises(ListenError, match="loopback only"):
         Relay(shipper, ["0.0.0.0:0"]).start()
     relay = Relay(shipper, ["127.0.0.1:0"]).start()
     try:

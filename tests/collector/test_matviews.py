@@ -18,11 +18,11 @@ import pytest
 
 from collector import matviews, rollup
 from collector.multifile import connect_many
+from collector.query.lost_sql import lost_time_sql, lost_time_sql_v8
 from collector.schema import MIGRATIONS, open_store
 from collector.writer import Pending, StreamSink, Writer, batch_to_arrow
 from tests.helpers import ROOT
 from tracetop.events import SCHEMAS, Kind, table_name
-from tracetop.lost_sql import lost_time_sql, lost_time_sql_v8
 from tracetop.wire.codec import decode_batch, encode_batch
 
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
@@ -31,7 +31,7 @@ KEYS = {"step_ranks": 3, "stragglers": 4, "grad_sync": 2, "bubble_budget": 3, "s
 
 def original_db() -> duckdb.DuckDBPyConnection:
     """An empty in-memory database at schema 9 (the views' original definitions over the raw rows),
-    its lost_time being tracetop/lost_sql.py's text (schema 8's text, frozen in _v8, crossed every
+    its lost_time being collector/query/lost_sql.py's text (schema 8's text, frozen in _v8, crossed every
     repeat of a (run, step, rank) step row with every other)."""
     ref = duckdb.connect(":memory:")
     ref.execute("CREATE TABLE schema_meta (version INTEGER NOT NULL, applied_ns BIGINT NOT NULL)")

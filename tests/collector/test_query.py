@@ -135,7 +135,7 @@ def test_clock_watch_and_control_not_yet_built(collector):
         assert reply.client_send_ns == sent
         assert sent <= reply.server_recv_ns <= reply.server_send_ns <= back  # same host, same clock
         # Query.Watch (the TUI issue): a snapshot of the run; an unknown run is NOT_FOUND, naming the runs
-        from tracetop import snapshot as snapmod
+        from collector.query import snapshot as snapmod
 
         first = next(iter(pb_grpc.QueryStub(ch).Watch(pb.WatchRequest(run_id="run-v", interval_s=0.1), timeout=30)))
         assert snapmod.decode(first.arrow_ipc).header["run_id"] == "run-v"

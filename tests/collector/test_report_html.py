@@ -151,7 +151,7 @@ def test_headless_chromium_renders_a_screenshot_that_is_not_blank(report: Path, 
 def test_lost_section_charges_the_injected_straggler_and_prices_it(tmp_path: Path) -> None:
     """The fixture's run has --inject-straggler 3:150@20: rank 3 tops the table; the cause totals
     are the lost_time text's over the file's rows; the price turns GPU-hours into money."""
-    from tracetop.lost_sql import lost_time_sql
+    from collector.query.lost_sql import lost_time_sql
 
     out = tmp_path / "r.html"
     r = _report(FIXTURE, "-o", out, "--price-per-gpu-hour", "2", "--currency", "EUR")

@@ -9,6 +9,7 @@ import duckdb
 import pytest
 from textual.widgets import ContentSwitcher, Tabs
 
+from collector.query import snapshot as snapmod
 from tests.helpers import start_collector
 from tests.tui.fixture import (
     FIXTURE,
@@ -21,7 +22,6 @@ from tests.tui.fixture import (
     replay_into,
 )
 from tests.tui.pilot import table_rows, text_of, wait_for
-from tracetop import snapshot as snapmod
 from tui import core, sim
 from tui.app import HELP, SCREEN_IDS, HeatmapView, HelpScreen, TracetopApp
 from tui.sources import CollectorSource, FileSource

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from collector.query import snapshot as snapmod
 from tests.tui.fixture import (
     RUN_ID,
     STRAGGLER_FROM_STEP,
@@ -17,7 +18,6 @@ from tests.tui.fixture import (
     last_step,
     raw,
 )
-from tracetop import snapshot as snapmod
 from tui import core
 
 
@@ -213,8 +213,8 @@ def test_overview_lost_line_names_the_injected_straggler() -> None:
     """lost in the last N: GPU-h, share and rank, from the lost_time text over the fixture's rows."""
     import re
 
+    from collector.query.lost_sql import lost_time_sql
     from tests.tui.fixture import STRAGGLER_FROM_STEP
-    from tracetop.lost_sql import lost_time_sql
 
     step = last_step()
     f = core.lost_figure(_snap(step))

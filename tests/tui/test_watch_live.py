@@ -17,6 +17,7 @@ import pytest
 from collector import server
 from collector.live.engine import LiveEngine
 from collector.live.rules import defaults
+from collector.query import snapshot as snap
 from collector.watch import LiveSnapshots, build
 from tests.tui.fixture import (
     RUN_ID,
@@ -27,7 +28,6 @@ from tests.tui.fixture import (
     replay_into,
     same_table,
 )
-from tracetop import snapshot as snap
 from tui.sources import CollectorSource
 
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tracetop import env
+from tracetop.errors import TracetopError
 
 INGEST, QUERY, CONTROL = "ingest", "query", "control"
 HEADER = "authorization"
@@ -34,7 +35,7 @@ _PREFIX = "Bearer "
 _CONTROL_FOR_INGEST = {"Subscribe", "Poll", "Report"}
 
 
-class AuthSetupError(ValueError):
+class AuthSetupError(TracetopError, ValueError):
     """A token or certificate file that cannot be used. str() names the file and the fix."""
 
 

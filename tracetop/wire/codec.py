@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import crc32c as _crc32c
 import numpy as np
 
+from tracetop.errors import TracetopError
 from tracetop.events import NUMPY_DTYPES, SCHEMA_VERSION, SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
 
@@ -24,7 +25,7 @@ ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 MAX_ROWS = 1 << 22  # 4M rows a batch: far above any shipper's batch size
 
 
-class BatchError(ValueError):
+class BatchError(TracetopError, ValueError):
     """A batch failed validation. `fault` is a short machine-readable name, str() explains."""
 
     def __init__(self, fault: str, message: str) -> None:

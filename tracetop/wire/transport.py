@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tracetop.errors import TracetopError
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.codec import DecodedBatch, Rejection, receive
@@ -38,7 +39,7 @@ MiB = 1 << 20
 MAX_MESSAGE_BYTES = 64 * MiB
 
 
-class TransportError(Exception):
+class TransportError(TracetopError):
     """A stream ended abnormally (see Rejected, Disconnected)."""
 
 

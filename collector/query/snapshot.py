@@ -31,7 +31,7 @@ Sections (columns; times in ms unless a name says otherwise):
   step: start_ns, rank, direction, what, bytes, duration_ms
 - gpus: the latest sample per (node, gpu) at or before the step's end (agent rows)
 - alerts / actions: the live engine's and controller's rows for the run where those tables exist
-- lost: GPU time lost (tracetop/lost_sql.py, the lost_time view's text) over the steps that ended in
+- lost: GPU time lost (collector/query/lost_sql.py, the lost_time view's text) over the steps that ended in
   the LOST_WINDOW_S before the snapshot step's end (at most LOST_WINDOW_STEPS steps): a row with
   rank NULL for the totals, then the ranks charged the most; by cause, GPU-ms; steps, first_end_ns,
   last_end_ns. Files of schema 5 and later (it reads step_ranks).
@@ -43,6 +43,8 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from tracetop.errors import TracetopError
 
 FORMAT = "1"
 #: The newest collector file schema (collector/schema.py STORE_VERSION) this SQL was written
@@ -65,7 +67,7 @@ LOST_FIRST_STEPS = 5
 Execute = Callable[[str, list], Any]
 
 
-class SnapshotError(Exception):
+class SnapshotError(TracetopError):
     """A snapshot cannot be built or read; str() says what and what to do."""
 
 
@@ -98,7 +100,7 @@ def _ipc(table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _from_ipc(data: bytes):
+def from_ipc(data: bytes):
     import pyarrow as pa
 
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
@@ -117,7 +119,7 @@ def encode(snap: Snapshot) -> bytes:
 
 def decode(data: bytes) -> Snapshot:
     try:
-        outer = _from_ipc(data)
+        outer = from_ipc(data)
     except Exception as e:
         raise SnapshotError(f"snapshot is not an Arrow IPC stream ({e}); the collector and tracetop disagree, "
                             "use the same tracetop version on both") from e
@@ -127,7 +129,7 @@ def decode(data: bytes) -> Snapshot:
         raise SnapshotError(f"snapshot format {fmt or 'missing'}, this tracetop reads {FORMAT}; "
                             "use the same tracetop version for the collector and the TUI")
     header = json.loads(meta.get(b"header", b"{}"))
-    tables = {n: _from_ipc(b) for n, b in zip(outer.column("name").to_pylist(), outer.column("ipc").to_pylist())}
+    tables = {n: from_ipc(b) for n, b in zip(outer.column("name").to_pylist(), outer.column("ipc").to_pylist())}
     return Snapshot(header, tables)
 
 
@@ -325,7 +327,7 @@ class Cursor:
     #: those tables' columns
     tables: set = field(default_factory=set)
     columns: dict = field(default_factory=dict)
-    #: per step: the lost-time sums row then its most-charged ranks' rows (tracetop.lost_sql.lost_steps_sql)
+    #: per step: the lost-time sums row then its most-charged ranks' rows (collector.query.lost_sql.lost_steps_sql)
     lost_cache: dict = field(default_factory=dict)
 
 
@@ -527,7 +529,7 @@ def _lost(con, cursor: Cursor | None, run_id: str, step: int, t_end_ns: int):
     steps, every rank."""
     import pyarrow as pa
 
-    from tracetop.lost_sql import lost_steps_sql, lost_window_sql
+    from collector.query.lost_sql import lost_steps_sql, lost_window_sql
 
     since = t_end_ns - int(LOST_WINDOW_S * 1e9)
     if cursor is None:

@@ -1,8 +1,7 @@
 """The parallelism planner: pure functions from a model and a cluster to ranked TP x PP x DP plans.
 
-No I/O and no imports of ours, so it lives in the shared core (`tracetop/` may import no other
-package of ours, and the planner needs none: it is arithmetic on the inputs). `tracetop plan`
-(tracetop/plan_cli.py) is its thin edge.
+No I/O and no imports of ours: its own package, used by nothing else (`tracetop plan`,
+planner/cli.py, is its thin edge). It is arithmetic on the inputs.
 
 Memory per GPU (bytes), mixed precision with Adam, the ZeRO paper's accounting
 (Rajbhandari et al. 2020): per parameter held by a GPU, 2 bytes of bf16 weights, 2 of bf16
@@ -49,13 +48,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from tracetop.errors import TracetopError
+
 BYTES_WEIGHT = 2  # bf16
 BYTES_GRAD = 2  # bf16
 BYTES_OPTIM = 12  # fp32 master + Adam m + v
 GB = 1e9
 
 
-class PlanError(ValueError):
+class PlanError(TracetopError, ValueError):
     """Inputs no plan can satisfy; the message says why and what would fit."""
 
 

@@ -2,7 +2,7 @@
 definition, which its docstring states; tests hold the two equal).
 
 One text, three users: collector/schema.py's migration 8 creates the view from `lost_time_sql()`;
-tracetop/snapshot.py (the TUI's "lost in the last 10 min" line) and `tracetop report` run the same
+collector/query/snapshot.py (the TUI's "lost in the last 10 min" line) and `tracetop report` run the same
 text bounded to one run and a range of steps, over the view `step_ranks` of schema 5, so they work
 on files written before schema 8 too. It lives here because
 tracetop/ may not import the collector. Schema 10 (collector/matviews.py) materializes it per step
@@ -172,7 +172,7 @@ FROM e"""
 
 def lost_time_sql(*, comm_baseline_share: float = DEFAULT_COMM_BASELINE_SHARE, bounded: bool = False) -> str:
     """The SELECT. bounded: restricted to `$run` and steps `$lo`..`$hi` (named parameters, or
-    tracetop.snapshot.inline), so a query reads only those rows."""
+    collector.query.snapshot.inline), so a query reads only those rows."""
     steps = "WHERE run_id = $run AND step BETWEEN $lo AND $hi" if bounded else ""
     runs = "WHERE run_id = $run" if bounded else ""
     return lost_time_over(f"(SELECT * FROM step_ranks {steps})", f"(SELECT * FROM step {steps})",
