@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import pytest
 
-OURS = ("collector", "agent", "tui", "trainer_hooks", "reference_trainer", "planner")
+OURS = ("collector", "agent", "tui", "trainer_hooks", "reference_trainer")
 HEAVY = ("duckdb", "textual", "torch", "grpc", "matplotlib")
 
 
@@ -86,11 +86,11 @@ LAYERS: dict[str, Rule] = {
     "tui.cli": Rule(
         ("collector", "agent", "trainer_hooks", "reference_trainer", "torch", "textual", "duckdb"),
         "`tracetop ui --help` starts fast"),
-    "planner": Rule(
-        (*HEAVY, "collector", "agent", "tui", "trainer_hooks", "reference_trainer"),
-        "the planner is arithmetic: nothing of ours, no database, no plotting"),
-    "planner.cli": Rule(
-        (*HEAVY, "collector", "agent", "tui", "trainer_hooks", "reference_trainer"),
+    "reference_trainer.plan": Rule(
+        (*HEAVY, "collector", "agent", "tui", "trainer_hooks"),
+        "the planner is arithmetic: no torch, no database, no plotting"),
+    "reference_trainer.plan_cli": Rule(
+        (*HEAVY, "collector", "agent", "tui", "trainer_hooks"),
         "`tracetop plan` is the planner's thin edge"),
     # tracetop bench gpu: the driver starts the agent's and the collector's parts as processes
     "reference_trainer.bench.gpu": Rule(

@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("collector.demo", "collector + a 4-rank reference run, then a per-rank summary"),
     "report": ("collector.report_html", "one self-contained HTML report with plots of a run in a collector's file"),
     "export": ("collector.export.timeline", "the file as a Perfetto/chrome://tracing timeline (--perfetto) or Parquet (--parquet)"),
-    "plan": ("planner.cli", "parallelism planner: ranked TP x PP x DP plans, memory per GPU, launch commands"),
+    "plan": ("reference_trainer.plan_cli", "parallelism planner: ranked TP x PP x DP plans, memory per GPU, launch commands"),
     "control": ("collector.control.control_cli", "send a command to a running job: set-micro-batch, offload, approve, reject, rollback"),
     "actions": ("collector.control.actions_cli", "every action of the closed loop and its life (from a file or a collector)"),
 }

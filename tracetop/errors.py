@@ -11,14 +11,14 @@ The tree (each package's module defines its own leaves):
     TracetopError
     ├── ListenError            an address we cannot serve on (collector, agent relay)
     ├── wire:      BatchError, AuthSetupError, TransportError (Rejected, Unsupported, Disconnected)
-    ├── core:      ServiceError (tracetop.procs), PlanError (planner)
+    ├── core:      ServiceError (tracetop.procs)
     ├── agent:     NVMLUnavailable
     ├── collector: SchemaError, PostFileError (ExportError), QueryLimit, ReadOnlyViolation,
     │              SnapshotError, UnknownRun, MultiFileError, ReportError, RulesError, CostError,
     │              SettingsError, ControlError, ExportConfigError, SendError, OtlpUnavailable
     ├── hooks:     SetupError
     ├── tui:       SourceError
-    └── trainer:   LayoutError, FaultSpecError, AdjustError
+    └── trainer:   LayoutError, FaultSpecError, AdjustError, PlanError (reference_trainer)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The parallelism planner: pure functions from a model and a cluster to ranked TP x PP x DP plans.
 
-No I/O and no imports of ours: its own package, used by nothing else (`tracetop plan`,
-planner/cli.py, is its thin edge). It is arithmetic on the inputs.
+Beside the reference trainer, whose flags its launch commands carry (`trainer_flags`), and used by
+nothing else: `tracetop plan` (reference_trainer/plan_cli.py) is its thin edge. No I/O, no torch and
+no other module of ours: it is arithmetic on the inputs.
 
 Memory per GPU (bytes), mixed precision with Adam, the ZeRO paper's accounting
 (Rajbhandari et al. 2020): per parameter held by a GPU, 2 bytes of bf16 weights, 2 of bf16

@@ -1,6 +1,6 @@
 """`tracetop plan --params 13e9 --gpus 512 [...] [--json]`: ranked TP x PP x DP plans and how to launch them.
 
-The arithmetic is in planner/model.py (its docstring states the memory and time model). Exit 2
+The arithmetic is in reference_trainer/plan.py (its docstring states the memory and time model). Exit 2
 when no plan exists, with why and what would fit.
 """
 
@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.model import Cluster, PlanError, derive_model, launch_commands, plan, to_dict
+    from reference_trainer.plan import Cluster, PlanError, derive_model, launch_commands, plan, to_dict
 
     try:
         if args.top < 1:

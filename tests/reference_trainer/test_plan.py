@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from planner import model as P
+from reference_trainer import plan as P
 from reference_trainer.config import PRESETS, make_layout
 
 GB = 1e9
