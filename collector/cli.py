@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     from collector.export import ExportConfigError, build
-    from collector.schema import SchemaError
-    from collector.server import ListenError, start
+    from collector.ingest.schema import SchemaError
+    from collector.ingest.server import ListenError, start
     from tracetop.wire.auth import AuthSetupError, ServerAuth
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

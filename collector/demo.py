@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import duckdb
 
-    from collector.report import render, summarize
+    from collector.query.summary import render, summarize
     from tracetop import procs
 
     if args.steps < 20:

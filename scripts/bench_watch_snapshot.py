@@ -26,10 +26,10 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=16384)
     p.add_argument("--steps", type=int, default=40)
     a = p.parse_args()
-    from collector import watch
+    from collector.ingest.schema import open_store
     from collector.live.engine import LiveEngine
     from collector.query import snapshot as snap
-    from collector.schema import open_store
+    from collector.query import watch
 
     n, steps = a.ranks, a.steps
     with tempfile.TemporaryDirectory() as d:

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS, help=f"training steps (default {STEPS})")
     args = p.parse_args(argv)
 
-    from collector.loadgen import CollectorProcess, wait_ready
+    from collector.bench.loadgen import CollectorProcess, wait_ready
 
     out: Path = args.out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -66,7 +66,7 @@ LAYERS: dict[str, Rule] = {
     "collector.export": Rule(
         ("duckdb", "opentelemetry", "textual", "torch", "agent", "tui", "trainer_hooks"),
         "the outputs read no file, and OTLP's SDK loads only when --otlp asks for it"),
-    "collector.report_html": Rule(
+    "collector.report": Rule(
         ("matplotlib", "textual", "torch", "agent", "tui", "trainer_hooks"),
         "the report's plotting library loads only when a report is drawn"),
     "collector.live.engine": Rule(

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from collector import query_cli
+    from collector.query import cli as query_cli
     from tracetop import env
 
     sql = RANKS_SQL if args.ranks else ACTIONS_SQL

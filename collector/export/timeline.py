@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from collector.post_file import PostFileError, pick_run
+from collector.query.post_file import PostFileError, pick_run
 
 PHASES = ("data_wait_ns", "forward_ns", "backward_ns", "optimizer_ns", "comm_exposed_ns", "compute_ns")
 TID_MAIN, TID_COMM, TID_OFFLOAD = 1, 2, 3
@@ -60,7 +60,7 @@ def _step_range(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from collector.post_file import open_read_only
+    from collector.query.post_file import open_read_only
 
     if args.perfetto is None and args.parquet is None:
         print("tracetop export: say what to write: --perfetto OUT.json and/or --parquet DIR", file=sys.stderr)

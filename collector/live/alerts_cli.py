@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         where.append("run_id IN (" + ", ".join("'" + r.replace("'", "''") + "'" for r in args.run) + ")")
     sql = (f"SELECT {_COLUMNS}, rank, stage, first_ns, fired_ns, fired_step, last_ns, id FROM alerts"
            + (" WHERE " + " AND ".join(where) if where else "") + " ORDER BY first_ns, rule")
-    from collector import query_cli
+    from collector.query import cli as query_cli
 
     if args.collector:
         return query_cli._via_collector(args.collector, sql, args)
@@ -55,10 +55,10 @@ def _recompute(args: argparse.Namespace) -> int:
     import json
     import os
 
+    from collector.ingest.schema import SchemaError, connect
     from collector.live import rules as R
     from collector.live.replay import recompute
-    from collector.query_cli import format_table
-    from collector.schema import SchemaError, connect
+    from collector.query.cli import format_table
 
     if not os.path.exists(args.file):
         return _usage(f"{args.file}: no such file")

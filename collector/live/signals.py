@@ -1,6 +1,6 @@
 """Signals: pure functions over plain arrays (one entry per rank of one step), no I/O.
 
-Each has a named SQL view in collector/schema.py (_v5) that gives the same numbers over the stored
+Each has a named SQL view in collector/ingest/schema.py (_v5) that gives the same numbers over the stored
 rows; tests/collector/live hold the two equal. Times are in ms (float64), computed from the same
 integer ns columns in both places so that they agree to the last bit.
 

@@ -27,7 +27,7 @@ FIELDS = (
     "rss_bytes", "allocated_bytes", "budget_bytes",     # MEMORY
     "d2h_bytes", "d2h_ns", "h2d_bytes", "h2d_ns",       # OFFLOAD
     "mfu",                                              # THROUGHPUT
-    # for Query.Watch's snapshots (collector/watch.py), with collector/query/snapshot.py's SQL definitions:
+    # for Query.Watch's snapshots (collector/query/watch.py), with collector/query/snapshot.py's SQL definitions:
     "tokens_per_s",                                     # THROUGHPUT (NaN: no row)
     "dp_coll_ns",                                       # COLLECTIVE whose role names dp (LIKE '%dp%')
     "micro_batch", "micro_batches",                     # STEP: the shape in force (the controller's inputs)

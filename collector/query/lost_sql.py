@@ -1,11 +1,11 @@
 """The `lost_time` SQL: GPU time lost per step and rank, split by cause (collector/live/lost.py's
 definition, which its docstring states; tests hold the two equal).
 
-One text, three users: collector/schema.py's migration 8 creates the view from `lost_time_sql()`;
+One text, three users: collector/ingest/schema.py's migration 8 creates the view from `lost_time_sql()`;
 collector/query/snapshot.py (the TUI's "lost in the last 10 min" line) and `tracetop report` run the same
 text bounded to one run and a range of steps, over the view `step_ranks` of schema 5, so they work
 on files written before schema 8 too. It lives here because
-tracetop/ may not import the collector. Schema 10 (collector/matviews.py) materializes it per step
+tracetop/ may not import the collector. Schema 10 (collector/ingest/matviews.py) materializes it per step
 over `step_ranks` and the step rows of the steps it recomputes (`lost_time_over`). A change here is
 a new migration (`CREATE OR REPLACE VIEW lost_time ...`), with this text copied into the old one,
 as schema 8's is (`_SQL_V8`).
@@ -182,7 +182,7 @@ def lost_time_sql(*, comm_baseline_share: float = DEFAULT_COMM_BASELINE_SHARE, b
 def lost_time_over(sr: str, step: str, *, runs: str = "",
                    comm_baseline_share: float = DEFAULT_COMM_BASELINE_SHARE) -> str:
     """The SELECT over the step_ranks relation `sr` and the step rows `step` (the same (run, step,
-    rank) keys; collector/matviews.py passes one chunk of steps), run_start filtered by `runs`."""
+    rank) keys; collector/ingest/matviews.py passes one chunk of steps), run_start filtered by `runs`."""
     b = float(comm_baseline_share)
     if not 0.0 <= b <= 1.0:
         raise ValueError(f"comm_baseline_share {comm_baseline_share!r} must lie in 0..1")

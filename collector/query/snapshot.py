@@ -5,7 +5,7 @@ live, any step when a file is replayed) and the few steps before it, plus a JSON
 built by bounded queries only (every event table is read `WHERE step BETWEEN lo AND hi`, node
 samples by a time window), so its cost does not grow with the file.
 
-One definition, two users: the collector (collector/watch.py, on its own cursor) and the TUI's
+One definition, two users: the collector (collector/query/watch.py, on its own cursor) and the TUI's
 FileSource (on a read-only connection to a finished run's file) both call `build`; the TUI's
 CollectorSource receives the same tables through Watch and asks for a rank's detail with
 `rank_detail_sql` through Query.Sql. Nothing here imports another package of ours.
@@ -47,7 +47,7 @@ from typing import Any, Protocol
 from tracetop.errors import TracetopError
 
 FORMAT = "1"
-#: The newest collector file schema (collector/schema.py STORE_VERSION) this SQL was written
+#: The newest collector file schema (collector/ingest/schema.py STORE_VERSION) this SQL was written
 #: against; a file of a newer schema is refused by the TUI. tests/tui/test_sources.py holds the two
 #: equal, so a migration makes whoever adds it look here.
 MAX_STORE_VERSION = 10
@@ -194,7 +194,7 @@ FROM s LEFT JOIN t ON t.step = s.step LEFT JOIN g ON g.step = s.step
 GROUP BY s.step ORDER BY s.step
 """
 
-# The bubble_by_stage view's definition (collector/schema.py _v3), over the window only.
+# The bubble_by_stage view's definition (collector/ingest/schema.py _v3), over the window only.
 _BUBBLE_SQL = """
 SELECT r.stage, s.step,
        1 - sum(s.forward_ns + s.backward_ns) / sum(s.duration_ns) AS bubble_rate,
@@ -350,7 +350,7 @@ def latest_complete_step(run_sql: Callable[[str, list], list[tuple]], cur: Curso
 
 
 class LiveSections(Protocol):
-    """Where a collector's live state can stand in for some sections' SQL (collector/watch.py).
+    """Where a collector's live state can stand in for some sections' SQL (collector/query/watch.py).
     Each method answers None when the live state does not hold what is asked (the SQL is used)."""
 
     #: the sections `sections` builds, when it answers

@@ -151,7 +151,7 @@ def test_runaway_query_is_cut_off_and_the_collector_lives_on(tmp_path: Path) -> 
             # an endless row source stops at the row cap without building the rest
             reply = query.Sql(pb.QueryRequest(sql="SELECT * FROM range(1000000000000)"), timeout=120)
             assert reply.truncated
-            from collector.readonly import from_ipc
+            from collector.query.readonly import from_ipc
 
             assert from_ipc(reply.arrow_ipc).num_rows == 10
             # a query that would hold ~800 MB is refused under a 256 MB cap
@@ -248,7 +248,7 @@ def _stored_steps(c, run_id: str, token: str) -> int:
     with grpc.insecure_channel(c.addr) as ch:
         reply = pb_grpc.QueryStub(ch).Sql(pb.QueryRequest(sql=f"SELECT count(*) AS n FROM step WHERE run_id = '{run_id}'"),
                                           metadata=_meta(token), timeout=30)
-    from collector.readonly import from_ipc
+    from collector.query.readonly import from_ipc
 
     return from_ipc(reply.arrow_ipc).to_pylist()[0]["n"]
 

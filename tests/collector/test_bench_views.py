@@ -8,7 +8,7 @@ import sys
 
 import duckdb
 
-from collector.bench_views import generate
+from collector.bench.views import generate
 from tests.helpers import ROOT
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.schema import open_store
+from collector.ingest.schema import open_store
 
 
 def test_bubble_by_stage_follows_the_definition(tmp_path: Path) -> None:

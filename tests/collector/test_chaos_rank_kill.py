@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from collector.bench_chaos import rank_kill_held
-from collector.bench_rank_kill import rank_kill
+from collector.bench.chaos import rank_kill_held
+from collector.bench.rank_kill import rank_kill
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.bench_chaos import chaos
+from collector.bench.chaos import chaos
 
 
 @pytest.mark.slow

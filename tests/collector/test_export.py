@@ -13,7 +13,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from collector.schema import open_store
+from collector.ingest.schema import open_store
 from tests.helpers import ROOT
 
 TT = [sys.executable, "-m", "tracetop.cli", "export"]

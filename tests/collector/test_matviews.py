@@ -1,4 +1,4 @@
-"""The materialized per-step views (migration _v10, collector/matviews.py) against the original
+"""The materialized per-step views (migration _v10, collector/ingest/matviews.py) against the original
 definitions: a separate in-memory database built by migrations 1-9 only (the views as they were
 before _v10, over the raw rows) is filled with the file's raw event rows, and every materialized
 view must give the same rows (order-insensitive, floats to a relative 1e-9). Through the real
@@ -16,11 +16,11 @@ import duckdb
 import numpy as np
 import pytest
 
-from collector import matviews, rollup
-from collector.multifile import connect_many
+from collector.ingest import matviews, rollup
+from collector.ingest.schema import MIGRATIONS, open_store
+from collector.ingest.writer import Pending, StreamSink, Writer, batch_to_arrow
 from collector.query.lost_sql import lost_time_sql, lost_time_sql_v8
-from collector.schema import MIGRATIONS, open_store
-from collector.writer import Pending, StreamSink, Writer, batch_to_arrow
+from collector.query.multifile import connect_many
 from tests.helpers import ROOT
 from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import decode_batch, encode_batch

@@ -12,8 +12,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from collector import rollup
-from collector.schema import open_store
+from collector.ingest import rollup
+from collector.ingest.schema import open_store
 from tests.helpers import ROOT
 
 TT = [sys.executable, "-m", "tracetop.cli", "query"]

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from collector.schema import open_store
+from collector.ingest.schema import open_store
 from tests.helpers import ROOT
 
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"

@@ -1,4 +1,4 @@
-"""step_summary and collective_stats over the rollups (migration _v9, collector/rollup.py) against
+"""step_summary and collective_stats over the rollups (migration _v9, collector/ingest/rollup.py) against
 the exact computation over the raw rows: counts and sums equal, quantiles within rollup.REL_ERROR
 (exact where a bucket's end is the value). On the migrated fixture (a real run's file, rolled up
 by the migration), on a file a real collector wrote over gRPC in several commits (rolled up by
@@ -14,10 +14,10 @@ import duckdb
 import numpy as np
 import pytest
 
-from collector import rollup
-from collector.multifile import connect_many
-from collector.schema import open_store
-from collector.writer import Pending, StreamSink, Writer, batch_to_arrow
+from collector.ingest import rollup
+from collector.ingest.schema import open_store
+from collector.ingest.writer import Pending, StreamSink, Writer, batch_to_arrow
+from collector.query.multifile import connect_many
 from tests.collector.util import Feeder
 from tests.helpers import ROOT, start_collector
 from tracetop.events import Kind, table_name

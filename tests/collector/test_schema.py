@@ -5,8 +5,8 @@ from __future__ import annotations
 import duckdb
 import pytest
 
-from collector import schema
-from collector.server import ListenError, check_listen
+from collector.ingest import schema
+from collector.ingest.server import ListenError, check_listen
 from tracetop.events import SCHEMAS, Kind, table_name
 
 

@@ -1,4 +1,4 @@
-"""Sources gone without their clean close (collector/source_ends.py, pure part) and the live
+"""Sources gone without their clean close (collector/ingest/source_ends.py, pure part) and the live
 engine's silent-rank judgment of them. Ground truths: the batches fed in (their seqs, the rank and
 step of their heartbeats), the injected clock, and which heartbeat says "closed". The end-to-end
 form, with real processes killed -9, is tests/collector/test_chaos_rank_kill.py."""
@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
+from collector.ingest.source_ends import SourceEnds
 from collector.live.engine import Evaluator
 from collector.live.rules import parse
-from collector.source_ends import SourceEnds
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire.codec import decode_batch, encode_batch
 

@@ -31,7 +31,7 @@ class Client:
         self.channel.close()
 
     def sql(self, sql: str) -> list[dict]:
-        from collector import readonly
+        from collector.query import readonly
 
         reply = self.query.Sql(pb.QueryRequest(sql=sql), timeout=60)
         return readonly.from_ipc(reply.arrow_ipc).to_pylist()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from collector.control.service import ControlService
-from collector.schema import open_store
+from collector.ingest.schema import open_store
 from tracetop.wire import tracetop_pb2 as pb
 
 S = 1_000_000_000

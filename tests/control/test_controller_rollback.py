@@ -16,7 +16,7 @@ import pytest
 from collector.control.controller import Controller, ControllerSettings
 from collector.control.policy import ControlInputs, RankMemory, Settings
 from collector.control.service import ControlService
-from collector.schema import open_store
+from collector.ingest.schema import open_store
 from tracetop.wire import tracetop_pb2 as pb
 
 GIB = 2**30

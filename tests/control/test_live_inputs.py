@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from collector import server
 from collector.control.inputs import RowInputs
 from collector.control.live_inputs import EngineInputs
+from collector.ingest import server
 from collector.live.rules import defaults
 from tests.control.harness import Trainer, wait_for
 

@@ -9,11 +9,11 @@ import urllib.request
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from collector import server
 from collector.export import Exports, build
 from collector.export.alertmanager import AlertmanagerSink
 from collector.export.webhook import WebhookSink
-from collector.metrics import CollectorMetrics
+from collector.ingest import server
+from collector.ingest.metrics import CollectorMetrics
 from tests.collector.util import Feeder, batch
 from tests.helpers import scrape_metrics, start_collector
 

@@ -6,9 +6,9 @@ import logging
 import math
 import time
 
-from collector import server
 from collector.export import build
 from collector.export.otlp import OtlpExporter
+from collector.ingest import server
 
 from .records import gauges, pending_bubble, straggler
 from .tools import Blackhole, OtlpReceiver, refused_port, wait_until

@@ -182,7 +182,10 @@ class OtlpReceiver:
 
     def __init__(self) -> None:
         import grpc
-        from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+        from opentelemetry.proto.collector.ingest.metrics.v1 import (
+            metrics_service_pb2,
+            metrics_service_pb2_grpc,
+        )
 
         self.requests: list = []
         outer = self

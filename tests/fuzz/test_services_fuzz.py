@@ -71,7 +71,7 @@ def test_arbitrary_valid_batches_are_stored_exactly(collector, b) -> None:
     acks, code, details = _raw_stream(channel, [batch.SerializeToString()])
     assert code == grpc.StatusCode.OK, details
     assert [a.seq for a in acks][-1:] == [batch.seq]
-    from collector.readonly import from_ipc
+    from collector.query.readonly import from_ipc
 
     n = from_ipc(pb_grpc.QueryStub(channel).Sql(pb.QueryRequest(
         sql=f"SELECT sum(n) AS n FROM ingest_log WHERE source_id = 'fuzz-valid' AND seq = {batch.seq}"),

@@ -10,8 +10,8 @@ import threading
 import duckdb
 import pytest
 
+from collector.ingest.schema import STORE_VERSION
 from collector.query import snapshot as snapmod
-from collector.schema import STORE_VERSION
 from tests.helpers import start_collector
 from tests.tui.fixture import (
     FIXTURE,
@@ -29,7 +29,7 @@ from tui.sources import CollectorSource, FileSource, SourceError
 
 def test_the_tui_sql_knows_the_newest_file_schema() -> None:
     assert snapmod.MAX_STORE_VERSION == STORE_VERSION, (
-        "collector/schema.py has a new migration: check collector/query/snapshot.py's SQL against it, then bump MAX_STORE_VERSION")
+        "collector/ingest/schema.py has a new migration: check collector/query/snapshot.py's SQL against it, then bump MAX_STORE_VERSION")
 
 
 def test_file_source_scrubs_to_a_step() -> None:

@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from collector import server
+from collector.ingest import server
 from collector.live.engine import LiveEngine
 from collector.live.rules import defaults
 from collector.query import snapshot as snap
-from collector.watch import LiveSnapshots, build
+from collector.query.watch import LiveSnapshots, build
 from tests.tui.fixture import (
     RUN_ID,
     STRAGGLER_FROM_STEP,

@@ -10,8 +10,8 @@ import duckdb
 import numpy as np
 import pytest
 
-from collector.bench_chaos import chaos
-from collector.loadgen import CollectorProcess
+from collector.bench.chaos import chaos
+from collector.bench.loadgen import CollectorProcess
 from tests.helpers import scrape_metrics, start_collector
 from tracetop.events import Kind
 from tracetop.wire.shipper import MemoryTransport, Shipper

@@ -8,12 +8,12 @@ import time
 
 import numpy as np
 
+from collector.ingest.schema import open_store
 from collector.live import judge
 from collector.live.engine import AlertBook, Evaluator, LiveEngine
 from collector.live.model import FIRING, PENDING, RESOLVED
 from collector.live.rules import parse
 from collector.live.state import LiveState
-from collector.schema import open_store
 from tracetop.events import Kind
 
 GS = parse('[rule.gs]\nsignal = "grad_sync"\ngrad_sync_ms_above = 100\nfor_steps = 3\nclear_below = 80\n')[0]

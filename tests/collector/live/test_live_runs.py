@@ -16,11 +16,11 @@ import sys
 import numpy as np
 import pytest
 
+from collector.ingest.schema import connect
 from collector.live import judge
 from collector.live import signals as sg
 from collector.live.replay import recompute
 from collector.live.rules import DEFAULTS_TOML, parse
-from collector.schema import connect
 from tests.collector.util import sql
 from tests.helpers import ROOT, start_collector
 from tests.reference_trainer.launch import torchrun

@@ -10,11 +10,11 @@ import sys
 import numpy as np
 import pytest
 
+from collector.ingest.schema import open_store
 from collector.live import lost
 from collector.live import signals as sg
 from collector.live.rules import DEFAULTS_TOML, RulesError, parse_all, parse_cost
 from collector.query import lost_sql
-from collector.schema import open_store
 from tests.helpers import ROOT
 
 
@@ -258,10 +258,10 @@ def _fixture_lost(con) -> dict[tuple[int, int], tuple]:
 
 
 def test_reference_run_loses_to_rank_3_from_step_20_in_the_view_and_the_live_code():
+    from collector.ingest.schema import connect
     from collector.live.engine import Evaluator
     from collector.live.replay import _STEP_KINDS, _columns
     from collector.live.rules import defaults
-    from collector.schema import connect
     from tracetop.events import Kind
 
     con = connect(str(FIXTURE), read_only=True)

@@ -130,7 +130,7 @@ def _lost_cost(ev, step: int, book) -> float:
 
 
 def ingest_ratio(events: int, sources: int) -> dict:
-    from collector.bench_ingest import ingest
+    from collector.bench.ingest import ingest
 
     on, off = [], []
     with tempfile.TemporaryDirectory(prefix="tracetop-live-") as d:

@@ -5,7 +5,7 @@ ranks would, so the figures measure the collector and the wire, not Python call 
 sources. Every row is identifiable — ``rank`` = source index, ``step`` = row number — so a test can
 count exactly what was stored, lost, or stored twice.
 
-Run a source by hand: ``python -m collector.loadgen --endpoint ADDR --source 3 --events 100000``.
+Run a source by hand: ``python -m collector.bench.loadgen --endpoint ADDR --source 3 --events 100000``.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def start_sources(
     extra += ["--buffer-bytes", str(buffer_bytes)] if buffer_bytes else []
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "collector.loadgen", "--endpoint", endpoint, "--run-id", run_id,
+            [sys.executable, "-m", "collector.bench.loadgen", "--endpoint", endpoint, "--run-id", run_id,
              "--source", str(i), "--events", str(events), "--rate-eps", str(rate_eps), *extra],
             stdout=subprocess.PIPE,
             text=True,
@@ -300,7 +300,7 @@ def start_mix_sources(endpoint: str, run_id: str, sources: int, ranks: int, step
     firsts = [sum(share[:i]) for i in range(sources)]
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "collector.loadgen", "--endpoint", endpoint, "--run-id", run_id, "--source", str(i),
+            [sys.executable, "-m", "collector.bench.loadgen", "--endpoint", endpoint, "--run-id", run_id, "--source", str(i),
              "--mix-ranks", str(share[i]), "--mix-first-rank", str(firsts[i]), "--mix-step-s", str(step_s),
              "--mix-duration-s", str(duration_s), "--events", "0", "--start-file", str(start_file)],
             stdout=subprocess.PIPE, text=True,

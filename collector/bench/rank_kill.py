@@ -12,7 +12,7 @@ What is promised, and checked:
   only once the batch is on disk) is stored exactly once; for the killed rank that is a prefix of
   its steps (its batches go out in order), with no duplicate;
 - what the killed rank held only in memory is lost, and cannot be counted, but never silently: the
-  collector writes a GAP row ``reason = unclosed:last_seq=N`` for its source (collector/source_ends.py:
+  collector writes a GAP row ``reason = unclosed:last_seq=N`` for its source (collector/ingest/source_ends.py:
   silent for ``--unclosed-after-s`` without the clean close, N = the last seq stored), and the live
   engine's silent_rank alert names the rank (its peers closed cleanly, so it is the one singled out);
 - the survivors lose nothing (every step they completed is stored once) and get no unclosed row;
@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -64,7 +64,7 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def _sql(addr: str, query: str) -> list[dict]:
-    from collector.readonly import from_ipc
+    from collector.query.readonly import from_ipc
     from tracetop.wire import tracetop_pb2 as pb
     from tracetop.wire import tracetop_pb2_grpc as pb_grpc
     from tracetop.wire.auth import ClientAuth
@@ -131,8 +131,8 @@ def rank_kill(workdir: Path, *, via: str = "agent", nproc: int = 2, steps: int =
     """Run the scenario and count. ``via``: "direct" (hooks ship to the collector), "agent" (through
     a node agent), "mixed" (odd ranks through the agent, even ranks directly: one run covers both
     paths when ``kill_ranks`` holds one of each). See the module doc for what each figure means."""
+    from collector.bench.loadgen import CollectorProcess
     from collector.live.rules import DEFAULTS_TOML
-    from collector.loadgen import CollectorProcess
     from tracetop import procs
 
     if via not in VIAS:

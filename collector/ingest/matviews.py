@@ -21,13 +21,13 @@ definition over the stored rows, whatever has or has not been materialized: a cr
 collector's file is correct, only slower to read. The derived views' live part reads step_ranks'
 live part, so they compose.
 
-`advance` (the writer's `tracetop-rollup` thread, beside collector/rollup.py, and at close with
+`advance` (the writer's `tracetop-rollup` thread, beside collector/ingest/rollup.py, and at close with
 final=True; one transaction) takes the rows past the watermarks, recomputes each touched step
 wholly from the raw rows (filtered by the step range as SQL literals, so the zonemaps prune),
 replaces its `_m` rows when the step is complete, keeps the incomplete ones pending, and moves the
 watermarks; at close everything pending is materialized, so a cleanly closed file has an empty live
 set. Late rows for a materialized step put it back in the live set until the next roll.
-`collector.multifile` uses the original SQL over the raw rows (rowids are per file).
+`collector.query.multifile` uses the original SQL over the raw rows (rowids are per file).
 The SQL here is the shape `_v10` created: change it only through a new migration.
 """
 

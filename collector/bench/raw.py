@@ -1,6 +1,6 @@
 """The collector alone: pre-encoded batches from raw gRPC stubs, as fast as acks allow.
 
-`python -m collector.bench_raw [--clients K] [--batches B] [--rows N] [--window W] [--json]`
+`tracetop bench raw [--clients K] [--batches B] [--rows N] [--window W] [--json]`
 
 Each client process encodes B STEP batches of N rows up front, then streams them keeping at most
 W unacked, so the figure is the collector's (decode, validate, group commit, ack), not the
@@ -97,18 +97,25 @@ def bench(clients: int, batches: int, rows: int, window: int, workdir: Path) -> 
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clients", type=int, default=2)
     p.add_argument("--batches", type=int, default=100, help="batches per client")
     p.add_argument("--rows", type=int, default=20_000, help="rows per batch")
     p.add_argument("--window", type=int, default=4, help="unacked batches per client")
     p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tracetop-raw-") as d:
         result = bench(a.clients, a.batches, a.rows, a.window, Path(d))
     print(json.dumps(result) if a.json else "\n".join(f"{k:>18}: {v}" for k, v in result.items()))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from collector.writer import FlushStats
+from collector.ingest.writer import FlushStats
 from tracetop.events import table_name
 
 

@@ -16,7 +16,7 @@ def open_read_only(path: str):
     """A read-only connection to a collector file, its configuration locked."""
     import duckdb
 
-    from collector.schema import SchemaError, connect
+    from collector.ingest.schema import SchemaError, connect
 
     if not os.path.exists(path):
         raise PostFileError(f"{path}: no such file")

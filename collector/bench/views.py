@@ -2,11 +2,11 @@
 over a generated file of that many event rows.
 
 The file is made by DuckDB itself (`INSERT ... SELECT FROM range(n)`, no Python row loop) through
-`collector.schema.open_store`, so it has this version's tables and views. Rows are split as a
+`collector.ingest.schema.open_store`, so it has this version's tables and views. Rows are split as a
 pipeline run's file splits them: 50% collective, 30% pipe_instr, 10% step, 5% memory, 4.9%
 offload, the rest gap; one run, `--ranks` ranks (PP 4 stages), steps filling the step share; the
-rollups the writer keeps (collector/rollup.py) and the materialized per-step views
-(collector/matviews.py) are filled from those rows in the same transaction (as a closed collector
+rollups the writer keeps (collector/ingest/rollup.py) and the materialized per-step views
+(collector/ingest/matviews.py) are filled from those rows in the same transaction (as a closed collector
 leaves them: no tail past the watermarks).
 `--file` times an existing file as it is (an older schema keeps its older views: migrate a copy
 with `open_store` first to time this version's).
@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def generate(path: str, rows: int, ranks: int, memory_limit_gb: float = 4.0) -> dict[str, int]:
     """Write a collector file of about `rows` event rows; return rows per table."""
-    from collector import matviews, rollup
-    from collector.schema import connect, migrate
+    from collector.ingest import matviews, rollup
+    from collector.ingest.schema import connect, migrate
 
     con = connect(path)
     migrate(con, path)
@@ -115,7 +115,7 @@ def generate(path: str, rows: int, ranks: int, memory_limit_gb: float = 4.0) -> 
 def time_views(path: str, repeat: int, memory_limit_gb: float = 4.0, only: list[str] | None = None) -> list[dict]:
     import duckdb
 
-    from collector.schema import connect
+    from collector.ingest.schema import connect
 
     con = connect(path, read_only=True)
     try:

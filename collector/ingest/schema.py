@@ -406,9 +406,9 @@ def _v8() -> list[str]:
 
 def _v9() -> list[str]:
     """step_summary and collective_stats read rollups a writer's thread keeps beside the commits
-    (collector/rollup.py: exact counts and sums, quantiles found by rank in a 512-per-octave
+    (collector/ingest/rollup.py: exact counts and sums, quantiles found by rank in a 512-per-octave
     histogram, within 0.068% of the exact value); the rollups are filled here from the stored rows."""
-    from collector import rollup
+    from collector.ingest import rollup
 
     return rollup.migration()
 
@@ -416,16 +416,16 @@ def _v9() -> list[str]:
 def _v10() -> list[str]:
     """step_ranks, stragglers, grad_sync, bubble_budget, step_throughput and lost_time (now
     collector/query/lost_sql.py's text: one step row per (run, step, rank), linear in repeats) read tables of their
-    rows per materialized step, beside the rows (collector/matviews.py), and their original SQL for
+    rows per materialized step, beside the rows (collector/ingest/matviews.py), and their original SQL for
     the steps with rows past the watermarks (the live set): always the original definition over the
     stored rows. Every stored step is materialized here."""
-    from collector import matviews
+    from collector.ingest import matviews
 
     return matviews.migration()
 
 
 def _v10_post(con) -> None:
-    from collector import matviews
+    from collector.ingest import matviews
 
     matviews.rebuild(con)
 

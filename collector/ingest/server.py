@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from collector import readonly
 from collector.export import Exports, no_alerts, no_gauges
 from collector.export.prometheus import AlertsFn, GaugesFn
-from collector.metrics import CollectorMetrics, serve_metrics
-from collector.schema import open_store
-from collector.writer import Ack, Barrier, Pending, StreamEnd, StreamSink, Writer, batch_to_arrow
+from collector.ingest.metrics import CollectorMetrics, serve_metrics
+from collector.ingest.schema import open_store
+from collector.ingest.writer import Ack, Barrier, Pending, StreamEnd, StreamSink, Writer, batch_to_arrow
+from collector.query import readonly
 from tracetop.errors import ListenError
 from tracetop.events import table_name
 from tracetop.wire import tracetop_pb2 as pb
@@ -141,7 +141,7 @@ class CollectorService:
         self._query_root = con.cursor()
         self._query_lock = threading.Lock()
         self._watch_cursors: dict[int, tuple[threading.Lock, object]] = {}  # Query.Watch streams' cursors
-        self.live_snapshots = None  # collector.watch.LiveSnapshots over the live engine, where there is one
+        self.live_snapshots = None  # collector.query.watch.LiveSnapshots over the live engine, where there is one
 
     def close(self) -> None:
         for lock, cur in list(self._watch_cursors.values()):
@@ -291,9 +291,9 @@ class CollectorService:
     # ---- Query.Watch ----------------------------------------------------------------------
     async def watch(self, request: pb.WatchRequest, context: grpc.aio.ServicerContext):
         """Snapshots of one run (the newest when run_id is empty) every interval_s, built off the
-        event loop on a cursor of this stream's own (collector/watch.py)."""
-        from collector import watch
+        event loop on a cursor of this stream's own (collector/query/watch.py)."""
         from collector.query import snapshot as snap
+        from collector.query import watch
 
         interval_s = watch.clamp_interval(request.interval_s)
         with self._query_lock:
@@ -395,7 +395,7 @@ class Collector:
     live: object | None = None  # collector.live.engine.LiveEngine when started with rules
     control: object = None  # collector.control.service.ControlService
     tasks: list = field(default_factory=list)  # the control path's loops (lost-command sweep, controller)
-    ends: object | None = None  # collector.source_ends.SourceEnds: sources gone without a clean close
+    ends: object | None = None  # collector.ingest.source_ends.SourceEnds: sources gone without a clean close
 
     async def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
@@ -490,7 +490,7 @@ async def start(
     service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows, query_timeout_s=query_timeout_s,
                                fresh_ship_s=fresh_ship_s)
     if live is not None:
-        from collector.watch import LiveSnapshots
+        from collector.query.watch import LiveSnapshots
 
         service.live_snapshots = LiveSnapshots(live)  # Watch builds the per-rank sections from the engine's state
     max_bytes = int(max_batch_mb * 1024 * 1024)
@@ -535,9 +535,9 @@ async def start(
 
 
 def _watch_source_ends(writer: Writer, after_s: float | None):
-    """collector/source_ends.py: a GAP row for each rank source gone silent without a clean close
+    """collector/ingest/source_ends.py: a GAP row for each rank source gone silent without a clean close
     (after ``after_s``; None: the default; 0: off). Its rows go through the writer like any batch."""
-    from collector.source_ends import DEFAULT_AFTER_S, SourceEnds
+    from collector.ingest.source_ends import DEFAULT_AFTER_S, SourceEnds
 
     if after_s is not None and after_s <= 0:
         return None

@@ -23,7 +23,7 @@ the collector's writer advances the watermark (`advance`, one transaction: the r
 rolled up, the watermark moved) once ROLL_EVERY_ROWS rows of a kind have been committed past it
 and when it closes, and compacts a rollup (re-sums its rows) when it has doubled since the last
 compaction. Rolling up per commit instead cost 5x the commit itself (a commit's few rows per
-bucket do not compress); in chunks it costs one GROUP BY per chunk. `collector.multifile`
+bucket do not compress); in chunks it costs one GROUP BY per chunk. `collector.query.multifile`
 derives the histograms from the raw rows (`rows_sql`) for a file older than the rollups.
 The SQL here is the shape `_v9` created: change it only through a new migration.
 """

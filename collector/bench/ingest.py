@@ -79,7 +79,13 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
            collector_args: tuple[str, ...] = ()) -> dict:
     import psutil
 
-    from collector.loadgen import CollectorProcess, collect_sources, count_stored, release, start_sources
+    from collector.bench.loadgen import (
+        CollectorProcess,
+        collect_sources,
+        count_stored,
+        release,
+        start_sources,
+    )
 
     db = workdir / "ingest.duckdb"
     db.unlink(missing_ok=True)
@@ -122,7 +128,7 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
     CPU and memory, and how fast its file grows. Offered vs stored says whether it keeps up."""
     import psutil
 
-    from collector.loadgen import (
+    from collector.bench.loadgen import (
         MIX_GPU_HZ_PER_8_RANKS,
         MIX_HEARTBEAT_S,
         MIX_PER_RANK_STEP,

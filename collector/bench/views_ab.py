@@ -3,8 +3,8 @@ OLD (a file of schema 7, read-only, its exact quantile_cont views as stored) aga
 migrated by this version, its rollup views); per view 3 NEW reads, 1 OLD, 3 NEW, so both see the
 same load. Prints each read with the load average, then the medians.
 
-    cp OLD.duckdb NEW.duckdb && .venv/bin/python -c "from collector.schema import open_store; open_store('NEW.duckdb').close()"
-    .venv/bin/python scripts/bench_views_ab.py OLD.duckdb NEW.duckdb [--memory-limit-gb 8]
+    cp OLD.duckdb NEW.duckdb && .venv/bin/python -c "from collector.ingest.schema import open_store; open_store('NEW.duckdb').close()"
+    .venv/bin/python -m collector.bench.views_ab OLD.duckdb NEW.duckdb [--memory-limit-gb 8]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import duckdb
 
-from collector.schema import connect
+from collector.ingest.schema import connect
 
 
 def main() -> None:

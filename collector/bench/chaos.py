@@ -26,7 +26,7 @@ SCENARIOS = {
     "agent-kill": "sources ship through a node agent (disk spool); kill -9 the agent --kills times",
     "full-spool": "through an agent whose spool is tiny, with the collector down for --fault-s",
     "rank-kill": "a real 2-rank training run (gloo); one rank SIGKILLs itself mid-step; hooks ship directly and "
-                 "through an agent (--via); see collector/bench_rank_kill.py",
+                 "through an agent (--via); see collector/bench/rank_kill.py",
     "none": "no fault: the baseline for the sources' per-step telemetry cost",
 }
 
@@ -83,12 +83,12 @@ def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: P
     """Run one scenario; count sent / stored / duplicates / lost / gaps exactly, and what the faults
     cost the sources' hand-overs (`record_ms_max`: a source that never waits for acks, as a training
     loop does not, must stay as fast during the fault as without it)."""
-    from collector.loadgen import CollectorProcess, collect_sources, count_stored, start_sources
+    from collector.bench.loadgen import CollectorProcess, collect_sources, count_stored, start_sources
 
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown chaos scenario {scenario!r}; choose one of {', '.join(sorted(SCENARIOS))}")
     if scenario == "rank-kill":
-        raise ValueError("rank-kill runs a real training: collector.bench_rank_kill.rank_kill")
+        raise ValueError("rank-kill runs a real training: collector.bench.rank_kill.rank_kill")
     db = workdir / "chaos.duckdb"
     if scenario == "partition":
         listen = f"127.0.0.1:{_free_port()}"
@@ -104,7 +104,7 @@ def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: P
     proxy = agent = None
     endpoint = listen
     if scenario == "partition":
-        from collector.chaos_proxy import ChaosProxy
+        from collector.bench.chaos_proxy import ChaosProxy
 
         host, _, port = listen.rpartition(":")
         proxy = ChaosProxy((host, int(port))).start()
@@ -205,7 +205,7 @@ def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: P
 
 
 def rank_kill_held(r: dict) -> bool:
-    """What rank-kill promises (collector/bench_rank_kill.py): nothing stored twice; the survivors lose
+    """What rank-kill promises (collector/bench/rank_kill.py): nothing stored twice; the survivors lose
     nothing; each killed rank's stored rows are a prefix of its steps, its source has one unclosed
     GAP row with the exact last seq, and a silent-rank alert names it; no loss without that mark."""
     killed = r["killed_ranks"]
@@ -218,7 +218,7 @@ def rank_kill_held(r: dict) -> bool:
 def _run_rank_kill(args: argparse.Namespace, workdir: Path) -> int:
     import sys
 
-    from collector.bench_rank_kill import rank_kill
+    from collector.bench.rank_kill import rank_kill
 
     if not 0 < args.kill_step < args.steps:
         print(f"tracetop bench chaos: --kill-step {args.kill_step} must lie in 1..{args.steps - 1} (--steps "

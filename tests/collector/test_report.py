@@ -15,8 +15,8 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from collector import report_html as R
-from collector.post_file import pick_run
+from collector import report as R
+from collector.query.post_file import pick_run
 from tests.helpers import ROOT
 
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"

@@ -1,7 +1,7 @@
 """`tracetop query FILE... "SQL"` or `tracetop query --collector [ADDR] "SQL"`: read-only SQL.
 
 Directly on files no collector holds (opened read-only, external access off; several files are
-presented as one, see collector/multifile.py), or through a running collector's Query service.
+presented as one, see collector/query/multifile.py), or through a running collector's Query service.
 Options go anywhere on the line (`tracetop query FILE --json "SQL"`). Prints a table, or `--csv` / `--json` (a JSON array of
 objects). Exit codes: 0 answered, 1 the SQL failed (syntax, missing table, ...), 2 refused
 (writes, ATTACH, COPY, file reads, INSTALL) or unusable arguments.
@@ -64,9 +64,9 @@ def on_file(paths: list[str], sql: str, args: argparse.Namespace) -> int:
 
     import duckdb
 
-    from collector import readonly
-    from collector.multifile import MultiFileError, connect_many
-    from collector.schema import SchemaError, connect
+    from collector.ingest.schema import SchemaError, connect
+    from collector.query import readonly
+    from collector.query.multifile import MultiFileError, connect_many
 
     for path in paths:
         if not os.path.exists(path):
@@ -109,7 +109,7 @@ def _refusal_text(e: BaseException) -> str:
 def _via_collector(addr: str, sql: str, args: argparse.Namespace) -> int:
     import grpc
 
-    from collector import readonly
+    from collector.query import readonly
     from tracetop.wire import tracetop_pb2 as pb
     from tracetop.wire import tracetop_pb2_grpc as pb_grpc
     from tracetop.wire.auth import AuthSetupError, client_auth_from_args

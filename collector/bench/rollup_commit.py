@@ -5,7 +5,7 @@ watermark), so both see the same machine load. Prints the total seconds of each 
 its roll-ups), B/A, and B's longest pause. Here B's roll-ups run inline, so B/A is their CPU
 cost; the collector runs them on a thread of its own (`tracetop-rollup`), so commits do not wait.
 
-    .venv/bin/python scripts/bench_rollup_commit.py [--commits 40] [--rows 10000] [--ranks 1024]
+    .venv/bin/python -m collector.bench.rollup_commit [--commits 40] [--rows 10000] [--ranks 1024]
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from collector import rollup
-from collector.schema import open_store
-from collector.writer import batch_to_arrow
+from collector.ingest import rollup
+from collector.ingest.schema import open_store
+from collector.ingest.writer import batch_to_arrow
 from tracetop.events import Kind, table_name
 from tracetop.wire.codec import decode_batch, encode_batch
 

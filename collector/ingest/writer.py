@@ -9,8 +9,8 @@ commit runs, so commits grow with it (group commit), which is what makes ingest 
 
 Once `rollup.ROLL_EVERY_ROWS` step or collective rows are past their rollup's watermark, a second
 thread (`tracetop-rollup`, its own cursor and transactions) rolls them up for the views
-(collector/rollup.py), so commits never wait for it; the writer rolls up the rest when it closes.
-The same thread materializes the per-step views (collector/matviews.py) once ROLL_EVERY_ROWS rows of
+(collector/ingest/rollup.py), so commits never wait for it; the writer rolls up the rest when it closes.
+The same thread materializes the per-step views (collector/ingest/matviews.py) once ROLL_EVERY_ROWS rows of
 their inputs are past their watermarks, and everything pending at close.
 
 Exactly once: a batch with seq <= its source's high-water mark (committed, or accepted earlier in
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from collector import matviews, rollup
+from collector.ingest import matviews, rollup
 from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import DecodedBatch
 
@@ -150,7 +150,7 @@ class Writer:
         # rows of each rolled-up kind committed past its rollup's watermark (a hint: the watermark
         # in the file is the truth)
         self._unrolled: dict[str, int] = {t: rollup.tail_rows(con, t) for t in rollup.TABLES}
-        # rows past the materialized views' watermarks, and pending steps (collector/matviews.py)
+        # rows past the materialized views' watermarks, and pending steps (collector/ingest/matviews.py)
         self._unrolled["views"] = matviews.pending_rows(con)
         self._roll_lock = threading.Lock()
         self._roll_wanted = threading.Event()

@@ -7,13 +7,13 @@ leave `step_summary` reading one file's `step`. Instead:
 1. a fresh in-memory database ATTACHes every file READ_ONLY (as f0, f1, ...);
 2. each table becomes a TEMP view `UNION ALL BY NAME` over the files that have it (a column a
    file lacks, from an older schema, reads NULL there); the rollups' `step_hist` and
-   `collective_hist` are made per file (collector/rollup.py: a file older than the rollups gets
+   `collective_hist` are made per file (collector/ingest/rollup.py: a file older than the rollups gets
    them from its rows);
 3. each view is recreated as a TEMP view from its stored SQL (the definition of the file with
    the newest schema), so its unqualified names now resolve to the unions of step 2; the
-   materialized per-step views (collector/matviews.py) from their original SQL over the rows;
+   materialized per-step views (collector/ingest/matviews.py) from their original SQL over the rows;
 4. then external access is switched off and the configuration locked, as for one file: no
-   further ATTACH, no file reads, no COPY. The SQL gate (collector.readonly) runs as usual.
+   further ATTACH, no file reads, no COPY. The SQL gate (collector.query.readonly) runs as usual.
 
 The same rows stored in two files (a copy) are counted twice: the union does not deduplicate (and a
 view that joins two tables then sees each pair four times). Files of different collectors hold
@@ -41,7 +41,7 @@ def connect_many(paths: list[str]):
     """An in-memory DuckDB connection presenting the union of `paths` under the usual names."""
     import duckdb
 
-    from collector.schema import STORE_VERSION
+    from collector.ingest.schema import STORE_VERSION
 
     con = duckdb.connect(":memory:")
     try:
@@ -87,8 +87,8 @@ def connect_many(paths: list[str]):
 def _hist_views(tables: dict[str, list[str]]) -> dict[str, str]:
     """`step_hist` / `collective_hist` over several files: per file its rollup and the histogram of
     its rows past the rollup's watermark, or, for a file older than the rollups, the histogram of
-    all its rows (collector/rollup.py). The stored definitions name the file's own tables."""
-    from collector import rollup
+    all its rows (collector/ingest/rollup.py). The stored definitions name the file's own tables."""
+    from collector.ingest import rollup
     from tracetop.events import table_name
 
     out = {}
@@ -107,9 +107,9 @@ def _hist_views(tables: dict[str, list[str]]) -> dict[str, str]:
 
 
 def _original(name: str, sql: str) -> str:
-    """A materialized view (collector/matviews.py: its `_m` rows and watermarks are per file, by
+    """A materialized view (collector/ingest/matviews.py: its `_m` rows and watermarks are per file, by
     rowid) over several files is its original SQL over the unions of the raw rows."""
-    from collector import matviews
+    from collector.ingest import matviews
 
     if name not in matviews.VIEWS:
         return sql
