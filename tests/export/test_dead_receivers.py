@@ -43,7 +43,7 @@ def _run(tmp_path, name: str, dead: bool) -> dict:
     h = server.serve(str(tmp_path / f"{name}.duckdb"), metrics_port=0, exports=exports,
                      gauges_fn=lambda: g, alerts_fn=lambda: [])
     commits = {"n": 0}
-    base_on_flush = h.collector.ingest.writer.on_flush
+    base_on_flush = h.collector.writer.on_flush
     a = straggler(run_id="load")
 
     def on_flush(stats) -> None:  # the live engine's feed: after commit, on the writer's thread
@@ -55,7 +55,7 @@ def _run(tmp_path, name: str, dead: bool) -> dict:
             exports.publish([resolved(a)], [])
         exports.publish([replace(a, value=float(commits["n"]))], [a])
 
-    h.collector.ingest.writer.on_flush = on_flush
+    h.collector.writer.on_flush = on_flush
     start = tmp_path / f"{name}.start"
     try:
         procs = loadgen.start_sources(h.address, "load", SOURCES, EVENTS, start_file=start)

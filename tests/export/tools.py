@@ -182,7 +182,7 @@ class OtlpReceiver:
 
     def __init__(self) -> None:
         import grpc
-        from opentelemetry.proto.collector.ingest.metrics.v1 import (
+        from opentelemetry.proto.collector.metrics.v1 import (
             metrics_service_pb2,
             metrics_service_pb2_grpc,
         )
