@@ -2,6 +2,10 @@
 
 Prints one line when it listens (`tracetop collector: listening on ADDR, db PATH ...`). SIGTERM
 or SIGINT: stop taking batches, commit and ack everything taken, close the file, exit 0.
+
+This module is the edge: flags, then env vars, then defaults, resolved and checked here (a bad
+value exits 2 with what to change), into a `collector.app.CollectorConfig`; `collector.app.start`
+does the wiring.
 """
 
 from __future__ import annotations
@@ -83,9 +87,10 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import signal
 
+    from collector.app import CollectorConfig, start
     from collector.export import ExportConfigError, build
     from collector.ingest.schema import SchemaError
-    from collector.ingest.server import ListenError, start
+    from tracetop.errors import ListenError
     from tracetop.wire.auth import AuthSetupError, ServerAuth
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -155,28 +160,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"tracetop collector: {e}", file=sys.stderr)
         return 2
 
+    config = CollectorConfig(
+        args.db,
+        args.listen,
+        max_batch_mb=args.max_batch_mb,
+        metrics_port=args.metrics_port,
+        auth=auth,
+        query_timeout_s=args.query_timeout_s,
+        max_query_rows=args.max_query_rows,
+        memory_limit_mb=args.memory_limit_mb,
+        flush_rows=args.flush_rows,
+        flush_interval_s=args.flush_interval_s,
+        rules=rules,
+        cost=cost,
+        baseline=args.baseline,
+        command_ttl_s=args.command_ttl_s,
+        controller=controller,
+        unclosed_after_s=args.unclosed_after_s,
+        fresh_ship_s=fresh_ship_s,
+    )
+
     async def main() -> int:
         try:
-            c = await start(
-                args.db,
-                args.listen,
-                max_batch_mb=args.max_batch_mb,
-                metrics_port=args.metrics_port,
-                auth=auth,
-                query_timeout_s=args.query_timeout_s,
-                max_query_rows=args.max_query_rows,
-                memory_limit_mb=args.memory_limit_mb,
-                flush_rows=args.flush_rows,
-                flush_interval_s=args.flush_interval_s,
-                exports=exports,
-                rules=rules,
-                cost=cost,
-                baseline=args.baseline,
-                command_ttl_s=args.command_ttl_s,
-                controller=controller,
-                unclosed_after_s=args.unclosed_after_s,
-                fresh_ship_s=fresh_ship_s,
-            )
+            c = await start(config, exports=exports)
         except (ListenError, SchemaError) as e:
             exports.close()
             print(f"tracetop collector: {e}", file=sys.stderr)

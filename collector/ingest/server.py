@@ -22,22 +22,15 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import grpc
 
-from collector.export import Exports, no_alerts, no_gauges
-from collector.export.prometheus import AlertsFn, GaugesFn
-from collector.ingest.metrics import CollectorMetrics, serve_metrics
-from collector.ingest.schema import open_store
+from collector.ingest.metrics import CollectorMetrics
 from collector.ingest.writer import Ack, Barrier, Pending, StreamEnd, StreamSink, Writer, batch_to_arrow
 from collector.query import readonly
 from tracetop.errors import ListenError
 from tracetop.events import table_name
 from tracetop.wire import tracetop_pb2 as pb
-from tracetop.wire import tracetop_pb2_grpc as pb_grpc
-from tracetop.wire.auth import ServerAuth, server_interceptor
 from tracetop.wire.codec import Rejection, parse_batch, receive
 
 log = logging.getLogger("tracetop.collector")
@@ -51,7 +44,7 @@ def check_listen(listen: str, *, closed: bool = False) -> str:
     """Validate a listen address; returns the gRPC bind string. Loopback or a unix socket, or any
     address when ``closed`` (the collector demands TLS or a bearer token of every caller)."""
     if listen.startswith("unix:"):
-        path = _unix_path(listen)
+        path = unix_path(listen)
         if not path:
             raise ListenError(f"listen address {listen!r}: give a socket path, e.g. unix:///tmp/tracetop.sock")
         return listen
@@ -67,14 +60,14 @@ def check_listen(listen: str, *, closed: bool = False) -> str:
     return listen
 
 
-def _unix_path(listen: str) -> str:
+def unix_path(listen: str) -> str:
     rest = listen[len("unix:") :]
     if rest.startswith("//"):
         rest = rest[2:]
     return rest
 
 
-def _clear_stale_socket(path: str) -> None:
+def clear_stale_socket(path: str) -> None:
     """Remove a socket file left by a killed collector; refuse if something still answers on it."""
     if not os.path.exists(path):
         return
@@ -376,235 +369,3 @@ class CollectorService:
             },
         )
         return [ingest, query]
-
-
-@dataclass
-class Collector:
-    """A running collector (inside an event loop). Made by `start`, ended by `shutdown`."""
-
-    server: grpc.aio.Server
-    service: CollectorService
-    writer: Writer
-    con: object
-    address: str
-    db_path: str
-    metrics: CollectorMetrics
-    metrics_port: int | None
-    metrics_http: object | None
-    exports: Exports | None = None
-    live: object | None = None  # collector.live.engine.LiveEngine when started with rules
-    control: object = None  # collector.control.service.ControlService
-    tasks: list = field(default_factory=list)  # the control path's loops (lost-command sweep, controller)
-    ends: object | None = None  # collector.ingest.source_ends.SourceEnds: sources gone without a clean close
-
-    async def shutdown(self, grace_s: float = 10.0) -> None:
-        """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
-        self.service.closing = True
-        for task in self.tasks:
-            task.cancel()
-        if self.ends is not None:
-            await asyncio.to_thread(self.ends.stop)  # type: ignore[attr-defined]
-        stopped = asyncio.ensure_future(self.server.stop(grace_s))
-        await asyncio.to_thread(self.writer.close)
-        if self.live is not None:
-            await asyncio.to_thread(self.live.close)  # type: ignore[attr-defined]
-        for sink in list(self.service.sinks):
-            sink.deliver(StreamEnd(shutdown=True))
-        await stopped
-        if self.metrics_http is not None:
-            self.metrics_http.shutdown()  # type: ignore[attr-defined]
-        self.service.close()
-        if self.control is not None:
-            self.control.close()  # type: ignore[attr-defined]
-        self.con.close()  # type: ignore[attr-defined]
-        if self.exports is not None:
-            await asyncio.to_thread(self.exports.close)  # bounded: dead receivers are left behind
-
-
-async def start(
-    db_path: str,
-    listen: str,
-    *,
-    max_batch_mb: float = 64,
-    metrics_port: int | None = None,
-    flush_rows: int = 10_000,
-    flush_interval_s: float = 0.5,
-    max_query_rows: int = readonly.DEFAULT_MAX_ROWS,
-    query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S,
-    auth: ServerAuth | None = None,
-    memory_limit_mb: int | None = None,
-    exports: Exports | None = None,
-    gauges_fn: GaugesFn | None = None,
-    alerts_fn: AlertsFn | None = None,
-    rules: Sequence | None = None,
-    sinks: Sequence = (),
-    baseline: str | None = None,
-    live_window: int = 64,
-    command_ttl_s: float | None = None,
-    controller: object = None,
-    unclosed_after_s: float | None = None,
-    cost: object = None,
-    fresh_ship_s: float = 1.0,
-) -> Collector:
-    """Open the file, start the writer and the gRPC server. Call inside a running event loop.
-
-    ``auth`` (tracetop.wire.auth.ServerAuth) is checked on every RPC and on /metrics; without TLS
-    or a token only loopback and unix-socket addresses are accepted.
-
-    rules: the live judgments' rules (collector.live.rules.Rule; None = no live engine); sinks:
-    where alerts go besides the `alerts` table (collector.live.model.AlertSink; the exports' sinks
-    are added); baseline: a run id in this file that scaling rules compare against.
-
-    fresh_ship_s: while a Watch stream shows a run, Push replies to its shippers ask for a shipment
-    this often (TRACETOP_FRESH_SHIP_S; 0: never, the shippers keep their own interval).
-
-    exports (collector.export.build): its metrics go on /metrics and its OTLP export starts, fed by
-    gauges_fn / alerts_fn (default: the live engine's gauges() / alerts()). Closed at shutdown, bounded."""
-    auth = auth or ServerAuth()
-    bind = check_listen(listen, closed=auth.closed)
-    if bind.startswith("unix:"):
-        _clear_stale_socket(_unix_path(bind))
-    con = open_store(db_path, memory_limit_mb=memory_limit_mb)
-    metrics = CollectorMetrics()
-    exports = exports if exports is not None else Exports()
-    live = None
-    if rules is not None:
-        from collector.live.engine import LiveEngine
-
-        live = LiveEngine(rules, con=con.cursor(), sinks=[*sinks, exports], baseline=baseline, window=live_window,
-                          cost=cost)  # type: ignore[arg-type]
-        live.start()
-        gauges_fn = gauges_fn or live.gauges
-        alerts_fn = alerts_fn or live.alerts
-    exports.attach_metrics(metrics.registry, gauges_fn or no_gauges, alerts_fn or no_alerts)
-    writer = Writer(
-        con,
-        flush_rows=flush_rows,
-        flush_interval_s=flush_interval_s,
-        on_flush=metrics.on_flush,
-        on_queue=metrics.on_queue,
-        on_commit=live.on_commit if live is not None else None,
-    )
-    writer.start()
-    ends = _watch_source_ends(writer, unclosed_after_s)
-    service = CollectorService(con, writer, metrics, max_query_rows=max_query_rows, query_timeout_s=query_timeout_s,
-                               fresh_ship_s=fresh_ship_s)
-    if live is not None:
-        from collector.query.watch import LiveSnapshots
-
-        service.live_snapshots = LiveSnapshots(live)  # Watch builds the per-rank sections from the engine's state
-    max_bytes = int(max_batch_mb * 1024 * 1024)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", max_bytes),
-            ("grpc.max_send_message_length", 512 * 1024 * 1024),
-            ("grpc.so_reuseport", 0),
-        ],
-        interceptors=[server_interceptor(auth)] if auth.token_required else None,
-    )
-    server.add_generic_rpc_handlers(service.handlers())
-    from collector.control import loop as control_loop
-
-    control, control_servicer = control_loop.make_service(con, command_ttl_s)
-    pb_grpc.add_ControlServicer_to_server(control_servicer, server)
-    try:
-        creds = auth.server_credentials()
-        port = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
-    except RuntimeError as e:
-        if ends is not None:
-            ends.stop()
-        writer.close()
-        if live is not None:
-            live.close()
-        con.close()
-        raise ListenError(f"cannot listen on {listen}: {e}") from e
-    if not bind.startswith("unix:"):
-        host = bind.rpartition(":")[0]
-        address = f"{host}:{port}"
-    else:
-        address = bind
-    await server.start()
-    http = None
-    if metrics_port is not None:
-        http, _ = serve_metrics(metrics_port, metrics.registry, auth=auth)
-        metrics_port = http.server_port
-    exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
-    tasks = control_loop.start_tasks(control, con, controller, live=live, sinks=[*sinks, exports])
-    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports, live,
-                     control, tasks, ends)
-
-
-def _watch_source_ends(writer: Writer, after_s: float | None):
-    """collector/ingest/source_ends.py: a GAP row for each rank source gone silent without a clean close
-    (after ``after_s``; None: the default; 0: off). Its rows go through the writer like any batch."""
-    from collector.ingest.source_ends import DEFAULT_AFTER_S, SourceEnds
-
-    if after_s is not None and after_s <= 0:
-        return None
-    ends = SourceEnds(after_s=after_s if after_s is not None else DEFAULT_AFTER_S)
-    live_commit = writer.on_commit
-
-    def on_commit(batches) -> None:
-        ends.on_commit(batches)
-        if live_commit is not None:
-            live_commit(batches)
-
-    writer.on_commit = on_commit
-
-    class _NoAcks(StreamSink):
-        def deliver(self, item) -> None:
-            pass
-
-    sink = _NoAcks()
-
-    def submit(raw) -> bool:
-        got = receive(raw)
-        if isinstance(got, Rejection):  # a bug of ours: say so, write nothing
-            log.error("collector: own GAP batch refused: %s: %s", got.fault, got.message)
-            return False
-        return writer.submit(Pending(sink, got, batch_to_arrow(got)))
-
-    return ends.start(submit)
-
-
-class Handle:
-    """A collector running in a background thread (programmatic use: `serve(...)`)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, collector: Collector, thread: threading.Thread) -> None:
-        self._loop = loop
-        self.collector = collector
-        self._thread = thread
-        self.address = collector.address
-        self.db_path = collector.db_path
-        self.metrics_port = collector.metrics_port
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        fut = asyncio.run_coroutine_threadsafe(self.collector.shutdown(grace_s), self._loop)
-        fut.result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-
-
-def serve(db_path: str, listen: str = "127.0.0.1:0", **kwargs) -> Handle:
-    """Start a collector in a background thread and return once it listens."""
-    loop = asyncio.new_event_loop()
-    ready: dict[str, object] = {}
-    started = threading.Event()
-
-    def main() -> None:
-        asyncio.set_event_loop(loop)
-        try:
-            ready["c"] = loop.run_until_complete(start(db_path, listen, **kwargs))
-        except BaseException as e:  # hand the error to the caller
-            ready["e"] = e
-            started.set()
-            return
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=main, name="tracetop-collector", daemon=True)
-    thread.start()
-    started.wait()
-    if "e" in ready:
-        raise ready["e"]  # type: ignore[misc]
-    return Handle(loop, ready["c"], thread)  # type: ignore[arg-type]

@@ -10,9 +10,9 @@ import math
 
 import pytest
 
+from collector import app
 from collector.control.inputs import RowInputs
 from collector.control.live_inputs import EngineInputs
-from collector.ingest import server
 from collector.live.rules import defaults
 from tests.control.harness import Trainer, wait_for
 
@@ -25,7 +25,7 @@ WINDOW = 32  # the engine keeps the last 32 steps: 8..39
 @pytest.fixture(scope="module")
 def both(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("inputs")
-    h = server.serve(str(tmp / "c.duckdb"), rules=defaults(), live_window=WINDOW)
+    h = app.serve(app.CollectorConfig(str(tmp / "c.duckdb"), rules=defaults(), live_window_steps=WINDOW))
     try:
         t = Trainer(tmp, nproc=2, args=["--pp", "2", "--steps", str(STEPS), "--micro-batch", "2", "--micro-batches", "4",
                                         "--memory-budget-mb", "2000", "--activation-mb-per-sample", "8",

@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 
+from collector import app
 from collector.bench import loadgen
 from collector.export import Exports
 from collector.export.alertmanager import AlertmanagerSink
 from collector.export.webhook import WebhookSink
-from collector.ingest import server
 from tests.collector.util import Feeder, batch
 from tests.helpers import scrape_metrics, start_collector
 
@@ -40,8 +40,8 @@ def _run(tmp_path, name: str, dead: bool) -> dict:
     else:
         exports = Exports()
     g = [gauges("load")]
-    h = server.serve(str(tmp_path / f"{name}.duckdb"), metrics_port=0, exports=exports,
-                     gauges_fn=lambda: g, alerts_fn=lambda: [])
+    h = app.serve(app.CollectorConfig(str(tmp_path / f"{name}.duckdb"), metrics_port=0), exports=exports,
+                  gauges_fn=lambda: g, alerts_fn=lambda: [])
     commits = {"n": 0}
     base_on_flush = h.collector.writer.on_flush
     a = straggler(run_id="load")

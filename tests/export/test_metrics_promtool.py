@@ -9,10 +9,10 @@ import urllib.request
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from collector import app
 from collector.export import Exports, build
 from collector.export.alertmanager import AlertmanagerSink
 from collector.export.webhook import WebhookSink
-from collector.ingest import server
 from collector.ingest.metrics import CollectorMetrics
 from tests.collector.util import Feeder, batch
 from tests.helpers import scrape_metrics, start_collector
@@ -119,8 +119,8 @@ def test_real_collector_serving_live_records_passes_promtool(tmp_path):
     engine's functions, fed RunGauges and Alert records."""
     g = [gauges("run-7"), gauges("run-8", mfu=0.41)]
     a = [straggler(), pending_bubble()]
-    h = server.serve(str(tmp_path / "c.duckdb"), metrics_port=0, exports=build(_Args()),
-                     gauges_fn=lambda: g, alerts_fn=lambda: a)
+    h = app.serve(app.CollectorConfig(str(tmp_path / "c.duckdb"), metrics_port=0), exports=build(_Args()),
+                  gauges_fn=lambda: g, alerts_fn=lambda: a)
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{h.metrics_port}/metrics", timeout=10).read().decode()
         s = samples(text)

@@ -6,9 +6,9 @@ import logging
 import math
 import time
 
+from collector import app
 from collector.export import build
 from collector.export.otlp import OtlpExporter
-from collector.ingest import server
 
 from .records import gauges, pending_bubble, straggler
 from .tools import Blackhole, OtlpReceiver, refused_port, wait_until
@@ -48,8 +48,8 @@ def test_a_real_collector_exports_the_fed_gauges_and_alert_counts(tmp_path):
         ("tracetop.alerts", (("run_id", "run-7"), ("severity", "warning"), ("state", "pending"))): (1, "{alert}"),
         ("tracetop.alerts", (("run_id", "run-8"), ("severity", "critical"), ("state", "firing"))): (1, "{alert}"),
     }
-    h = server.serve(str(tmp_path / "c.duckdb"), exports=build(_Args(rx.addr, 0.2)),
-                     gauges_fn=lambda: [g1, g2], alerts_fn=lambda: alerts)
+    h = app.serve(app.CollectorConfig(str(tmp_path / "c.duckdb")), exports=build(_Args(rx.addr, 0.2)),
+                  gauges_fn=lambda: [g1, g2], alerts_fn=lambda: alerts)
     try:
         wait_until(lambda: want.keys() <= rx.points().keys(), 30, "an export with every fed gauge")
         pts = rx.points()

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from collector.ingest import server
+from collector import app
 from collector.live.engine import LiveEngine
 from collector.live.rules import defaults
 from collector.query import snapshot as snap
@@ -34,7 +34,7 @@ from tui.sources import CollectorSource
 @pytest.fixture(scope="module")
 def collector(tmp_path_factory):
     path = tmp_path_factory.mktemp("watch_live") / "c.duckdb"
-    handle = server.serve(str(path), "127.0.0.1:0", rules=defaults())
+    handle = app.serve(app.CollectorConfig(str(path), "127.0.0.1:0", rules=defaults()))
     try:
         replay_into(handle.address)
         engine = handle.collector.live

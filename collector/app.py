@@ -1,0 +1,296 @@
+"""The composition root: one `CollectorConfig` in, a running collector out.
+
+`start` opens the file and wires the parts together: the writer thread (ingest/writer.py) with the
+collector's own metrics (ingest/metrics.py), the live engine (live/engine.py, when there are
+rules), the GAP rows for sources gone silent (ingest/source_ends.py), the gRPC edge
+(ingest/server.py), the Control service and the controller (control/loop.py), and the outputs
+(export/). `tracetop collector` (cli.py) turns flags and env vars into a `CollectorConfig` and
+calls `start`; tests and programs use `serve`, which runs one in a background thread.
+
+What is configuration (plain values, in the config) and what is a collaborator (objects with
+threads or state of their own: `exports`, `gauges_fn`, `alerts_fn`, `alert_publishers`,
+parameters of `start`) is kept apart, so a config can be built, compared and printed freely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from collector.export import Exports, no_alerts, no_gauges
+from collector.export.prometheus import AlertsFn, GaugesFn
+from collector.ingest.metrics import CollectorMetrics, serve_metrics
+from collector.ingest.schema import open_store
+from collector.ingest.server import CollectorService, check_listen, clear_stale_socket, unix_path
+from collector.ingest.writer import Pending, StreamEnd, StreamSink, Writer, batch_to_arrow
+from collector.query import readonly
+from tracetop.errors import ListenError
+from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+from tracetop.wire.auth import ServerAuth, server_interceptor
+from tracetop.wire.codec import Rejection, receive
+
+log = logging.getLogger("tracetop.collector")
+
+
+@dataclass(frozen=True)
+class CollectorConfig:
+    """Everything a collector is started with; each field's default is the collector's default.
+
+    `tracetop collector`'s flags map one to one (``--max-batch-mb`` -> ``max_batch_mb``, ...);
+    the CLI resolves env vars (TRACETOP_FRESH_SHIP_S, TRACETOP_PRICE_PER_GPU_HOUR) before it
+    builds this, so a config holds final values only."""
+
+    #: the DuckDB file to write (created if missing)
+    db_path: str
+    #: HOST:PORT (port 0 picks one) or unix:///PATH; loopback only unless ``auth`` is closed
+    listen: str = "127.0.0.1:0"
+    #: the largest message accepted; bigger ones get gRPC's RESOURCE_EXHAUSTED
+    max_batch_mb: float = 64
+    #: serve Prometheus /metrics on 127.0.0.1:PORT (0 picks one); None: no /metrics
+    metrics_port: int | None = None
+    #: commit once this many rows wait ...
+    flush_rows: int = 10_000
+    #: ... or once the oldest waited this long
+    flush_interval_s: float = 0.5
+    #: the most rows one Query.Sql returns
+    max_query_rows: int = readonly.DEFAULT_MAX_ROWS
+    #: a Query.Sql is cut off after this long
+    query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S
+    #: TLS and bearer tokens (tracetop.wire.auth.ServerAuth), checked on every RPC and on /metrics;
+    #: None: open, so only loopback and unix-socket addresses are accepted
+    auth: ServerAuth | None = None
+    #: cap DuckDB's memory for the file (ingest and queries together); None: DuckDB's default
+    memory_limit_mb: int | None = None
+    #: the live judgments' rules (collector.live.rules.Rule); None: no live engine
+    rules: Sequence | None = None
+    #: the price of lost GPU time (collector.live.lost.CostSettings); None: the engine's default
+    cost: object = None
+    #: a run id in this file that the scaling rules compare against
+    baseline: str | None = None
+    #: steps per run the live engine keeps in memory
+    live_window_steps: int = 64
+    #: a command rank 0 has not received this long after approval is marked lost; None: 600 s
+    command_ttl_s: float | None = None
+    #: the closed loop's settings (collector.control.controller.ControllerSettings); None: off
+    controller: object = None
+    #: a rank source silent this long without its clean close gets a GAP row; None: 30 s, 0: off
+    unclosed_after_s: float | None = None
+    #: while a Watch stream shows a run, Push replies ask its shippers to ship this often; 0: never
+    fresh_ship_s: float = 1.0
+
+
+@dataclass
+class Collector:
+    """A running collector (inside an event loop). Made by `start`, ended by `shutdown`."""
+
+    server: grpc.aio.Server
+    service: CollectorService
+    writer: Writer
+    con: object
+    address: str
+    db_path: str
+    metrics: CollectorMetrics
+    metrics_port: int | None
+    metrics_http: object | None
+    exports: Exports | None = None
+    live: object | None = None  # collector.live.engine.LiveEngine when started with rules
+    control: object = None  # collector.control.service.ControlService
+    tasks: list = field(default_factory=list)  # the control path's loops (lost-command sweep, controller)
+    ends: object | None = None  # collector.ingest.source_ends.SourceEnds: sources gone without a clean close
+
+    async def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop taking batches, commit and ack everything taken, end every stream, close the file."""
+        self.service.closing = True
+        for task in self.tasks:
+            task.cancel()
+        if self.ends is not None:
+            await asyncio.to_thread(self.ends.stop)  # type: ignore[attr-defined]
+        stopped = asyncio.ensure_future(self.server.stop(grace_s))
+        await asyncio.to_thread(self.writer.close)
+        if self.live is not None:
+            await asyncio.to_thread(self.live.close)  # type: ignore[attr-defined]
+        for sink in list(self.service.sinks):
+            sink.deliver(StreamEnd(shutdown=True))
+        await stopped
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()  # type: ignore[attr-defined]
+        self.service.close()
+        if self.control is not None:
+            self.control.close()  # type: ignore[attr-defined]
+        self.con.close()  # type: ignore[attr-defined]
+        if self.exports is not None:
+            await asyncio.to_thread(self.exports.close)  # bounded: dead receivers are left behind
+
+
+async def start(
+    config: CollectorConfig,
+    *,
+    exports: Exports | None = None,
+    gauges_fn: GaugesFn | None = None,
+    alerts_fn: AlertsFn | None = None,
+    alert_sinks: Sequence = (),
+) -> Collector:
+    """Open the file, start the writer and the gRPC server. Call inside a running event loop.
+
+    alert_sinks: where alerts go besides the `alerts` table (collector.live.model.AlertSink; the
+    exports' sinks are added).
+
+    exports (collector.export.build): its metrics go on /metrics and its OTLP export starts, fed by
+    gauges_fn / alerts_fn (default: the live engine's gauges() / alerts()). Closed at shutdown, bounded."""
+    c = config
+    db_path, listen = c.db_path, c.listen
+    auth = c.auth or ServerAuth()
+    bind = check_listen(listen, closed=auth.closed)
+    if bind.startswith("unix:"):
+        clear_stale_socket(unix_path(bind))
+    con = open_store(db_path, memory_limit_mb=c.memory_limit_mb)
+    metrics = CollectorMetrics()
+    exports = exports if exports is not None else Exports()
+    live = None
+    if c.rules is not None:
+        from collector.live.engine import LiveEngine
+
+        live = LiveEngine(c.rules, con=con.cursor(), sinks=[*alert_sinks, exports], baseline=c.baseline,
+                          window=c.live_window_steps, cost=c.cost)  # type: ignore[arg-type]
+        live.start()
+        gauges_fn = gauges_fn or live.gauges
+        alerts_fn = alerts_fn or live.alerts
+    exports.attach_metrics(metrics.registry, gauges_fn or no_gauges, alerts_fn or no_alerts)
+    writer = Writer(
+        con,
+        flush_rows=c.flush_rows,
+        flush_interval_s=c.flush_interval_s,
+        on_flush=metrics.on_flush,
+        on_queue=metrics.on_queue,
+        on_commit=live.on_commit if live is not None else None,
+    )
+    writer.start()
+    ends = watch_source_ends(writer, c.unclosed_after_s)
+    service = CollectorService(con, writer, metrics, max_query_rows=c.max_query_rows,
+                               query_timeout_s=c.query_timeout_s, fresh_ship_s=c.fresh_ship_s)
+    if live is not None:
+        from collector.query.watch import LiveSnapshots
+
+        service.live_snapshots = LiveSnapshots(live)  # Watch builds the per-rank sections from the engine's state
+    max_bytes = int(c.max_batch_mb * 1024 * 1024)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_send_message_length", 512 * 1024 * 1024),
+            ("grpc.so_reuseport", 0),
+        ],
+        interceptors=[server_interceptor(auth)] if auth.token_required else None,
+    )
+    server.add_generic_rpc_handlers(service.handlers())
+    from collector.control import loop as control_loop
+
+    control, control_servicer = control_loop.make_service(con, c.command_ttl_s)
+    pb_grpc.add_ControlServicer_to_server(control_servicer, server)
+    try:
+        creds = auth.server_credentials()
+        port = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
+    except RuntimeError as e:
+        if ends is not None:
+            ends.stop()
+        writer.close()
+        if live is not None:
+            live.close()
+        con.close()
+        raise ListenError(f"cannot listen on {listen}: {e}") from e
+    if not bind.startswith("unix:"):
+        host = bind.rpartition(":")[0]
+        address = f"{host}:{port}"
+    else:
+        address = bind
+    await server.start()
+    http = None
+    metrics_port = c.metrics_port
+    if metrics_port is not None:
+        http, _ = serve_metrics(metrics_port, metrics.registry, auth=auth)
+        metrics_port = http.server_port
+    exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
+    tasks = control_loop.start_tasks(control, con, c.controller, live=live, sinks=[*alert_sinks, exports])
+    return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports, live,
+                     control, tasks, ends)
+
+
+def watch_source_ends(writer: Writer, after_s: float | None):
+    """collector/ingest/source_ends.py: a GAP row for each rank source gone silent without a clean close
+    (after ``after_s``; None: the default; 0: off). Its rows go through the writer like any batch."""
+    from collector.ingest.source_ends import DEFAULT_AFTER_S, SourceEnds
+
+    if after_s is not None and after_s <= 0:
+        return None
+    ends = SourceEnds(after_s=after_s if after_s is not None else DEFAULT_AFTER_S)
+    live_commit = writer.on_commit
+
+    def on_commit(batches) -> None:
+        ends.on_commit(batches)
+        if live_commit is not None:
+            live_commit(batches)
+
+    writer.on_commit = on_commit
+
+    class _NoAcks(StreamSink):
+        def deliver(self, item) -> None:
+            pass
+
+    sink = _NoAcks()
+
+    def submit(raw) -> bool:
+        got = receive(raw)
+        if isinstance(got, Rejection):  # a bug of ours: say so, write nothing
+            log.error("collector: own GAP batch refused: %s: %s", got.fault, got.message)
+            return False
+        return writer.submit(Pending(sink, got, batch_to_arrow(got)))
+
+    return ends.start(submit)
+
+
+class Handle:
+    """A collector running in a background thread (programmatic use: `serve(...)`)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, collector: Collector, thread: threading.Thread) -> None:
+        self._loop = loop
+        self.collector = collector
+        self._thread = thread
+        self.address = collector.address
+        self.db_path = collector.db_path
+        self.metrics_port = collector.metrics_port
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self.collector.shutdown(grace_s), self._loop)
+        fut.result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+
+
+def serve(config: CollectorConfig, **collaborators) -> Handle:
+    """Start a collector in a background thread and return once it listens; ``collaborators``
+    are `start`'s keyword arguments."""
+    loop = asyncio.new_event_loop()
+    ready: dict[str, object] = {}
+    started = threading.Event()
+
+    def main() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            ready["c"] = loop.run_until_complete(start(config, **collaborators))
+        except BaseException as e:  # hand the error to the caller
+            ready["e"] = e
+            started.set()
+            return
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=main, name="tracetop-collector", daemon=True)
+    thread.start()
+    started.wait()
+    if "e" in ready:
+        raise ready["e"]  # type: ignore[misc]
+    return Handle(loop, ready["c"], thread)  # type: ignore[arg-type]
