@@ -15,8 +15,8 @@ import statistics
 
 import pytest
 
-from tests.control.harness import changes, loop_run, wait_for
-from tests.export.tools import Alertmanager, OtlpReceiver, Receiver
+from tests.collector.control.harness import changes, loop_run, wait_for
+from tests.collector.export.tools import Alertmanager, OtlpReceiver, Receiver
 from tracetop.wire import tracetop_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -82,7 +82,7 @@ def leak(tmp_path_factory):
     run = "loop-leak-1"
     out = {}
     tmp = tmp_path_factory.mktemp("leak")
-    # the live alert sinks, real receivers (tests/export/tools.py): a webhook, an Alertmanager, OTLP
+    # the live alert sinks, real receivers (tests/collector/export/tools.py): a webhook, an Alertmanager, OTLP
     hook, am_hook, otlp = Receiver(), Receiver(), OtlpReceiver()
     am = Alertmanager(tmp, am_hook.url)
     sinks = ["--webhook", hook.url, "--alertmanager", am.url, "--otlp", otlp.addr, "--otlp-interval-s", "0.5"]

@@ -9,7 +9,7 @@ import sys
 import grpc
 import pytest
 
-from tests.control.harness import Client, wait_for
+from tests.collector.control.harness import Client, wait_for
 from tests.helpers import ROOT, start_collector
 from tracetop.wire import tracetop_pb2 as pb
 from trainer_hooks import Tracer

@@ -14,7 +14,7 @@ from collector import app
 from collector.control.inputs import RowInputs
 from collector.control.live_inputs import EngineInputs
 from collector.live.rules import defaults
-from tests.control.harness import Trainer, wait_for
+from tests.collector.control.harness import Trainer, wait_for
 
 pytestmark = pytest.mark.slow
 RUN = "loop-inputs-1"

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.control.harness import Client, Trainer, changes, wait_for
+from tests.collector.control.harness import Client, Trainer, changes, wait_for
 from tests.helpers import ROOT, start_collector
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ def ddp_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp")
     c = start_collector(tmp, extra_args=["--controller", "off"])
     client = Client(c.addr)
-    t = Trainer(tmp, nproc=3, args=["600"], script=str(ROOT / "tests" / "control" / "ddp_child.py"),
+    t = Trainer(tmp, nproc=3, args=["600"], script=str(ROOT / "tests" / "collector" / "control" / "ddp_child.py"),
                 env={"TRACETOP_ENDPOINT": c.addr, "TRACETOP_RUN_ID": RUN, "TRACETOP_FLUSH_S": "0.5",
                      "TRACETOP_COMMAND_EVERY_STEPS": str(K), "OUT": str(tmp)})
     out = {}

@@ -14,7 +14,7 @@ from collector.export import ExportConfigError, build, check_otlp_endpoint
 
 from .tools import need
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize(

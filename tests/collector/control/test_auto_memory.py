@@ -18,7 +18,7 @@ import statistics
 
 import pytest
 
-from tests.control.harness import changes, loop_run, wait_for
+from tests.collector.control.harness import changes, loop_run, wait_for
 
 pytestmark = pytest.mark.slow
 BUDGET = 950 * 2**20

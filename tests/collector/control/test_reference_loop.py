@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.control import harness
-from tests.control.harness import changes, wait_for
+from tests.collector.control import harness
+from tests.collector.control.harness import changes, wait_for
 from tracetop.wire import tracetop_pb2 as pb
 
 pytestmark = pytest.mark.slow
