@@ -7,7 +7,7 @@
 # Idempotent: when every tool is on PATH it does nothing (no apt-get update) and returns at once.
 # Never fatal: without apt, or without root (and no password-less sudo), or when an install fails,
 # it says what to run and exits 0; the tests that need a missing tool then FAIL saying how to
-# install it (tests/export/tools.py), they never skip.
+# install it (tests/collector/export/tools.py), they never skip.
 #
 # Notes (measured on Debian 12, ../shared/notes/external-tools.md):
 # - prometheus-alertmanager 0.25: 1 package, 43 MB; prometheus 2.42: 37 MB download, ~320 MB

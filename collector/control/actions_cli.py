@@ -36,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
     sql = RANKS_SQL if args.ranks else ACTIONS_SQL
     if args.collector is not None:
         if args.file:
-            return query_cli._usage("give a FILE or --collector ADDR, not both")
-        return query_cli._via_collector(env.collector(args.collector or None), sql, args)
+            return query_cli.refuse("give a FILE or --collector ADDR, not both")
+        return query_cli.via_collector(env.collector(args.collector or None), sql, args)
     if not args.file:
-        return query_cli._usage("give a collector's FILE, or --collector ADDR")
+        return query_cli.refuse("give a collector's FILE, or --collector ADDR")
     return query_cli.on_file(args.file, sql, args)

@@ -1,7 +1,7 @@
 """The controller's inputs from the live engine's state (collector/live/state.py, fed by the
 writer's on_commit): the same ``ControlInputs`` as ``inputs.RowInputs``, without scanning the
 `step`, `memory` and `bubble_by_stage` rows each tick. ``loop.start_tasks`` uses it where the
-engine runs and RowInputs where it is off; tests/control/test_live_inputs.py holds the two equal
+engine runs and RowInputs where it is off; tests/collector/control/test_live_inputs.py holds the two equal
 on a real run.
 
 Per run the engine holds (not ended, a row within ``active_s``): the latest step every rank has

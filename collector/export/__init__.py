@@ -70,7 +70,7 @@ def check_otlp_endpoint(endpoint: str) -> tuple[str, bool]:
     from collector.export import otlp
 
     try:
-        otlp._import_sdk()
+        otlp.import_sdk()
     except otlp.OtlpUnavailable as e:
         raise ExportConfigError(str(e)) from e
     return hostport, insecure

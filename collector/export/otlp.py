@@ -66,7 +66,7 @@ class OtlpUnavailable(TracetopError, RuntimeError):
     """The `otlp` extra is not installed."""
 
 
-def _import_sdk():
+def import_sdk():
     try:
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         from opentelemetry.sdk.metrics import MeterProvider
@@ -82,7 +82,7 @@ def _import_sdk():
 
 def available() -> bool:
     try:
-        _import_sdk()
+        import_sdk()
     except OtlpUnavailable:
         return False
     return True
@@ -156,7 +156,7 @@ class OtlpExporter:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         service_name: str = "tracetop-collector",
     ) -> None:
-        OTLPMetricExporter, MeterProvider, MetricExportResult, Reader, Resource = _import_sdk()
+        OTLPMetricExporter, MeterProvider, MetricExportResult, Reader, Resource = import_sdk()
         self.endpoint = endpoint
         self.requests = 0
         self.failures = 0

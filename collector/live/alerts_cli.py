@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from collector.query import cli as query_cli
 
     if args.collector:
-        return query_cli._via_collector(args.collector, sql, args)
+        return query_cli.via_collector(args.collector, sql, args)
     return query_cli.on_file(args.file, sql, args)
 
 

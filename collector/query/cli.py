@@ -47,14 +47,16 @@ def run(args: argparse.Namespace) -> int:
         if not positional and addr:  # `--collector "SQL"`: argparse took the SQL as ADDR
             addr, positional = "", [addr]
         if len(positional) != 1:
-            return _usage("with --collector give only the SQL")
-        return _via_collector(env.collector(addr or None), positional[0], args)
+            return refuse("with --collector give only the SQL")
+        return via_collector(env.collector(addr or None), positional[0], args)
     if len(positional) < 2:
-        return _usage('give a FILE and the SQL: tracetop query FILE [FILE ...] "SQL" (or --collector ADDR "SQL")')
+        return refuse('give a FILE and the SQL: tracetop query FILE [FILE ...] "SQL" (or --collector ADDR "SQL")')
     return on_file(positional[:-1], positional[-1], args)
 
 
-def _usage(msg: str) -> int:
+def refuse(msg: str) -> int:
+    """Say why a query is refused (stderr) and return the exit code; `tracetop actions` and
+    `tracetop alerts` answer the same way."""
     print(f"tracetop query: {msg}", file=sys.stderr)
     return EXIT_REFUSED
 
@@ -70,9 +72,9 @@ def on_file(paths: list[str], sql: str, args: argparse.Namespace) -> int:
 
     for path in paths:
         if not os.path.exists(path):
-            return _usage(f"{path}: no such file (to ask a running collector use --collector ADDR)")
+            return refuse(f"{path}: no such file (to ask a running collector use --collector ADDR)")
     if len(set(map(os.path.realpath, paths))) != len(paths):
-        return _usage("the same file is named twice; its rows would be counted twice")
+        return refuse("the same file is named twice; its rows would be counted twice")
     try:
         con = connect(paths[0], read_only=True) if len(paths) == 1 else connect_many(paths)
     except (SchemaError, MultiFileError) as e:
@@ -106,7 +108,8 @@ def _refusal_text(e: BaseException) -> str:
     return text
 
 
-def _via_collector(addr: str, sql: str, args: argparse.Namespace) -> int:
+def via_collector(addr: str, sql: str, args: argparse.Namespace) -> int:
+    """Run ``sql`` through a running collector (Query.Sql) and print it as ``args`` ask."""
     import grpc
 
     from collector.query import readonly
@@ -117,7 +120,7 @@ def _via_collector(addr: str, sql: str, args: argparse.Namespace) -> int:
     try:
         auth = client_auth_from_args(args)
     except AuthSetupError as e:
-        return _usage(str(e))
+        return refuse(str(e))
     opts = [("grpc.max_receive_message_length", 512 * 1024 * 1024)]
     with auth.channel(addr, options=opts) as channel:
         try:
