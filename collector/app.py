@@ -27,7 +27,7 @@ from collector.export.prometheus import AlertsFn, GaugesFn
 from collector.ingest.metrics import CollectorMetrics, serve_metrics
 from collector.ingest.schema import open_store
 from collector.ingest.server import CollectorService, check_listen, clear_stale_socket, unix_path
-from collector.ingest.writer import Pending, StreamEnd, StreamSink, Writer, batch_to_arrow
+from collector.ingest.writer import QueuedBatch, StreamEnd, StreamReplies, Writer, batch_to_arrow
 from collector.query import readonly
 from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
@@ -114,8 +114,8 @@ class Collector:
         await asyncio.to_thread(self.writer.close)
         if self.live is not None:
             await asyncio.to_thread(self.live.close)  # type: ignore[attr-defined]
-        for sink in list(self.service.sinks):
-            sink.deliver(StreamEnd(shutdown=True))
+        for replies in list(self.service.open_streams):
+            replies.deliver(StreamEnd(shutdown=True))
         await stopped
         if self.metrics_http is not None:
             self.metrics_http.shutdown()  # type: ignore[attr-defined]
@@ -236,18 +236,18 @@ def watch_source_ends(writer: Writer, after_s: float | None):
 
     writer.on_commit = on_commit
 
-    class _NoAcks(StreamSink):
+    class _NoAcks(StreamReplies):
         def deliver(self, item) -> None:
             pass
 
-    sink = _NoAcks()
+    no_acks = _NoAcks()
 
     def submit(raw) -> bool:
         got = receive(raw)
         if isinstance(got, Rejection):  # a bug of ours: say so, write nothing
             log.error("collector: own GAP batch refused: %s: %s", got.fault, got.message)
             return False
-        return writer.submit(Pending(sink, got, batch_to_arrow(got)))
+        return writer.submit(QueuedBatch(no_acks, got, batch_to_arrow(got)))
 
     return ends.start(submit)
 

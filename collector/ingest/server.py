@@ -26,7 +26,15 @@ import time
 import grpc
 
 from collector.ingest.metrics import CollectorMetrics
-from collector.ingest.writer import Ack, Barrier, Pending, StreamEnd, StreamSink, Writer, batch_to_arrow
+from collector.ingest.writer import (
+    Ack,
+    Barrier,
+    QueuedBatch,
+    StreamEnd,
+    StreamReplies,
+    Writer,
+    batch_to_arrow,
+)
 from collector.query import readonly
 from tracetop.errors import ListenError
 from tracetop.events import table_name
@@ -82,7 +90,7 @@ def clear_stale_socket(path: str) -> None:
     raise ListenError(f"{path}: another process is listening on this socket")
 
 
-class _AioSink(StreamSink):
+class _AioReplies(StreamReplies):
     """Delivers writer output into one stream's asyncio queue, from the writer thread."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -128,7 +136,7 @@ class CollectorService:
         self.metrics = metrics
         self.max_query_rows = max_query_rows
         self.closing = False
-        self.sinks: set[_AioSink] = set()
+        self.open_streams: set[_AioReplies] = set()
         # Query cursors hang off a root cursor made here, never off the writer's connection from
         # another thread; each query gets its own (DuckDB connections are not shared across threads).
         self._query_root = con.cursor()
@@ -145,22 +153,22 @@ class CollectorService:
 
     # ---- Ingest.Stream --------------------------------------------------------------------
     async def stream(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
-        sink = _AioSink(asyncio.get_running_loop())
-        self.sinks.add(sink)
+        replies = _AioReplies(asyncio.get_running_loop())
+        self.open_streams.add(replies)
         self.metrics.streams.inc()
-        self.metrics.streams_open.set(len(self.sinks))
-        reader = asyncio.ensure_future(self._read(request_iterator, sink))
+        self.metrics.streams_open.set(len(self.open_streams))
+        reader = asyncio.ensure_future(self._read(request_iterator, replies))
         try:
             while True:
-                item = await sink.queue.get()
+                item = await replies.queue.get()
                 if isinstance(item, Ack):
                     await context.write(pb.Ack(source_id=item.source_id, seq=item.seq))
                     continue
                 await self._end(item, context)
                 return
         finally:
-            self.sinks.discard(sink)
-            self.metrics.streams_open.set(len(self.sinks))
+            self.open_streams.discard(replies)
+            self.metrics.streams_open.set(len(self.open_streams))
             reader.cancel()
 
     async def _end(self, end: StreamEnd, context: grpc.aio.ServicerContext) -> None:
@@ -169,60 +177,60 @@ class CollectorService:
             code, message, metadata = status
             await context.abort(code, message, trailing_metadata=metadata)
 
-    async def _take(self, raw, sink: _AioSink) -> bool:
+    async def _take(self, raw, replies: _AioReplies) -> bool:
         """Hand one received message to the writer; False when the stream (or push) is over."""
-        if self.closing or sink.failed:
+        if self.closing or replies.failed:
             return False  # not taken: unacked, the shipper resends
         batch = receive(raw)
         if isinstance(batch, Rejection):
-            self._reject(sink, batch)
+            self._reject(replies, batch)
             return False
         self.metrics.received.labels(table_name(batch.kind)).inc(batch.n)
         table = batch_to_arrow(batch)
         while self.writer.full() and not self.closing:
             await asyncio.sleep(0.005)  # backpressure: gRPC flow control holds the shipper
-        return self.writer.submit(Pending(sink, batch, table))
+        return self.writer.submit(QueuedBatch(replies, batch, table))
 
-    async def _read(self, request_iterator, sink: _AioSink) -> None:
+    async def _read(self, request_iterator, replies: _AioReplies) -> None:
         try:
             async for raw in request_iterator:
-                if not await self._take(raw, sink):
+                if not await self._take(raw, replies):
                     return
-            self.writer.submit(Barrier(sink, StreamEnd()))
+            self.writer.submit(Barrier(replies, StreamEnd()))
         except asyncio.CancelledError:
             raise
         except grpc.RpcError as e:  # the client went away mid-stream; the RPC ends with it
             log.debug("collector: stream reader ended: %s", e)
         except Exception as e:  # a bug: end this stream (nothing of its unacked batches is lost)
             log.exception("collector: stream reader failed")
-            if not self.writer.submit(Barrier(sink, StreamEnd(store_failed=f"stream reader failed: {e!r}"))):
-                sink.deliver(StreamEnd(shutdown=True))
+            if not self.writer.submit(Barrier(replies, StreamEnd(store_failed=f"stream reader failed: {e!r}"))):
+                replies.deliver(StreamEnd(shutdown=True))
 
-    def _reject(self, sink: _AioSink, r: Rejection) -> None:
+    def _reject(self, replies: _AioReplies, r: Rejection) -> None:
         self.metrics.rejected.labels(r.fault).inc()
         log.warning("collector: rejected batch: %s: %s", r.fault, r.message)
         end = StreamEnd(fault=r.fault, message=r.message, metadata=r.metadata)
-        if not self.writer.submit(Barrier(sink, end)):
-            sink.deliver(end)
+        if not self.writer.submit(Barrier(replies, end)):
+            replies.deliver(end)
 
     # ---- Ingest.Push ----------------------------------------------------------------------
     async def push(self, request: pb.PushRequest, context: grpc.aio.ServicerContext) -> pb.PushReply:
         """Stream's work for one burst in one call: the acks come back together once committed."""
-        sink = _AioSink(asyncio.get_running_loop())
-        self.sinks.add(sink)
+        replies = _AioReplies(asyncio.get_running_loop())
+        self.open_streams.add(replies)
         self.metrics.pushes.inc()
         runs: set[str] = set()
         try:
             for raw in request.batches:
                 batch = parse_batch(raw)
                 runs.add(getattr(batch, "run_id", ""))
-                if not await self._take(batch, sink):
+                if not await self._take(batch, replies):
                     break
             else:
-                self.writer.submit(Barrier(sink, StreamEnd()))
+                self.writer.submit(Barrier(replies, StreamEnd()))
             acks = []
             while True:
-                item = await sink.queue.get()
+                item = await replies.queue.get()
                 if isinstance(item, Ack):
                     acks.append(pb.Ack(source_id=item.source_id, seq=item.seq))
                     continue
@@ -234,7 +242,7 @@ class CollectorService:
                     reply.end_metadata.update(dict(metadata))
                 return reply
         finally:
-            self.sinks.discard(sink)
+            self.open_streams.discard(replies)
 
     def ship_interval_for(self, runs: set[str]) -> float:
         """What a Push reply asks of shippers of `runs`: fresh_ship_s while one of them is watched."""

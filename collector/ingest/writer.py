@@ -75,11 +75,11 @@ class StreamEnd:
     store_failed: str = ""
 
 
-class StreamSink:
-    """Where the writer delivers one stream's acks; `deliver` must be thread-safe. `failed` is
-    set when a commit holding its batches failed: its later queued batches are dropped too (they
-    would otherwise move the high-water mark past the lost ones, turning their resend into a
-    "duplicate")."""
+class StreamReplies:
+    """Where the writer delivers one stream's (or push's) replies: its acks, then its end.
+    `deliver` must be thread-safe. `failed` is set when a commit holding its batches failed: its
+    later queued batches are dropped too (they would otherwise move the high-water mark past the
+    lost ones, turning their resend into a "duplicate")."""
 
     failed = False
 
@@ -88,8 +88,10 @@ class StreamSink:
 
 
 @dataclass
-class Pending:
-    sink: StreamSink
+class QueuedBatch:
+    """A decoded batch (and its Arrow table) waiting for the writer; its ack goes to `replies`."""
+
+    replies: StreamReplies
     batch: DecodedBatch
     table: pa.Table
 
@@ -99,7 +101,7 @@ class Barrier:
     """Sent after a stream's last batch: delivered to that stream after the acks for everything it
     submitted before (so a rejected batch's stream first gets acks for what came before it)."""
 
-    sink: StreamSink
+    replies: StreamReplies
     end: StreamEnd
 
 
@@ -140,7 +142,7 @@ class Writer:
         self.hwm: dict[str, int] = dict(
             (s, int(h)) for s, h in con.execute("SELECT source_id, hwm FROM sources").fetchall()
         )
-        self._items: list[Pending | Barrier] = []
+        self._items: list[QueuedBatch | Barrier] = []
         self._queued_rows = 0
         self._oldest_mono = 0.0
         self._cond = threading.Condition()
@@ -170,7 +172,7 @@ class Writer:
     def full(self) -> bool:
         return self._queued_rows >= self.max_queued_rows
 
-    def submit(self, item: Pending | Barrier) -> bool:
+    def submit(self, item: QueuedBatch | Barrier) -> bool:
         """Queue an item; False once the writer is closing (the item is not taken)."""
         with self._cond:
             if self._closing:
@@ -178,7 +180,7 @@ class Writer:
             if not self._items:
                 self._oldest_mono = time.monotonic()
             self._items.append(item)
-            if isinstance(item, Pending):
+            if isinstance(item, QueuedBatch):
                 self._queued_rows += item.batch.n
             if len(self._items) == 1 or self._queued_rows >= self.flush_rows or isinstance(item, Barrier):
                 self._cond.notify()
@@ -203,7 +205,7 @@ class Writer:
             self._roll_up(self.con, 0)  # a cleanly closed file has no tail
 
     # -- writer thread ---------------------------------------------------------------------
-    def _take(self) -> list[Pending | Barrier] | None:
+    def _take(self) -> list[QueuedBatch | Barrier] | None:
         with self._cond:
             while not self._items and not self._closing:
                 self._cond.wait()
@@ -235,18 +237,18 @@ class Writer:
                 log.exception("collector: commit failed")
                 self._fail(items, f"{type(e).__name__}: {e}")
 
-    def flush(self, items: list[Pending | Barrier]) -> FlushStats:
+    def flush(self, items: list[QueuedBatch | Barrier]) -> FlushStats:
         """Commit `items` in one transaction, then deliver acks and barriers. Called by the
         writer thread (and directly by tests of the pure ordering logic)."""
         stats = FlushStats()
         hwm = dict(self.hwm)
-        accepted: list[Pending] = []
-        acks: dict[StreamSink, set[str]] = defaultdict(set)
+        accepted: list[QueuedBatch] = []
+        acks: dict[StreamReplies, set[str]] = defaultdict(set)
         for item in items:
-            if isinstance(item, Barrier) or item.sink.failed:
+            if isinstance(item, Barrier) or item.replies.failed:
                 continue
             b = item.batch
-            acks[item.sink].add(b.source_id)
+            acks[item.replies].add(b.source_id)
             if b.seq <= hwm.get(b.source_id, 0):
                 stats.duplicates += 1
                 continue
@@ -269,12 +271,12 @@ class Writer:
                 if b.sealed_ns > 0:
                     stats.latencies_s.append(max(0, committed_ns - b.sealed_ns) / 1e9)
         self.flushes += 1
-        for sink, sources in acks.items():
+        for replies, sources in acks.items():
             for source in sorted(sources):
-                sink.deliver(Ack(source, self.hwm.get(source, 0)))
+                replies.deliver(Ack(source, self.hwm.get(source, 0)))
         for item in items:
-            if isinstance(item, Barrier) and not item.sink.failed:
-                item.sink.deliver(item.end)
+            if isinstance(item, Barrier) and not item.replies.failed:
+                item.replies.deliver(item.end)
         if self.on_flush:
             self.on_flush(stats)
         if self.on_commit and accepted:
@@ -323,7 +325,7 @@ class Writer:
                 with self._roll_lock:
                     self._unrolled[table] += n
 
-    def _commit(self, accepted: list[Pending], hwm: dict[str, int]) -> int:
+    def _commit(self, accepted: list[QueuedBatch], hwm: dict[str, int]) -> int:
         by_kind: dict[Kind, list[pa.Table]] = defaultdict(list)
         for item in accepted:
             by_kind[item.batch.kind].append(item.table)
@@ -386,11 +388,11 @@ class Writer:
             raise
         return committed_ns
 
-    def _fail(self, items: list[Pending | Barrier], why: str) -> None:
+    def _fail(self, items: list[QueuedBatch | Barrier], why: str) -> None:
         """A commit failed: nothing of `items` is stored; end their streams so shippers resend."""
-        seen: set[StreamSink] = set()
+        seen: set[StreamReplies] = set()
         for item in items:
-            if item.sink not in seen and not item.sink.failed:
-                seen.add(item.sink)
-                item.sink.failed = True
-                item.sink.deliver(StreamEnd(store_failed=why))
+            if item.replies not in seen and not item.replies.failed:
+                seen.add(item.replies)
+                item.replies.failed = True
+                item.replies.deliver(StreamEnd(store_failed=why))

@@ -107,10 +107,10 @@ def run_read_only(con, sql: str, max_rows: int = DEFAULT_MAX_ROWS, *, timeout_s:
 
 
 def to_ipc(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
+    buf = pa.BufferOutputStream()
+    with pa.ipc.new_stream(buf, table.schema) as writer:
         writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    return buf.getvalue().to_pybytes()
 
 
 def from_ipc(data: bytes) -> pa.Table:

@@ -94,10 +94,10 @@ class Snapshot:
 def _ipc(table) -> bytes:
     import pyarrow as pa
 
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
+    buf = pa.BufferOutputStream()
+    with pa.ipc.new_stream(buf, table.schema) as w:
         w.write_table(table)
-    return sink.getvalue().to_pybytes()
+    return buf.getvalue().to_pybytes()
 
 
 def from_ipc(data: bytes):

@@ -18,7 +18,7 @@ import pytest
 
 from collector.ingest import matviews, rollup
 from collector.ingest.schema import MIGRATIONS, open_store
-from collector.ingest.writer import Pending, StreamSink, Writer, batch_to_arrow
+from collector.ingest.writer import QueuedBatch, StreamReplies, Writer, batch_to_arrow
 from collector.query.lost_sql import lost_time_sql, lost_time_sql_v8
 from collector.query.multifile import connect_many
 from tests.helpers import ROOT
@@ -126,7 +126,7 @@ def _steps(rng, step: int, ranks, seq: int):
         seq)
 
 
-class _Sink(StreamSink):
+class _Sink(StreamReplies):
     def deliver(self, item) -> None:
         pass
 
@@ -166,7 +166,7 @@ def test_writer_materializes_exactly_with_late_rows_and_a_tail(tmp_path, monkeyp
 
     def send(b) -> None:
         nonlocal seq
-        writer.submit(Pending(sink, decode_batch(b), batch_to_arrow(decode_batch(b))))
+        writer.submit(QueuedBatch(sink, decode_batch(b), batch_to_arrow(decode_batch(b))))
 
     try:
         seq += 1

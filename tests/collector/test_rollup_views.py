@@ -16,7 +16,7 @@ import pytest
 
 from collector.ingest import rollup
 from collector.ingest.schema import open_store
-from collector.ingest.writer import Pending, StreamSink, Writer, batch_to_arrow
+from collector.ingest.writer import QueuedBatch, StreamReplies, Writer, batch_to_arrow
 from collector.query.multifile import connect_many
 from tests.collector.util import Feeder
 from tests.helpers import ROOT, start_collector
@@ -173,7 +173,7 @@ def test_two_files_old_and_new_schema(tmp_path) -> None:
         many.close()
 
 
-class _Sink(StreamSink):
+class _Sink(StreamReplies):
     def __init__(self) -> None:
         self.got: list = []
 
@@ -194,7 +194,7 @@ def test_writer_rolls_up_in_chunks_and_views_count_the_tail(tmp_path, monkeypatc
     seq = 1
     for _ in range(8):
         for b in _random_batches(rng, seq, 1000):
-            writer.submit(Pending(sink, decode_batch(b), batch_to_arrow(decode_batch(b))))
+            writer.submit(QueuedBatch(sink, decode_batch(b), batch_to_arrow(decode_batch(b))))
         seq += 2
     cur = con.cursor()
     deadline = time.monotonic() + 60
@@ -206,7 +206,7 @@ def test_writer_rolls_up_in_chunks_and_views_count_the_tail(tmp_path, monkeypatc
     assert state["step"] > 0 and state["collective"] > 0
     cur.close()
     for b in _random_batches(rng, seq, 500):  # committed, not yet rolled up
-        writer.submit(Pending(sink, decode_batch(b), batch_to_arrow(decode_batch(b))))
+        writer.submit(QueuedBatch(sink, decode_batch(b), batch_to_arrow(decode_batch(b))))
     while writer.hwm.get("rollup", 0) < seq + 1:
         time.sleep(0.05)
     cur = con.cursor()
