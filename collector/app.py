@@ -142,42 +142,41 @@ async def start(
 
     exports (collector.export.build): its metrics go on /metrics and its OTLP export starts, fed by
     gauges_fn / alerts_fn (default: the live engine's gauges() / alerts()). Closed at shutdown, bounded."""
-    c = config
-    db_path, listen = c.db_path, c.listen
-    auth = c.auth or ServerAuth()
+    db_path, listen = config.db_path, config.listen
+    auth = config.auth or ServerAuth()
     bind = check_listen(listen, closed=auth.closed)
     if bind.startswith("unix:"):
         clear_stale_socket(unix_path(bind))
-    con = open_store(db_path, memory_limit_mb=c.memory_limit_mb)
+    con = open_store(db_path, memory_limit_mb=config.memory_limit_mb)
     metrics = CollectorMetrics()
     exports = exports if exports is not None else Exports()
     live = None
-    if c.rules is not None:
+    if config.rules is not None:
         from collector.live.engine import LiveEngine
 
-        live = LiveEngine(c.rules, con=con.cursor(), sinks=[*alert_sinks, exports], baseline=c.baseline,
-                          window=c.live_window_steps, cost=c.cost)  # type: ignore[arg-type]
+        live = LiveEngine(config.rules, con=con.cursor(), sinks=[*alert_sinks, exports], baseline=config.baseline,
+                          window=config.live_window_steps, cost=config.cost)  # type: ignore[arg-type]
         live.start()
         gauges_fn = gauges_fn or live.gauges
         alerts_fn = alerts_fn or live.alerts
     exports.attach_metrics(metrics.registry, gauges_fn or no_gauges, alerts_fn or no_alerts)
     writer = Writer(
         con,
-        flush_rows=c.flush_rows,
-        flush_interval_s=c.flush_interval_s,
+        flush_rows=config.flush_rows,
+        flush_interval_s=config.flush_interval_s,
         on_flush=metrics.on_flush,
         on_queue=metrics.on_queue,
         on_commit=live.on_commit if live is not None else None,
     )
     writer.start()
-    ends = watch_source_ends(writer, c.unclosed_after_s)
-    service = CollectorService(con, writer, metrics, max_query_rows=c.max_query_rows,
-                               query_timeout_s=c.query_timeout_s, fresh_ship_s=c.fresh_ship_s)
+    ends = watch_source_ends(writer, config.unclosed_after_s)
+    service = CollectorService(con, writer, metrics, max_query_rows=config.max_query_rows,
+                               query_timeout_s=config.query_timeout_s, fresh_ship_s=config.fresh_ship_s)
     if live is not None:
         from collector.query.watch import LiveSnapshots
 
         service.live_snapshots = LiveSnapshots(live)  # Watch builds the per-rank sections from the engine's state
-    max_bytes = int(c.max_batch_mb * 1024 * 1024)
+    max_bytes = int(config.max_batch_mb * 1024 * 1024)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", max_bytes),
@@ -189,7 +188,7 @@ async def start(
     server.add_generic_rpc_handlers(service.handlers())
     from collector.control import loop as control_loop
 
-    control, control_servicer = control_loop.make_service(con, c.command_ttl_s)
+    control, control_servicer = control_loop.make_service(con, config.command_ttl_s)
     pb_grpc.add_ControlServicer_to_server(control_servicer, server)
     try:
         creds = auth.server_credentials()
@@ -209,12 +208,12 @@ async def start(
         address = bind
     await server.start()
     http = None
-    metrics_port = c.metrics_port
+    metrics_port = config.metrics_port
     if metrics_port is not None:
         http, _ = serve_metrics(metrics_port, metrics.registry, auth=auth)
         metrics_port = http.server_port
     exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
-    tasks = control_loop.start_tasks(control, con, c.controller, live=live, sinks=[*alert_sinks, exports])
+    tasks = control_loop.start_tasks(control, con, config.controller, live=live, sinks=[*alert_sinks, exports])
     return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports, live,
                      control, tasks, ends)
 
