@@ -26,6 +26,7 @@ from agent.nvml import NVML, NVMLUnavailable
 from agent.relay import Relay
 from tracetop import env
 from tracetop.events import Kind
+from tracetop.wire.shipper import Sink
 
 log = logging.getLogger("tracetop.agent")
 
@@ -113,7 +114,7 @@ class Agent:
         *,
         nvml_backend: Any = None,
         psutil_mod: Any = None,
-        shipper_factory: Callable[..., Any] | None = None,
+        shipper_factory: Callable[..., Sink] | None = None,
         clock_ns: Callable[[], int] = time.time_ns,
         mono_s: Callable[[], float] = time.monotonic,
         out: TextIO | None = None,
@@ -132,7 +133,7 @@ class Agent:
 
             shipper_factory = Shipper
         self._shipper_factory = shipper_factory
-        self.shipper: Any = None
+        self.shipper: Sink | None = None
         self.nvml: NVML | None = None
         self.gpu: GPUSampler | None = None
         self.host: HostSampler | None = None
