@@ -53,9 +53,9 @@ class AgentConfig:
     node: str | None = None
     clock_interval_s: float = 60.0
     spool_fsync: bool = True
-    #: Sealing interval of the agent's own rows (hook batches are forwarded at once, not sealed
-    #: here). 1 s matches 1 Hz sampling and keeps the flusher's wake-ups (4 a second) cheap.
-    flush_interval_s: float = 1.0
+    #: Sealing interval of the agent's own rows (tracetop.env.AGENT_FLUSH_S: 1 s matches 1 Hz
+    #: sampling and keeps the flusher's wake-ups cheap; hook batches are forwarded at once).
+    flush_interval_s: float = env.AGENT_FLUSH_S
     #: how the agent proves itself to a collector that demands it (tracetop.wire.auth.ClientAuth)
     auth: Any = None
 

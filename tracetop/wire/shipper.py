@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from tracetop import env
 from tracetop.events import Kind
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.intake import Intake
@@ -144,7 +145,7 @@ class Shipper:
         source_id: str | None = None,
         rank: int = -1,
         flush_rows: int = 4096,
-        flush_interval_s: float = 0.25,
+        flush_interval_s: float = env.SHIPPER_FLUSH_S,
         max_pending_rows: int = 1 << 20,
         max_unacked_bytes: int = 256 * MiB,
         spool_dir: str | os.PathLike[str] | None = None,
