@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.helpers import start_collector
+from tests.support.services import start_collector
 from tracetop import env
 from tracetop.events import Kind
 from tracetop.wire import tracetop_pb2 as pb
