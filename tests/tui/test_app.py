@@ -22,8 +22,9 @@ from tests.tui.fixture import (
     replay_into,
 )
 from tests.tui.pilot import table_rows, text_of, wait_for
-from tui import core, sim
+from tui import core
 from tui.app import HELP, SCREEN_IDS, HeatmapView, HelpScreen, TracetopApp
+from tui.bench import sim
 from tui.sources import CollectorSource, FileSource
 
 SIZE = (150, 48)
