@@ -388,7 +388,7 @@ class TracetopApp(App[int]):
         assert src is not None
         while not self.stop.is_set():
             try:
-                if getattr(src, "channel", None) is None:
+                if not src.is_open:
                     src.open()
                 for s in src.watch(self.interval_s, self.stop):
                     if not self._post(self.on_snapshot, s):
@@ -412,7 +412,7 @@ class TracetopApp(App[int]):
         src = self.source
         assert src is not None
         try:
-            if getattr(src, "con", None) is None:
+            if not src.is_open:
                 src.open()
             s = src.snapshot_at(step)
         except Exception as e:
@@ -537,13 +537,13 @@ class TracetopApp(App[int]):
         firing = core.firing_summary(s)
         al.append("firing alerts: ", style="bold")
         if not s.header.get("has_alerts"):
-            al.append("none known (this collector has no live engine yet: alerts fill in when it lands)\n", style="dim")
+            al.append("none known (no alerts table: this collector or file predates live judgments)\n", style="dim")
         else:
             al.append(("\n  ".join([""] + firing) if firing else "none") + "\n")
         al.append("latest actions: ", style="bold")
         acts = core.action_rows(s)[:5]
         if not s.header.get("has_actions"):
-            al.append("none known (no controller in this collector yet)", style="dim")
+            al.append("none known (no actions table: this collector or file predates the controller)", style="dim")
         else:
             al.append("\n  ".join([""] + [f"{a['id']} {a['state']} {a['what']} ({a['why']})" for a in acts]) if acts else "none")
             prop = self.overview_proposal()
@@ -750,9 +750,9 @@ class TracetopApp(App[int]):
         s = self.snap
         note = Text()
         if not s.header.get("has_alerts"):
-            note.append("No alerts table in this collector / file: alerts fill in when the live engine lands.\n", style="dim")
+            note.append("No alerts table in this collector / file: it predates live judgments, so it has no alerts.\n", style="dim")
         if not s.header.get("has_actions"):
-            note.append("No actions table: proposals appear here when the controller lands.\n", style="dim")
+            note.append("No actions table: this collector / file predates the controller, so it has no proposals.\n", style="dim")
         if self.source is not None and self.source.live:
             note.append("y approves / n rejects the selected proposal (after a confirmation).", style="dim")
         else:

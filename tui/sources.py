@@ -54,6 +54,10 @@ class Source(Protocol):
     description: str
     run_id: str
 
+    @property
+    def is_open(self) -> bool:
+        """True from a successful open() to close(): the app opens a source only when it is not."""
+
     def open(self) -> None:
         """Connect / open and pick the run; raises SourceError."""
 
@@ -85,6 +89,10 @@ class FileSource:
         self.description = self.path.name  # the name, not the full path: screenshots stay the same anywhere
         self.con = None
         self._lock = threading.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        return self.con is not None
 
     def open(self) -> None:
         import duckdb
@@ -186,6 +194,10 @@ class CollectorSource:
         self.connect_timeout_s = connect_timeout_s
         self.channel = None
         self._call = None
+
+    @property
+    def is_open(self) -> bool:
+        return self.channel is not None
 
     def open(self) -> None:
         import grpc
