@@ -17,7 +17,7 @@ from typing import Any
 from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
-from textual.widgets import ContentSwitcher, DataTable, Footer, Input, Static, Tab, Tabs
+from textual.widgets import ContentSwitcher, Footer, Input, Static, Tab, Tabs
 
 from collector.query import snapshot as snapmod
 from tui import keys
@@ -34,8 +34,8 @@ from tui.screens.overview import OverviewPane
 from tui.screens.pipeline import PipelinePane
 from tui.screens.rank_detail import RankDetailPane
 from tui.screens.ranks import RanksPane, RanksState
-from tui.sources import Decision, Source, SourceError
-from tui.widgets import SCRUB_CELLS, HeatmapView, ScrubBar, head_text, scrub_prefix
+from tui.sources import Decision, Source, SourceError, as_source_error
+from tui.widgets import FilterBox, HeatmapView, ScrubBar, head_text
 
 #: Source errors after which a live source is not retried.
 FINAL_ERRORS = ("unknown run", "collector too old")
@@ -49,8 +49,6 @@ class TracetopApp(App[int]):
     #head { height: 2; background: $boost; padding: 0 1; }
     #scrub { height: 1; padding: 0 1; }
     #body { height: 1fr; }
-    #filter { dock: bottom; display: none; }
-    #filter.on { display: block; }
     .pane { height: 1fr; }
     DataTable { height: auto; max-height: 1fr; }
     """
@@ -102,7 +100,7 @@ class TracetopApp(App[int]):
         with ContentSwitcher(initial=self.current, id="body"):
             yield from panes
             yield ErrorPane(id="error", classes="pane")
-        yield Input(placeholder="filter (enter to apply, esc to clear)", id="filter")
+        yield FilterBox(placeholder="filter (enter to apply, esc to clear)", id="filter")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -145,12 +143,10 @@ class TracetopApp(App[int]):
             except Exception as e:  # a worker never takes the app down: every failure becomes a screen
                 if self.stop.is_set():
                     return
-                if not isinstance(e, SourceError):
-                    e = SourceError("unexpected error", f"{type(e).__name__}: {e}",
-                                    "retrying; if it persists, report it with the collector's log")
-                if not self._post(self.show_error, e):
+                err = as_source_error(e, "retrying; if it persists, report it with the collector's log")
+                if not self._post(self.show_error, err):
                     return
-                if e.title in FINAL_ERRORS:
+                if err.title in FINAL_ERRORS:
                     return
                 src.close()
                 if self.stop.wait(self.retry_s):
@@ -165,9 +161,7 @@ class TracetopApp(App[int]):
                 src.open()
             s = src.snapshot_at(step)
         except Exception as e:
-            if not isinstance(e, SourceError):
-                e = SourceError("unexpected error", f"{type(e).__name__}: {e}", "report it with the file's path")
-            self._post(self.show_error, e)
+            self._post(self.show_error, as_source_error(e, "report it with the file's path"))
             return
         if step is not None and step != self.replay_step:
             return  # a later key asked for another step: this one is stale (keys outrun loads)
@@ -187,10 +181,8 @@ class TracetopApp(App[int]):
     def submit_decision(self, what: str, action_id: str) -> None:
         try:
             answer: Decision | SourceError = self.source.decide(what, action_id)  # type: ignore[union-attr]
-        except SourceError as e:
-            answer = e
         except Exception as e:  # a worker never takes the app down
-            answer = SourceError("unexpected error", f"{type(e).__name__}: {e}", "see the collector's log")
+            answer = as_source_error(e, "see the collector's log")
         self._post(self.on_decision, what, action_id, answer)
 
     def on_unmount(self) -> None:
@@ -286,14 +278,11 @@ class TracetopApp(App[int]):
         self.switch_to(SCREEN_IDS[i])
 
     def action_filter(self) -> None:
-        box = self.query_one("#filter", Input)
-        box.add_class("on")
-        box.value = self.filters.get(self.current, "")
-        box.focus()
+        self.query_one(FilterBox).open(self.filters.get(self.current, ""))
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.filters[self.current] = event.value.strip()
-        event.input.remove_class("on")
+        self.query_one(FilterBox).close()
         self.draw_current()
         if self.current == "ranks":
             self.query_one("#heatmap", HeatmapView).focus()
@@ -320,12 +309,8 @@ class TracetopApp(App[int]):
         if self.current == "ranks":
             self.draw_current()
 
-    def on_heatmap_view_selected(self, event: HeatmapView.Selected) -> None:
-        self.drill(event.cell.key)
-
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        if event.data_table.id == "ranks-side" and event.row_key.value is not None:
-            self.drill(("rank", int(event.row_key.value)))
+    def on_ranks_pane_drill(self, event: RanksPane.Drill) -> None:
+        self.drill(event.key)
 
     def drill(self, key: tuple) -> None:
         if key[0] == "rank":
@@ -339,10 +324,9 @@ class TracetopApp(App[int]):
             self.draw_current()
 
     def action_back(self) -> None:
-        box = self.query_one("#filter", Input)
-        if box.has_class("on"):
-            box.remove_class("on")
-            box.value = ""
+        box = self.query_one(FilterBox)
+        if box.is_open:
+            box.close(clear=True)
             self.filters[self.current] = ""
             self.draw_current()
             return
@@ -383,16 +367,9 @@ class TracetopApp(App[int]):
             return
         self.goto_step(self.snap.header["first_step" if where == "first" else "last_step"])
 
-    def on_scrub_bar_clicked(self, event: ScrubBar.Clicked) -> None:
-        self.scrub_click(event.x)
-
-    def scrub_click(self, x: int) -> None:
-        if self.snap is None or self.source is None or self.live:
-            return
-        h = self.snap.header
-        x -= len(scrub_prefix(self.snap.step, h["first_step"]))
-        if 0 <= x < SCRUB_CELLS:
-            self.goto_step(int(round(h["first_step"] + x / (SCRUB_CELLS - 1) * (h["last_step"] - h["first_step"]))))
+    def on_scrub_bar_step_asked(self, event: ScrubBar.StepAsked) -> None:
+        if self.snap is not None and self.source is not None and not self.live:
+            self.goto_step(event.step)
 
     # -- approve / reject --
     def _action_under_cursor(self) -> str | None:

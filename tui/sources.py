@@ -31,6 +31,11 @@ class SourceError(TracetopError):
         self.title, self.message, self.hint = title, message, hint
 
 
+def as_source_error(e: Exception, hint: str) -> SourceError:
+    """`e` as the screen shows it: a SourceError as it is, anything else as an unexpected error with `hint`."""
+    return e if isinstance(e, SourceError) else SourceError("unexpected error", f"{type(e).__name__}: {e}", hint)
+
+
 class Decision(NamedTuple):
     """The collector's answer to an approve / reject: the action and its state after it."""
 

@@ -16,7 +16,7 @@ from textual.geometry import Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
-from textual.widgets import Static
+from textual.widgets import Input, Static
 
 from collector.query import snapshot as snapmod
 from tui import core
@@ -181,18 +181,24 @@ def scrub_prefix(step: int, first_step: int) -> str:
 class ScrubBar(Static):
     """The replay bar (a file only): where the shown step lies in the run; a click on it asks for that step."""
 
-    class Clicked(Message):
-        """A click `x` cells into the bar's line."""
+    class StepAsked(Message):
+        """A click on the bar: show `step`."""
 
-        def __init__(self, x: int) -> None:
+        def __init__(self, step: int) -> None:
             super().__init__()
-            self.x = x
+            self.step = step
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.span: tuple[int, int, int] | None = None  # (step shown, first, last) while the bar is shown
 
     def show(self, snap: snapmod.Snapshot | None, live: bool) -> None:
         if snap is None or live or snap.header.get("waiting"):
             self.display = False
+            self.span = None
             return
         first, last, at = snap.header["first_step"], snap.header["last_step"], snap.step
+        self.span = (at, first, last)
         pos = 0 if last <= first else int((at - first) / (last - first) * (SCRUB_CELLS - 1))
         line = "".join("●" if i == pos else "─" for i in range(SCRUB_CELLS))
         self.update(Text(f"{scrub_prefix(at, first)}{line} {last}   ([ ] ±1, {{ }} ±10, home/end; click the bar)"))
@@ -200,5 +206,32 @@ class ScrubBar(Static):
 
     def on_click(self, event: events.Click) -> None:
         off = event.get_content_offset(self)
-        if off is not None:
-            self.post_message(self.Clicked(off.x))
+        if off is None or self.span is None:
+            return
+        at, first, last = self.span
+        x = off.x - len(scrub_prefix(at, first))
+        if 0 <= x < SCRUB_CELLS:
+            self.post_message(self.StepAsked(int(round(first + x / (SCRUB_CELLS - 1) * (last - first)))))
+
+
+class FilterBox(Input):
+    """The filter line (/): docked at the bottom, shown while it is open (enter applies, esc clears)."""
+
+    DEFAULT_CSS = """
+    FilterBox { dock: bottom; display: none; }
+    FilterBox.on { display: block; }
+    """
+
+    @property
+    def is_open(self) -> bool:
+        return self.has_class("on")
+
+    def open(self, value: str) -> None:
+        self.add_class("on")
+        self.value = value
+        self.focus()
+
+    def close(self, *, clear: bool = False) -> None:
+        self.remove_class("on")
+        if clear:
+            self.value = ""

@@ -10,6 +10,7 @@ import numpy as np
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.widgets import DataTable, Static
 
 from collector.query import snapshot as snapmod
@@ -72,9 +73,25 @@ class RanksPane(Vertical):
     #ranks-status { height: 3; padding: 0 1; }
     """
 
+    class Drill(Message):
+        """Enter (or a double click) on a cell or on a row of the side table: drill into `key`."""
+
+        def __init__(self, key: tuple) -> None:
+            super().__init__()
+            self.key = key
+
     def __init__(self, state: RanksState, **kw) -> None:
         super().__init__(**kw)
         self.state = state
+
+    def on_heatmap_view_selected(self, event: HeatmapView.Selected) -> None:
+        event.stop()
+        self.post_message(self.Drill(event.cell.key))
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        if event.data_table.id == "ranks-side" and event.row_key.value is not None:
+            self.post_message(self.Drill(("rank", int(event.row_key.value))))
 
     def compose(self) -> ComposeResult:
         yield Static("", id="ranks-status")
