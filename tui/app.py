@@ -323,7 +323,7 @@ class TracetopApp(App[int]):
             self.ranks.drill.append(key)
             self.draw_current()
 
-    def action_back(self) -> None:
+    def action_back(self) -> None:  # type: ignore[override]  # Textual's is a coroutine; it awaits either
         box = self.query_one(FilterBox)
         if box.is_open:
             box.close(clear=True)
@@ -420,6 +420,6 @@ class TracetopApp(App[int]):
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
-    def action_quit(self) -> None:
+    def action_quit(self) -> None:  # type: ignore[override]  # (as action_back)
         self.stop.set()
         self.exit(0)

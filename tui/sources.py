@@ -17,10 +17,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from collector.query import snapshot as snap
 from tracetop.errors import TracetopError
+
+if TYPE_CHECKING:
+    import duckdb
 
 
 class SourceError(TracetopError):
@@ -92,7 +95,7 @@ class FileSource:
         self.path = Path(path)
         self.run_id = run_id or ""
         self.description = self.path.name  # the name, not the full path: screenshots stay the same anywhere
-        self.con = None
+        self.con: duckdb.DuckDBPyConnection | None = None
         self._lock = threading.Lock()
 
     @property
@@ -248,9 +251,10 @@ class CollectorSource:
 
         from tracetop.wire import tracetop_pb2 as pb
 
-        self._call = self.stub.Watch(pb.WatchRequest(run_id=self.run_id, interval_s=interval_s), metadata=self.metadata)
+        call = self._call = self.stub.Watch(pb.WatchRequest(run_id=self.run_id, interval_s=interval_s),
+                                            metadata=self.metadata)
         try:
-            for msg in self._call:
+            for msg in call:
                 s = snap.decode(msg.arrow_ipc)
                 if s.header.get("run_id") and not self.run_id:
                     self.run_id = s.header["run_id"]
@@ -262,7 +266,7 @@ class CollectorSource:
                 return
             raise self._error(e) from None
         finally:
-            self._call.cancel()
+            call.cancel()
 
     def snapshot_at(self, step: int | None) -> snap.Snapshot:
         for s in self.watch(1.0, threading.Event()):

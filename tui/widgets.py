@@ -7,6 +7,8 @@ The header and the replay bar are drawn by pure helpers from plain values.
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.segment import Segment
 from rich.style import Style
 from rich.text import Text
@@ -57,7 +59,7 @@ class HeatmapView(ScrollView, can_focus=True):
         super().__init__(**kw)
         self.hm: core.Heatmap | None = None
         self.cells: list[core.Cell] = []
-        self.lines: list[tuple[str, object]] = []  # ("title", text) | ("cells", (first, last))
+        self.lines: list[tuple[str, Any]] = []  # ("title", text) | ("cells", (first, last))
         self.cell_w = 14
         self.per_line = 1
         self.cursor = 0
@@ -97,7 +99,7 @@ class HeatmapView(ScrollView, can_focus=True):
         kind, payload = self.lines[idx]
         if kind == "title":
             return Strip([Segment(f" {payload}".ljust(width), Style(bold=True))]).crop(0, width)
-        a, b = payload  # type: ignore[misc]
+        a, b = payload
         segs = [Segment("          ")]
         metric = self.hm.metric if self.hm else "compute"
         for k in range(a, b):
@@ -110,8 +112,8 @@ class HeatmapView(ScrollView, can_focus=True):
 
     def _cell_pos(self, k: int) -> tuple[int, int]:
         for li, (kind, payload) in enumerate(self.lines):
-            if kind == "cells" and payload[0] <= k < payload[1]:  # type: ignore[index]
-                return li, k - payload[0]  # type: ignore[index]
+            if kind == "cells" and payload[0] <= k < payload[1]:
+                return li, k - payload[0]
         return 0, 0
 
     def action_move(self, dx: int, dy: int) -> None:
@@ -141,7 +143,7 @@ class HeatmapView(ScrollView, can_focus=True):
         li = self.scroll_offset.y + off.y
         if li >= len(self.lines) or self.lines[li][0] != "cells":
             return
-        a, b = self.lines[li][1]  # type: ignore[misc]
+        a, b = self.lines[li][1]
         k = a + max(off.x - 10, 0) // self.cell_w
         if a <= k < b:
             if k == self.cursor and event.chain >= 2:

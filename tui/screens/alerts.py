@@ -41,9 +41,8 @@ class AlertsPane(VerticalScroll):
         self.query_one("#al-note", Static).update(note)
         t = self.query_one("#al-table", DataTable)
         t.clear()
-        for *row, st in core.alert_rows(s, view.filter):
-            row[0] = Text(core.STATUS_MARK[st] + " " + row[0], style=core.STATUS_STYLE[st])
-            t.add_row(*row)
+        for state, *rest, st in core.alert_rows(s, view.filter):
+            t.add_row(Text(core.STATUS_MARK[st] + " " + state, style=core.STATUS_STYLE[st]), *rest)
         a = self.query_one("#ac-table", DataTable)
         keep = self.action_under_cursor()  # the row a person selected survives the redraw
         a.clear()
