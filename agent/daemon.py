@@ -60,7 +60,7 @@ class AgentConfig:
     auth: Any = None
 
 
-def _auth_kwargs(auth: Any) -> dict[str, Any]:
+def shipper_auth_kwargs(auth: Any) -> dict[str, Any]:
     """The shipper's TLS credentials and bearer metadata from a ClientAuth (nothing without one)."""
     if auth is None:
         return {}
@@ -159,7 +159,7 @@ class Agent:
             spool_max_bytes=cfg.spool_max_bytes,
             spool_fsync=cfg.spool_fsync,
             flush_interval_s=cfg.flush_interval_s,
-            **_auth_kwargs(cfg.auth),
+            **shipper_auth_kwargs(cfg.auth),
         )
         self.nvml = NVML(self._nvml_backend)
         try:
