@@ -1,5 +1,5 @@
 """DDP's gradient buckets on the GPU path (the Tracer's CUDA-event clock), on a real 2-process
-gloo DDP with a fake ``torch.cuda.Event`` at the hardware edge (``tests/hooks/fake_cuda.py``:
+gloo DDP with a fake ``torch.cuda.Event`` at the hardware edge (``tests/trainer_hooks/fake_cuda.py``:
 an event is done on the "device" 20 ms after it was recorded, or never while held).
 
 Ground truths: the model's gradient bytes (``dp_trainer.build_model``), the 80 ms sleep injected
@@ -57,8 +57,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from tests.hooks import dp_trainer
-    from tests.hooks.fake_cuda import FakeCudaClock, FakeCudaEvent, threads_that
+    from tests.trainer_hooks import dp_trainer
+    from tests.trainer_hooks.fake_cuda import FakeCudaClock, FakeCudaEvent, threads_that
     from tracetop.events import Kind
     from tracetop.wire.shipper import MemoryTransport
     from trainer_hooks import Tracer
@@ -124,7 +124,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 def _grad_bytes() -> int:
-    from tests.hooks import dp_trainer
+    from tests.trainer_hooks import dp_trainer
 
     return sum(p.numel() * p.element_size() for p in dp_trainer.build_model().parameters())
 

@@ -3,15 +3,13 @@ thread's CPU clock (thread_time_ns), per step, after a warmup of 30 steps.
 
     .venv/bin/tracetop collector --db /tmp/p.duckdb --listen 127.0.0.1:0 &   # note its address
     TRACETOP_ENDPOINT=ADDR DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python \
-        scripts/probe_hook_costs.py --quiet --steps 300 --model tiny --micro-batches 4
+        -m reference_trainer.bench.probe_hook_costs --quiet --steps 300 --model tiny --micro-batches 4
 """
 import collections
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reference_trainer import tracing as tracing_mod
 from reference_trainer import train
 from trainer_hooks import ddp as ddp_mod

@@ -1,7 +1,7 @@
 """A plain data-parallel PyTorch trainer for the DDP / FSDP tests, instrumented exactly as
 trainer_hooks/README.md shows (``Tracer``, ``step``, ``phase``); launched by torchrun.
 
-    torchrun --standalone --nproc_per_node 4 tests/hooks/dp_trainer.py --mode ddp --steps 16 --slow 2:80@10
+    torchrun --standalone --nproc_per_node 4 tests/trainer_hooks/dp_trainer.py --mode ddp --steps 16 --slow 2:80@10
 
 --mode ddp (DistributedDataParallel), fsdp2 (``fully_shard`` on each Linear, then the root) or
 fsdp1 (``FullyShardedDataParallel`` with ``device_id=cpu``). ``--slow R:MS@S``: rank R sleeps MS

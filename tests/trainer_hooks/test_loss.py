@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from tests.hooks.test_device_path import FakeDeviceClock
+from tests.trainer_hooks.test_device_path import FakeDeviceClock
 from tracetop.events import Kind
 from tracetop.wire.shipper import MemoryTransport
 from trainer_hooks import Tracer

@@ -19,20 +19,20 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT, start_collector
-from tests.hooks import dp_trainer
-from tests.hooks._harness import query
+from tests.trainer_hooks import dp_trainer
+from tests.trainer_hooks._harness import query
 
 SLOW_RANK, SLOW_MS, SLOW_FROM, STEPS = 2, 80.0, 10, 18
 SLOW = f"{SLOW_RANK}:{SLOW_MS:g}@{SLOW_FROM}"
 FRAMEWORK_STEPS = 4
 
 RUNS = {
-    "ddp": (4, "tests/hooks/dp_trainer.py", ["--mode", "ddp", "--steps", str(STEPS), "--slow", SLOW]),
-    "fsdp2": (4, "tests/hooks/dp_trainer.py", ["--mode", "fsdp2", "--size", "small", "--steps", str(STEPS), "--slow", SLOW]),
-    "fsdp1": (2, "tests/hooks/dp_trainer.py", ["--mode", "fsdp1", "--size", "small", "--steps", "3"]),
-    "hf": (2, "tests/hooks/hf_trainer.py", ["--steps", str(FRAMEWORK_STEPS)]),
-    "lightning": (2, "tests/hooks/pl_trainer.py", ["--steps", str(FRAMEWORK_STEPS)]),
-    "lightning_hook": (2, "tests/hooks/pl_trainer.py", ["--steps", str(FRAMEWORK_STEPS), "--comm-hook"]),
+    "ddp": (4, "tests/trainer_hooks/dp_trainer.py", ["--mode", "ddp", "--steps", str(STEPS), "--slow", SLOW]),
+    "fsdp2": (4, "tests/trainer_hooks/dp_trainer.py", ["--mode", "fsdp2", "--size", "small", "--steps", str(STEPS), "--slow", SLOW]),
+    "fsdp1": (2, "tests/trainer_hooks/dp_trainer.py", ["--mode", "fsdp1", "--size", "small", "--steps", "3"]),
+    "hf": (2, "tests/trainer_hooks/hf_trainer.py", ["--steps", str(FRAMEWORK_STEPS)]),
+    "lightning": (2, "tests/trainer_hooks/pl_trainer.py", ["--steps", str(FRAMEWORK_STEPS)]),
+    "lightning_hook": (2, "tests/trainer_hooks/pl_trainer.py", ["--steps", str(FRAMEWORK_STEPS), "--comm-hook"]),
 }
 
 
@@ -43,7 +43,7 @@ def _torchrun(tmp: Path, nproc: int, script: str, args: list[str], endpoint: str
                TRACETOP_ENDPOINT=endpoint, TRACETOP_RUN_ID=run_id, TRACETOP_FLUSH_S="1")
     env.pop("TRACETOP_DISABLE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args]
-    if script != "tests/hooks/dp_trainer.py":
+    if script != "tests/trainer_hooks/dp_trainer.py":
         cmd += ["--out", str(out)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

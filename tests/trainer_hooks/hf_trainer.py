@@ -2,7 +2,7 @@
 traced with ``trainer_hooks.hf.TracetopCallback``; launched by torchrun (DDP on gloo, picked by the
 Trainer itself).
 
-    torchrun --standalone --nproc_per_node 2 tests/hooks/hf_trainer.py --steps 4 --out DIR
+    torchrun --standalone --nproc_per_node 2 tests/trainer_hooks/hf_trainer.py --steps 4 --out DIR
 
 Writes ``DIR/rank<k>.json`` with the Trainer's own step count and the model's parameter bytes.
 """

@@ -6,7 +6,7 @@ with its error, its figures' keys set to null, and the next part runs. Writes tw
 ``gpu.json`` (every figure; rewritten after each part, so a run cut short keeps what it had) and
 ``gpu.log`` (the tail of every process's output).
 
-1. ``sync`` (``reference_trainer/bench_gpu_child.py sync``): the reference trainer's model in a
+1. ``sync`` (``reference_trainer/bench/gpu_child.py sync``): the reference trainer's model in a
    sync-free bf16 loop, gradients all-reduced over an NCCL group of one process (NCCL refuses two
    ranks on one GPU, so collectives run as a group of one), under
    ``torch.cuda.set_sync_debug_mode("error")``: a control without hooks, then the hooks (CUDA
@@ -21,7 +21,7 @@ with its error, its figures' keys set to null, and the next part runs. Writes tw
    module and timing its buckets through the comm hook; bucket rows and their bytes against the
    gradient bytes, durations against their steps', the steps' device time against the loop's
    host wall clock, and that only the emitter asked the events.
-2. ``overhead`` (``bench_gpu_child hooks``, which runs ``trainer_hooks/_bench_child.py``): the
+2. ``overhead`` (``bench_gpu_child hooks``, which runs ``reference_trainer/bench/hooks_child.py``): the
    larger preset (``1b``) on DeepSpeed, bf16, hooks switched on and off every 2 steps in random
    ABBA/BAAB quads, as ``tracetop bench hooks`` does; the figure is the wall step time (the
    median over quads of on - off, goal <= 0.2%; ``meets_goal`` is true when its whole 95% interval
@@ -54,7 +54,7 @@ test suite; figures that only a GPU can give say "not applicable" instead of pas
 
 Layering: this module imports no agent or collector (and torch only to see that a GPU is there); it
 starts the parts as processes
-(``python -m reference_trainer.bench_gpu_child``, ``python -m agent.bench_gpu``,
+(``python -m reference_trainer.bench.gpu_child``, ``python -m agent.bench_gpu``,
 ``python -m collector``), so each part imports only what its own package may.
 """
 
@@ -415,7 +415,7 @@ class Bench:
     # ---- the parts ----
     def part_sync(self) -> dict[str, Any]:
         out = self.tmp / "sync.json"
-        argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "sync", str(out), "--model", self.model,
+        argv = [sys.executable, "-m", "reference_trainer.bench.gpu_child", "sync", str(out), "--model", self.model,
                 "--steps", "4" if self.cpu else "8", "--micro-batch", "2", *(["--cpu"] if self.cpu else [])]
         self.spawn("sync", argv, 120 if self.cpu else 150)
         figures = json.loads(out.read_text())
@@ -424,7 +424,7 @@ class Bench:
 
     def part_ddp(self) -> dict[str, Any]:
         out = self.tmp / "ddp.json"
-        argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "ddp", str(out), "--steps", "8",
+        argv = [sys.executable, "-m", "reference_trainer.bench.gpu_child", "ddp", str(out), "--steps", "8",
                 *(["--cpu"] if self.cpu else [])]
         self.spawn("ddp", argv, 90)
         figures = json.loads(out.read_text())
@@ -448,13 +448,13 @@ class Bench:
 
     def part_overhead(self) -> dict[str, Any]:
         """Parts 2 and 3 from one run; fills 'timing' and the sync part's warn-mode figures too."""
-        from trainer_hooks import bench as hooks_bench
+        from reference_trainer.bench import hooks as hooks_bench
 
         out = self.tmp / "hooks.json"
         block, warmup = 2, 16
         trainer = ["--steps", str(self.steps), "--model", self.model, "--micro-batch", "2", "--micro-batches", "4",
                    "--quiet", "--micro-blocks", "8" if self.cpu else "40", *(["--cpu"] if self.cpu else [])]
-        argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "hooks", str(out), str(block), str(warmup),
+        argv = [sys.executable, "-m", "reference_trainer.bench.gpu_child", "hooks", str(out), str(block), str(warmup),
                 "1", *trainer]
         self.spawn("overhead", argv, self.overhead_limit_s)
         log = json.loads(out.read_text())
@@ -506,7 +506,7 @@ class Bench:
                 raise PartFailed(f"offload: the NVML sampler did not start: {first} "
                                  f"{sampler_log.read_text(errors='replace')[-600:]}")
             dtype = "fp32" if self.cpu else "bf16"
-            argv = [sys.executable, "-m", "reference_trainer.bench_gpu_child", "offload", str(trainer_out), str(warmup),
+            argv = [sys.executable, "-m", "reference_trainer.bench.gpu_child", "offload", str(trainer_out), str(warmup),
                     "--pp", "1", "--zero", "2", "--offload", "cpu", "--model", self.offload_model, "--steps", str(steps),
                     "--micro-batch", "2", "--micro-batches", "2", "--dtype", dtype, "--quiet"]
             self.spawn("offload", argv, 150 if self.cpu else 240)
@@ -607,7 +607,7 @@ class Bench:
 
     # ---- the whole ----
     def start_collector(self) -> Any:
-        from trainer_hooks.bench import _Collector
+        from reference_trainer.bench.hooks import _Collector
 
         try:
             c = _Collector(self.tmp)

@@ -3,7 +3,7 @@ thread's, minus the threads that existed before the hooks) per second, over the 
 warmup; TRACETOP_FLUSH_S picks the interval. Run it interleaved (5, 1, 5, 1), same collector:
 
     TRACETOP_FLUSH_S=1 TRACETOP_ENDPOINT=ADDR DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python \
-        scripts/probe_flush_cost.py --quiet --steps 430 --model tiny --micro-batches 4
+        -m reference_trainer.bench.probe_flush_cost --quiet --steps 430 --model tiny --micro-batches 4
 """
 import json
 import os
@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from reference_trainer import tracing as tracing_mod
 from reference_trainer import train
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from trainer_hooks.bench import block_quads, estimate, idle_rate
+from reference_trainer.bench.hooks import block_quads, estimate, idle_rate
 
 
 def _log(*, block: int, steps: int, warmup: int, on_s: float, off_s: float, base_s: float, drift_s: float,

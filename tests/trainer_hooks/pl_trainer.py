@@ -1,7 +1,7 @@
 """A Lightning run for the tests (``strategy="ddp"`` on CPU, gloo), traced with
 ``trainer_hooks.lightning.TracetopCallback``; launched by torchrun (Lightning uses its processes).
 
-    torchrun --standalone --nproc_per_node 2 tests/hooks/pl_trainer.py --steps 4 --out DIR [--comm-hook]
+    torchrun --standalone --nproc_per_node 2 tests/trainer_hooks/pl_trainer.py --steps 4 --out DIR [--comm-hook]
 
 Writes ``DIR/rank<k>.json`` with Lightning's own step count and the model's parameter bytes.
 

@@ -6,7 +6,7 @@ Two measurements:
    by default) shipping to a real collector started as a subprocess (at nice 10: in production it
    is on another host), in which the hooks are taken off the training thread and put back every
    ``--block`` steps, in quads of four blocks ordered ABBA or BAAB at random
-   (``trainer_hooks/_bench_child.py``). The hooks' own threads
+   (``reference_trainer/bench/hooks_child.py``). The hooks' own threads
    (emitter, flusher, sender, gRPC's) run throughout, on their own timers, as in production.
    The figure has two parts, added:
 
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "training-thread figure should come out within its interval of 0 (checks the estimator)")
     p.add_argument("--keep", default=None, help="keep the collector's file and the run logs in this folder")
     p.add_argument("--ddp", action="store_true",
-                   help="instead: the DDP comm hook's own cost, 2 gloo ranks, timed vs plain DDP (trainer_hooks/bench_ddp.py)")
+                   help="instead: the DDP comm hook's own cost, 2 gloo ranks, timed vs plain DDP (trainer_hooks/bench/ddp.py)")
     p.add_argument("--ddp-steps", type=int, default=1200, help="steps of the --ddp bench (default 1200)")
     p.add_argument("--ddp-device-clock", action="store_true",
                    help="--ddp with the Tracer on its GPU path (its CUDA clock over host events): the device path's host cost")
@@ -108,7 +108,7 @@ class _Collector:
 def _run_trainer(args: argparse.Namespace, folder: Path, name: str, endpoint: str, seed: int, aa: bool) -> dict[str, Any]:
     """One run with the hooks switched every --block steps; the child's per-step log."""
     out = folder / f"{name}.json"
-    argv = [sys.executable, "-m", "trainer_hooks._bench_child", str(out), str(args.block), str(args.warmup), str(seed),
+    argv = [sys.executable, "-m", "reference_trainer.bench.hooks_child", str(out), str(args.block), str(args.warmup), str(seed),
             *(["--aa"] if aa else []), "--quiet",
             "--steps", str(args.steps), "--model", args.model, "--micro-batches", str(args.micro_batches)]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", TRACETOP_ENDPOINT=endpoint,
@@ -316,7 +316,7 @@ def _microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "ddp", False):
-        from trainer_hooks import bench_ddp
+        from trainer_hooks.bench import ddp as bench_ddp
 
         return bench_ddp.run(args)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -1,6 +1,6 @@
-"""The trainer-side parts of ``tracetop bench gpu`` (``reference_trainer/bench_gpu.py``), one process each.
+"""The trainer-side parts of ``tracetop bench gpu`` (``reference_trainer/bench/gpu.py``), one process each.
 
-``python -m reference_trainer.bench_gpu_child MODE OUT.json ...``, MODE one of:
+``python -m reference_trainer.bench.gpu_child MODE OUT.json ...``, MODE one of:
 
 * ``sync OUT --model M --steps N --micro-batch B [--cpu]``: part 1, strict. The reference
   trainer's model (``reference_trainer.model.GPT``) in a plain PyTorch loop (bf16 weights, torch
@@ -15,7 +15,7 @@
   changes), the hooks' run falls back to "warn" with each sync attributed (see ``sync_site``), and
   ``mode`` says so. On CPU there is nothing to check: the figures say so.
 * ``hooks OUT BLOCK WARMUP SEED <trainer flags>``: parts 2 and 3, and part 1 on the real trainer.
-  ``trainer_hooks._bench_child`` runs the reference trainer (DeepSpeed) with the hooks switched
+  ``reference_trainer.bench.hooks_child`` runs the reference trainer (DeepSpeed) with the hooks switched
   on and off every BLOCK steps, as ``tracetop bench hooks`` does (OUT gets its per-step log);
   around it this module tees the hooks' STEP and COLLECTIVE rows, watches which threads ask the
   device clock about events (``ready``/``elapsed_ns``), and on GPU runs the trainer under
@@ -25,7 +25,7 @@
   and the trainer synchronize by design, so "error" cannot run them; the warn mode counts instead.
   On CPU (``--cpu``) the tracer gets a ``HostClock`` (perf_counter behind the device-clock
   interface), which puts it on its GPU accounting path: the emitter resolves every event.
-  Then a microbenchmark of the host cost per recorded event (CPU path: ``trainer_hooks.bench``'s;
+  Then a microbenchmark of the host cost per recorded event (CPU path: ``reference_trainer.bench.hooks``'s;
   and on GPU the CUDA-event path). OUT.extra.json gets these figures.
 * ``ddp OUT --steps N [--cpu]``: DDP's gradient buckets on the GPU path (issue 9). A plain
   ``DistributedDataParallel`` model (several buckets) over a process group of one (NCCL on GPU:
@@ -203,7 +203,7 @@ def sync_site(stack: list[traceback.FrameSummary], thread: str) -> tuple[str, st
     "deepspeed", "trainer" (reference_trainer/) or "other"."""
     for fr in reversed(stack):
         f = fr.filename.replace("\\", "/")
-        if "/torch/" in f or f.endswith(("warnings.py", "bench_gpu_child.py")) or "/importlib/" in f:
+        if "/torch/" in f or f.endswith(("warnings.py", "gpu_child.py")) or "/importlib/" in f:
             continue
         short = "/".join(f.split("/")[-2:])
         site = f"{short}:{fr.lineno} {fr.name}"
@@ -767,7 +767,7 @@ def _hooks(argv: list[str]) -> int:
     if not cpu and torch.cuda.is_available():
         watch = SyncWatch(window)
         watch.start()
-    from trainer_hooks import _bench_child
+    from reference_trainer.bench import hooks_child as _bench_child
 
     rc = _bench_child.main([str(out), str(block), str(warmup), str(seed), *trainer_argv])
     if watch is not None:
@@ -790,7 +790,7 @@ def _hooks(argv: list[str]) -> int:
                       {"mode": None, "note": "not applicable on CPU: set_sync_debug_mode watches CUDA only"})
     import argparse
 
-    from trainer_hooks import bench as hooks_bench
+    from reference_trainer.bench import hooks as hooks_bench
 
     endpoint = os.environ.get("TRACETOP_ENDPOINT", "127.0.0.1:1")
     cpu_path = hooks_bench._microbench(argparse.Namespace(micro_blocks=micro_blocks), endpoint)

@@ -1,6 +1,6 @@
 """Async collectives timed to completion (trainer_hooks/async_done.py) on a real 2-process gloo
 world: a plain ``all_reduce(async_op=True)``, FSDP2's explicit prefetch (``unshard(async_op=True)``),
-on the CPU clock and on the GPU path (the fake ``torch.cuda.Event`` of tests/hooks/fake_cuda.py).
+on the CPU clock and on the GPU path (the fake ``torch.cuda.Event`` of tests/trainer_hooks/fake_cuda.py).
 
 Ground truth: rank 1 sleeps LATE_MS before it joins each collective from step 1, so rank 0's
 collective cannot complete sooner than that after rank 0 issued it, while the call itself
@@ -35,7 +35,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from tests.hooks.fake_cuda import FakeCudaClock, threads_that
+    from tests.trainer_hooks.fake_cuda import FakeCudaClock, threads_that
     from tracetop.events import Kind
     from tracetop.wire.shipper import MemoryTransport
     from trainer_hooks import Tracer

@@ -1,20 +1,18 @@
 """What an idle Tracer's threads cost: a Tracer shipping to a real collector, one step, then 30 s
 idle; per-thread CPU (utime+stime, 10 ms ticks) from /proc/self/task, in ms per second.
-Run from the project root: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python scripts/probe_idle_threads.py"""
+Run from the project root: DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 .venv/bin/python -m trainer_hooks.bench.probe_idle_threads"""
 
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.helpers import start_collector  # noqa: E402
-from trainer_hooks.tracer import Tracer  # noqa: E402
+from tracetop import procs
+from trainer_hooks import Tracer
 
 tmp = Path(tempfile.mkdtemp())
-c = start_collector(tmp)
-t = Tracer(endpoint=c.addr, run_id="idle", rank=0, world_size=1)
+c = procs.collector(tmp / "collector.duckdb").start()
+t = Tracer(endpoint=c.address, run_id="idle", rank=0, world_size=1)
 with t.step(0):
     pass
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import start_collector
-from tests.hooks._harness import ROOT, query, trainer_env
+from tests.trainer_hooks._harness import ROOT, query, trainer_env
 
 pytest.importorskip("deepspeed")
 

@@ -1,6 +1,6 @@
 """One reference-trainer run for ``tracetop bench hooks``, hooks switched on and off every few steps.
 
-``python -m trainer_hooks._bench_child OUT.json BLOCK WARMUP SEED [--aa] <trainer flags>`` runs
+``python -m reference_trainer.bench.hooks_child OUT.json BLOCK WARMUP SEED [--aa] <trainer flags>`` runs
 ``reference_trainer`` in this process with the hooks started as usual
 (``reference_trainer.tracing.start``), then switched off and on every BLOCK steps, in quads of
 four blocks ordered ABBA or BAAB at random (seeded by SEED): "off" removes every hook from the training thread (collectives restored,
