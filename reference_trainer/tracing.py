@@ -73,7 +73,7 @@ def start(engine: Any, args: Any, *, meta: dict[str, Any]) -> Tracing:
     """Begin tracing this rank's run; a no-op Tracing when ``args.no_trace`` is set."""
     if getattr(args, "no_trace", False):
         return Tracing()
-    from trainer_hooks.deepspeed import instrument
+    from trainer_hooks.integrations.deepspeed import instrument
 
     meta = dict(meta)
     pipelined = int(meta.get("pp", 1)) > 1

@@ -41,11 +41,11 @@ from typing import Any
 
 from tracetop import env as tenv
 from tracetop.events import Kind
-from trainer_hooks import collectives as colls
 from trainer_hooks import columns as cols
 from trainer_hooks import commands as cmds
-from trainer_hooks import ddp
 from trainer_hooks.identity import Identity, SetupError, resolve
+from trainer_hooks.integrations import collectives as colls
+from trainer_hooks.integrations import ddp
 from trainer_hooks.loss import loss_value as _loss_value
 from trainer_hooks.loss import resolve as _resolve_loss
 from trainer_hooks.memory import StepPeak
@@ -564,7 +564,7 @@ class Tracer:
 
     # ------------------------------------------------------------------ pipeline instructions
     def _instr_enter(self, instr: str, slot: int) -> tuple[Any, int, str]:
-        """GPU path (the CPU path is inlined in trainer_hooks.pipeline)."""
+        """GPU path (the CPU path is inlined in trainer_hooks.integrations.pipeline)."""
         counts = self._instr_counts
         mb = counts.get(instr, 0)
         counts[instr] = mb + 1

@@ -698,7 +698,7 @@ def _event_microbench(device: str, blocks: int, steps_per_block: int = 20) -> di
     alternate; (on - off) thread CPU / events, median over blocks."""
     import torch
 
-    from trainer_hooks import collectives as colls
+    from trainer_hooks.integrations import collectives as colls
     from trainer_hooks.tracer import Tracer
 
     tensor = torch.ones(256, device=device)

@@ -239,8 +239,8 @@ def _microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
     """Training-thread CPU time per recorded event of the exact hot paths (see the module doc)."""
     import torch
 
-    from trainer_hooks import collectives as colls
-    from trainer_hooks import pipeline as pipeline_mod
+    from trainer_hooks.integrations import collectives as colls
+    from trainer_hooks.integrations import pipeline as pipeline_mod
     from trainer_hooks.tracer import Tracer
 
     tensor = torch.ones(256)

@@ -70,7 +70,7 @@ class _Switching:
     after it ~100 us slower here, which an always-on run never pays."""
 
     def __init__(self, traced: Any, engine: Any, block: int, seed: int = 0) -> None:
-        from trainer_hooks import collectives, offload
+        from trainer_hooks.integrations import collectives, offload
 
         self.traced = traced
         self.tracer = traced.tracer
@@ -96,7 +96,7 @@ class _Switching:
         optimizer = getattr(engine, "optimizer", None)
         for name in getattr(optimizer, offload._WRAPPED, None) or []:
             swaps.append((optimizer, name, optimizer.__dict__[name], getattr(type(optimizer), name).__get__(optimizer)))
-        if "train_batch" in engine.__dict__:  # the loss wrapper (trainer_hooks.deepspeed._wrap_train_batch)
+        if "train_batch" in engine.__dict__:  # the loss wrapper (trainer_hooks.integrations.deepspeed._wrap_train_batch)
             swaps.append((engine, "train_batch", engine.__dict__["train_batch"], type(engine).train_batch.__get__(engine)))
         self._swaps = swaps
 

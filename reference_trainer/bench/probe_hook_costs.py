@@ -12,7 +12,7 @@ import time
 
 from reference_trainer import tracing as tracing_mod
 from reference_trainer import train
-from trainer_hooks import ddp as ddp_mod
+from trainer_hooks.integrations import ddp as ddp_mod
 
 tt = time.thread_time_ns
 cost = collections.defaultdict(int)

@@ -1,5 +1,5 @@
 """A Hugging Face Trainer run for the tests: a tiny GPT-2 built from a config (no hub download),
-traced with ``trainer_hooks.hf.TracetopCallback``; launched by torchrun (DDP on gloo, picked by the
+traced with ``trainer_hooks.integrations.hf.TracetopCallback``; launched by torchrun (DDP on gloo, picked by the
 Trainer itself).
 
     torchrun --standalone --nproc_per_node 2 tests/trainer_hooks/hf_trainer.py --steps 4 --out DIR
@@ -20,7 +20,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from trainer_hooks.hf import TracetopCallback  # noqa: E402
+from trainer_hooks.integrations.hf import TracetopCallback  # noqa: E402
 
 SEQ = 16
 

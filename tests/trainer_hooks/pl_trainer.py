@@ -1,5 +1,5 @@
 """A Lightning run for the tests (``strategy="ddp"`` on CPU, gloo), traced with
-``trainer_hooks.lightning.TracetopCallback``; launched by torchrun (Lightning uses its processes).
+``trainer_hooks.integrations.lightning.TracetopCallback``; launched by torchrun (Lightning uses its processes).
 
     torchrun --standalone --nproc_per_node 2 tests/trainer_hooks/pl_trainer.py --steps 4 --out DIR [--comm-hook]
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from trainer_hooks.lightning import TracetopCallback
+from trainer_hooks.integrations.lightning import TracetopCallback
 
 HOOK_CALLS: list[int] = []
 

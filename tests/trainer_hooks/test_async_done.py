@@ -1,4 +1,4 @@
-"""Async collectives timed to completion (trainer_hooks/async_done.py) on a real 2-process gloo
+"""Async collectives timed to completion (trainer_hooks/integrations/async_done.py) on a real 2-process gloo
 world: a plain ``all_reduce(async_op=True)``, FSDP2's explicit prefetch (``unshard(async_op=True)``),
 on the CPU clock and on the GPU path (the fake ``torch.cuda.Event`` of tests/trainer_hooks/fake_cuda.py).
 
@@ -137,7 +137,7 @@ def test_fsdp2_explicit_prefetch_is_timed_to_completion_with_the_unit_bytes(rank
     assert sorted(r["step"] for r in prefetch) == list(range(STEPS)), got["rows"]
     assert {r["bytes"] for r in prefetch} == {unit1}
     # step 0's prefetch comes before the model's first forward, where the FSDP module is found and
-    # its group named dp (trainer_hooks.ddp.watch(model) names it sooner)
+    # its group named dp (trainer_hooks.integrations.ddp.watch(model) names it sooner)
     assert {r["role"] for r in prefetch if r["step"] >= 1} == {"dp"}
     for r in prefetch:
         if r["step"] >= 1:

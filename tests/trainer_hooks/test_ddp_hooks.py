@@ -1,4 +1,4 @@
-"""trainer_hooks.ddp on a real 2-process gloo world, rows in the in-memory transport: what DDP's
+"""trainer_hooks.integrations.ddp on a real 2-process gloo world, rows in the in-memory transport: what DDP's
 gradients become, hooks registered before / after / on top of ours, and what close() leaves."""
 
 from __future__ import annotations

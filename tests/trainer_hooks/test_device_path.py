@@ -12,7 +12,7 @@ import time
 from tracetop.events import Kind
 from tracetop.wire.shipper import MemoryTransport
 from trainer_hooks import Tracer, pipeline
-from trainer_hooks import collectives as colls
+from trainer_hooks.integrations import collectives as colls
 
 
 class FakeEvent:

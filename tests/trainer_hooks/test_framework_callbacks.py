@@ -12,7 +12,7 @@ def test_hf_callback_traces_a_trainer_run(tmp_path) -> None:
     import transformers
 
     from trainer_hooks import Tracer
-    from trainer_hooks.hf import TracetopCallback
+    from trainer_hooks.integrations.hf import TracetopCallback
 
     class Tiny(torch.nn.Module):
         def __init__(self) -> None:
@@ -39,7 +39,7 @@ def test_lightning_callback_traces_a_fit(tmp_path) -> None:
     import torch
 
     from trainer_hooks import Tracer
-    from trainer_hooks.lightning import TracetopCallback
+    from trainer_hooks.integrations.lightning import TracetopCallback
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:

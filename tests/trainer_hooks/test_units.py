@@ -9,8 +9,8 @@ import pytest
 from tracetop.events import Kind
 from tracetop.wire.shipper import MemoryTransport
 from trainer_hooks import Tracer, bubble_rate, expected_bubble_rate
-from trainer_hooks.collectives import busbw_factor, classify_ranks, peer_role
 from trainer_hooks.identity import SetupError, resolve, sanitize_run_id
+from trainer_hooks.integrations.collectives import busbw_factor, classify_ranks, peer_role
 
 
 def test_identity_from_torchrun_slurm_and_arguments() -> None:
@@ -220,7 +220,7 @@ def test_setup_errors_fail_fast_with_a_hint(monkeypatch) -> None:
 
 
 def test_heartbeat_names_the_pending_collective() -> None:
-    from trainer_hooks import collectives as colls
+    from trainer_hooks.integrations import collectives as colls
 
     tracer, mem = _tracer(heartbeat_s=0.05)
     tracer.set_topology({"tp": [(0,)]})

@@ -5,7 +5,7 @@ Two ranks on gloo (spawned here), each holding three DDP copies of one model (8 
 
 * ``plain``: DDP's built-in C++ all-reduce (the Tracer is told it has seen it already);
 * ``python``: DDP's own Python ``default_hooks.allreduce_hook``, registered directly, untimed;
-* ``timed``: the Tracer's comm hook (``trainer_hooks.ddp``).
+* ``timed``: the Tracer's comm hook (``trainer_hooks.integrations.ddp``).
 
 ``--ddp-device-clock``: the Tracer runs its GPU path (its own ``_CudaClock`` over ``_HostEvent``,
 ``torch.cuda.Event``'s API on the host clock, every event done at once), so ``timed`` takes the
@@ -61,7 +61,7 @@ def _worker(rank: int, port: int, steps: int, block: int, out: str, device_clock
     from tracetop.events import Kind
     from tracetop.wire.shipper import MemoryTransport
     from trainer_hooks import Tracer
-    from trainer_hooks import ddp as tddp
+    from trainer_hooks.integrations import ddp as tddp
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -6,7 +6,7 @@ The returned ``Work``'s future (``work.get_future()``) completes when the collec
 once, when it is queued, with its callbacks run on a stream made to wait for it, so the callback
 records a CUDA event there, done on the device when the collective is. Either way the row is
 written from the callback (CPU) or by the emitter once the events are done (GPU, through
-:func:`trainer_hooks.ddp.resolve_pass`, the DDP bucket's resolution with no exposed wait), never by
+:func:`trainer_hooks.integrations.ddp.resolve_pass`, the DDP bucket's resolution with no exposed wait), never by
 a wait on the training thread.
 
 What is measured: the row's ``duration_ns`` is issue to completion (``is_async=1``); the step's
@@ -64,7 +64,7 @@ def track_device(sink: Any, work: Any, token: tuple) -> bool:
     fut = _future(sink, work, sig)
     if fut is None:
         return False
-    from trainer_hooks.ddp import OP_PASS
+    from trainer_hooks.integrations.ddp import OP_PASS
 
     cuda, deferred = sink._cuda, sink._deferred
     step, wall0 = sink.step_n, sink._wall(t0)

@@ -15,7 +15,7 @@ all-to-all. ``busbw_factor`` gives busbw = algbw x factor for each op.
 Async calls (``async_op=True``, ``isend``/``irecv``, ``batch_isend_irecv``) are marked
 ``is_async=1``. Their step's exposed communication is the time a training thread spends issuing
 them; their row's duration is issue to completion, read in the returned Work's future callback
-(:mod:`trainer_hooks.async_done`; never a wait), or until they return where the Work has no
+(:mod:`trainer_hooks.integrations.async_done`; never a wait), or until they return where the Work has no
 future (``batch_isend_irecv``'s list, a backend's p2p work without one).
 """
 
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from trainer_hooks import async_done
+from trainer_hooks.integrations import async_done
 
 #: op -> how to find the payload: ("arg", index) one tensor, ("list", index) a list of tensors,
 #: ("lists", index) a list of lists, ("p2p", 0) a list of P2POp, None no payload.
@@ -184,7 +184,7 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 sink._acc.comm_ns += dur
                 wall0 = sink._step_wall0 + (t0 - sink._step_perf0)
-                # an async call's Work: its row is written at completion (trainer_hooks.async_done)
+                # an async call's Work: its row is written at completion (trainer_hooks.integrations.async_done)
                 if ret is None or not async_done.track(sink, ret, sink.step_n, wall0, t0, nbytes, sig):
                     sink._rc.append((sink.step_n, wall0, dur, nbytes, sig))
                 sink.events += 1

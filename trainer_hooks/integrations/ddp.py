@@ -2,7 +2,7 @@
 communication-hook API, their process groups named ``dp``.
 
 Why this module exists: DDP's C++ reducer all-reduces the gradient buckets by calling the process
-group directly, so the ``torch.distributed`` wrapper (:mod:`trainer_hooks.collectives`) never
+group directly, so the ``torch.distributed`` wrapper (:mod:`trainer_hooks.integrations.collectives`) never
 sees them; without this a rank that waits 80 ms for a straggler in backward reads as 80 ms of its
 own compute. (FSDP2's ``all_gather_single`` / ``reduce_scatter_single`` and FSDP1's ``all_gather``
 / ``reduce_scatter_single`` are plain ``torch.distributed`` calls: the wrapper times them; this
@@ -59,7 +59,7 @@ import weakref
 from typing import Any
 
 from tracetop import env as tenv
-from trainer_hooks import collectives as colls
+from trainer_hooks.integrations import collectives as colls
 
 log = logging.getLogger("trainer_hooks")
 perf_counter_ns = time.perf_counter_ns
