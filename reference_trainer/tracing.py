@@ -36,7 +36,7 @@ class Tracing:
 class _Traced(Tracing):
     def __init__(self, tracer: Any) -> None:
         self.tracer = tracer
-        self._bus = getattr(tracer, "_commands", None)  # trainer_hooks.commands.CommandBus
+        self._bus = getattr(tracer, "commands", None)  # trainer_hooks.commands.CommandBus (enabled tracers)
         self._pending: Any = None
 
     def step(self, n: int) -> Any:

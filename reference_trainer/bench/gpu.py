@@ -607,10 +607,10 @@ class Bench:
 
     # ---- the whole ----
     def start_collector(self) -> Any:
-        from reference_trainer.bench.hooks import _Collector
+        from reference_trainer.bench.hooks import BenchCollector
 
         try:
-            c = _Collector(self.tmp)
+            c = BenchCollector(self.tmp)
             self.endpoint = c.addr
             self.result["collector"]["address"] = c.addr
             self.log(f"collector: listening on {c.addr}")

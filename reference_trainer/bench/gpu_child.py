@@ -37,7 +37,7 @@
   bytes, bucket durations against their step's, the steps' device time against the host wall
   clock of the loop (bracketed by synchronizations outside the check), and which threads asked
   the device clock (only ``tracetop-emitter`` may). On CPU the same code runs with the Tracer's
-  own ``_CudaClock`` over ``HostEvent`` (``torch.cuda.Event``'s API on the host clock).
+  own ``CudaClock`` over host events (``trainer_hooks.device_clock.HostClock``).
 * ``offload OUT WARMUP <trainer flags>``: part 5's trainer side, the ZeRO shape with optimizer
   offload: the hooks' OFFLOAD rows of the steps from WARMUP on and the wall-clock window
   (``time.time_ns``) they span, for comparison with NVML's PCIe counters sampled meanwhile by
@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from tracetop.events import Kind
+from trainer_hooks.device_clock import HostClock
 
 SYNC_MESSAGE = "synchronizing CUDA operation"
 
@@ -89,27 +90,6 @@ class WatchedClock:
         return self.inner.memory()
 
 
-class HostClock:
-    """The device-clock interface over perf_counter, every event complete at once: on CPU it puts
-    the Tracer on its GPU accounting path (events resolved by the emitter, in order), so the CPU
-    rehearsal runs that path too."""
-
-    def mark(self) -> int:
-        return time.perf_counter_ns()
-
-    def ready(self, ev: int) -> bool:
-        return True
-
-    def elapsed_ns(self, a: int, b: int) -> int:
-        return b - a
-
-    def release(self, a: int, b: int) -> None:
-        return None
-
-    def memory(self) -> tuple[int, int, int]:
-        return -1, -1, -1
-
-
 class Tee:
     """Copies of the rows a Tracer hands its shipper: STEP and COLLECTIVE (from the emitter's
     ``record_many``) and OFFLOAD (from ``record``), kept as plain lists."""
@@ -123,7 +103,7 @@ class Tee:
 
     def attach(self, tracer: Any) -> None:
         shipper = tracer.shipper
-        record_many, record = shipper.record_many, tracer._record
+        record_many, record = shipper.record_many, tracer.recorder.record
 
         def tee_many(kind: Any, cols: dict[str, Any]) -> Any:
             try:
@@ -147,12 +127,13 @@ class Tee:
             return record(kind, *row)
 
         shipper.record_many = tee_many
-        tracer._record = tee_one
-        if tracer._cuda is None and self.host_clock:
-            tracer._cuda = HostClock()
-        if tracer._cuda is not None:
-            clock = WatchedClock(tracer._cuda)
-            tracer._cuda = clock
+        rec = tracer.recorder
+        rec.record = tee_one
+        if rec.device_clock is None and self.host_clock:
+            rec.device_clock = HostClock()
+        if rec.device_clock is not None:
+            clock = WatchedClock(rec.device_clock)
+            rec.device_clock = clock
             self.clocks.append(clock)
 
     def resolved_by(self) -> dict[str, int]:
@@ -381,7 +362,7 @@ def _sync(argv: list[str]) -> int:
                                               device="cuda" if on_gpu else "cpu",
                                               drain_interval_s=0.2, heartbeat_s=0.5)
             tee.attach(tracer)
-            real_hook_error = tracer._hook_error
+            real_hook_error = tracer.recorder.hook_error
 
             def hook_error(where: str, e: BaseException) -> None:  # where a hook failed, e.g. on a sync
                 if len(error_sites) < 8:
@@ -389,7 +370,7 @@ def _sync(argv: list[str]) -> int:
                     error_sites.append(f"{where}: {str(e).splitlines()[0][:120]} at {site}")
                 real_hook_error(where, e)
 
-            tracer._hook_error = hook_error
+            tracer.recorder.hook_error = hook_error
             for n in range(a.steps):
                 window["current_step"] = n
                 step(n, tracer)
@@ -449,24 +430,6 @@ class _Null:
 
 
 # ----------------------------------------------------------------------------- DDP buckets
-
-
-class HostEvent:
-    """``torch.cuda.Event``'s API on the host clock, done as soon as recorded: with the Tracer's
-    own ``_CudaClock`` over it, the CPU rehearsal runs the hooks' CUDA-event code (the pool, the
-    DDP comm hook's device path, the emitter's resolution) without a GPU."""
-
-    def __init__(self, enable_timing: bool = False, **_: Any) -> None:
-        self.t_ns = 0
-
-    def record(self, stream: Any = None) -> None:
-        self.t_ns = time.perf_counter_ns()
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: HostEvent) -> float:
-        return (end.t_ns - self.t_ns) / 1e6
 
 
 def ddp_figures(buckets: list[tuple[int, int, int]], steps: list[dict[str, int]], grad_bytes: int, n_steps: int,
@@ -582,9 +545,9 @@ def _ddp(argv: list[str]) -> int:
         t0 = 0.0
         try:
             tracer = Tracer(run_id="bench-gpu-ddp", rank=0, world_size=1, drain_interval_s=0.2, heartbeat_s=0.5,
-                            **({"device": "cuda"} if on_gpu else {"device_clock": _host_cuda_clock()}))
+                            **({"device": "cuda"} if on_gpu else {"device_clock": HostClock()}))
             tee.attach(tracer)
-            real_hook_error = tracer._hook_error
+            real_hook_error = tracer.recorder.hook_error
 
             def hook_error(where: str, e: BaseException) -> None:
                 if len(error_sites) < 8:
@@ -592,7 +555,7 @@ def _ddp(argv: list[str]) -> int:
                     error_sites.append(f"{where}: {str(e).splitlines()[0][:120]} at {site}")
                 real_hook_error(where, e)
 
-            tracer._hook_error = hook_error
+            tracer.recorder.hook_error = hook_error
             t0 = time.perf_counter()  # the device is idle (synchronized above): the loop's wall clock starts
             for n in range(a.steps):
                 step(n, tracer)
@@ -642,17 +605,6 @@ def _ddp(argv: list[str]) -> int:
     dist.destroy_process_group()
     Path(a.out).write_text(json.dumps(result))
     return 0 if (ok or on_gpu) else 1
-
-
-def _host_cuda_clock() -> Any:
-    """The Tracer's own _CudaClock over HostEvent (no device memory to read)."""
-    from trainer_hooks.tracer import _CudaClock
-
-    class HostCudaClock(_CudaClock):
-        def memory(self) -> tuple[int, int, int]:
-            return -1, -1, -1
-
-    return HostCudaClock(event=HostEvent)
 
 
 # ----------------------------------------------------------------------------- parts 2 and 3
@@ -708,7 +660,7 @@ def _event_microbench(device: str, blocks: int, steps_per_block: int = 20) -> di
     def all_reduce(tensor: Any, op: Any = None, group: Any = None, async_op: bool = False) -> None:
         return None
 
-    wrapped = colls._make_wrapper(colls._Spec("all_reduce", all_reduce), all_reduce)
+    wrapped = colls.wrap_function("all_reduce", all_reduce)
     tracer.set_topology({"dp": [(0,)]})
 
     class _N:
@@ -722,7 +674,7 @@ def _event_microbench(device: str, blocks: int, steps_per_block: int = 20) -> di
 
     def block(on: bool) -> tuple[int, int]:
         ar = wrapped if on else all_reduce
-        colls._installed.sink = tracer if on else None
+        colls.route_to(tracer.recorder if on else None)
         c0 = time.thread_time_ns()
         for n in range(steps_per_block):
             with tracer.step(n) if on else null:
@@ -743,7 +695,7 @@ def _event_microbench(device: str, blocks: int, steps_per_block: int = 20) -> di
             off_cpu, _ = block(False)
             per_event.append((on_cpu - off_cpu) / max(1, events))
     finally:
-        colls._installed.sink = None
+        colls.route_to(None)
         tracer.close()
     return {"ns_per_event": statistics.median(per_event),
             "ns_per_event_p90": sorted(per_event)[int(0.9 * (len(per_event) - 1))]}
@@ -793,7 +745,7 @@ def _hooks(argv: list[str]) -> int:
     from reference_trainer.bench import hooks as hooks_bench
 
     endpoint = os.environ.get("TRACETOP_ENDPOINT", "127.0.0.1:1")
-    cpu_path = hooks_bench._microbench(argparse.Namespace(micro_blocks=micro_blocks), endpoint)
+    cpu_path = hooks_bench.microbench(argparse.Namespace(micro_blocks=micro_blocks), endpoint)
     extra["events"] = {"ns_per_event_cpu_path": cpu_path["ns_per_event"],
                        "ns_per_event_cpu_path_p90": cpu_path["ns_per_event_p90"]}
     if tee.clocks and not cpu:

@@ -84,7 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--ddp with the Tracer on its GPU path (its CUDA clock over host events): the device path's host cost")
 
 
-class _Collector:
+class BenchCollector:
+    """A collector for the bench runs (a process on a free port, its database in ``folder``)."""
+
     def __init__(self, folder: Path) -> None:
         from tracetop import procs
 
@@ -235,7 +237,7 @@ def hook_thread_rates(windows: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(v * 1e3 / wall, 3) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}
 
 
-def _microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
+def microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
     """Training-thread CPU time per recorded event of the exact hot paths (see the module doc)."""
     import torch
 
@@ -252,7 +254,7 @@ def _microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
         return None  # the collective itself costs the same with and without hooks: left out
 
     # the wrapper install() puts in place of torch.distributed.all_reduce, around the stand-in
-    wrapped_all_reduce = colls._make_wrapper(colls._Spec("all_reduce", all_reduce), all_reduce)
+    wrapped_all_reduce = colls.wrap_function("all_reduce", all_reduce)
     current = {"all_reduce": all_reduce}
 
     class _Engine:  # a PipelineEngine-shaped object: the reference trainer's schedule, shape for shape
@@ -288,7 +290,7 @@ def _microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
         t = tracer if on else null
         handlers = on_steps if on else off_steps
         current["all_reduce"] = wrapped_all_reduce if on else all_reduce
-        colls._installed.sink = tracer if on else None
+        colls.route_to(tracer.recorder if on else None)
         ev0 = tracer.events
         c0 = time.thread_time_ns()
         t0 = time.perf_counter_ns()
@@ -308,7 +310,7 @@ def _microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
             per_event.append((on_cpu - off_cpu) / max(1, events))
             per_event_wall.append((on_wall - off_wall) / max(1, events))
     finally:
-        colls._installed.sink = None
+        colls.route_to(None)
         tracer.close()
     return {"ns_per_event": statistics.median(per_event), "ns_per_event_p90": sorted(per_event)[int(0.9 * (len(per_event) - 1))],
             "ns_per_event_wall": statistics.median(per_event_wall)}
@@ -328,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     folder = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="tracetop-bench-hooks-"))
     folder.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
-    collector = _Collector(folder)
+    collector = BenchCollector(folder)
     try:
         runs: list[RunQuads] = []
         windows: list[dict[str, Any]] = []
@@ -351,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  A/A control run: training thread {null.get('training_thread_pct', float('nan')):+.2f}% "
                   f"(nothing differs: should be 0 within ~0.4), hook threads idle {idle * 1e3:.2f} ms per s", flush=True)
         est = estimate(runs, idle_cpu_per_s=idle)
-        micro = _microbench(args, collector.addr)
+        micro = microbench(args, collector.addr)
     finally:
         collector.stop()
         if not args.keep:

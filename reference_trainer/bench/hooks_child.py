@@ -80,21 +80,21 @@ class _Switching:
         self.aa = False
         self._rng = random.Random(seed)
         self._flips: list[bool] = []
-        self._installed = collectives._installed
+        self._collectives = collectives
         # (object, attribute, value with hooks on, value with hooks off)
         swaps: list[tuple[Any, str, Any, Any]] = []
-        for (mod, name), original in self._installed.originals.items():
+        for (mod, name), original in collectives.originals().items():
             swaps.append((mod, name, getattr(mod, name), original))
         comm = sys.modules.get("deepspeed.comm.comm")
         cdb = getattr(comm, "cdb", None) if comm is not None else None
-        for attr, original in self._installed.cdb_originals.items():
+        for attr, original in collectives.deepspeed_originals().items():
             if cdb is not None:
                 swaps.append((cdb, attr, getattr(cdb, attr), original))
         timed_map = engine.__dict__.get("_INSTRUCTION_MAP")
         if timed_map is not None:
             swaps.append((engine, "_INSTRUCTION_MAP", timed_map, type(engine)._INSTRUCTION_MAP))
         optimizer = getattr(engine, "optimizer", None)
-        for name in getattr(optimizer, offload._WRAPPED, None) or []:
+        for name in getattr(optimizer, offload.WRAPPED_ATTR, None) or []:
             swaps.append((optimizer, name, optimizer.__dict__[name], getattr(type(optimizer), name).__get__(optimizer)))
         if "train_batch" in engine.__dict__:  # the loss wrapper (trainer_hooks.integrations.deepspeed._wrap_train_batch)
             swaps.append((engine, "train_batch", engine.__dict__["train_batch"], type(engine).train_batch.__get__(engine)))
@@ -121,7 +121,7 @@ class _Switching:
     def _apply(self, on: bool) -> None:
         for obj, attr, on_value, off_value in self._swaps:
             setattr(obj, attr, on_value if on else off_value)
-        self._installed.sink = self.tracer if on else None
+        self._collectives.route_to(self.tracer.recorder if on else None)
         self.on = on
 
     def step(self, n: int) -> Any:

@@ -36,12 +36,13 @@ real_start = tracing_mod.start
 def start(engine, args, *, meta):
     traced = real_start(engine, args, meta=meta)
     t = traced.tracer
-    peak = t._peak
+    peak = t.step_peak
     peak.take = timed("peak.take", peak.take)
     t.set_loss = timed("tracer.set_loss", t.set_loss)
     traced.adjustments = timed("adjustments", traced.adjustments)
-    t._step_begin = timed("_step_begin", t._step_begin)
-    t._step_end = timed("_step_end", t._step_end)
+    rec = t.recorder
+    rec.begin_step = timed("recorder.begin_step", rec.begin_step)
+    rec.end_step = timed("recorder.end_step", rec.end_step)
     state["tracer"] = t
     state["engine"] = engine
     real_step = traced.step
@@ -54,8 +55,8 @@ def start(engine, args, *, meta):
     real_close = traced.close
     def close():
         state["t1"] = tt()
-        state["handle"] = ddp_mod._state.handle is not None
-        state["ddp_calls"] = ddp_mod._state.calls
+        state["handle"] = ddp_mod.watching()
+        state["ddp_calls"] = ddp_mod.watched_calls()
         state["instr_map"] = "_INSTRUCTION_MAP" in engine.__dict__
         real_close()
     traced.close = close

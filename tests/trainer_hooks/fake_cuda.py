@@ -1,74 +1,22 @@
-"""A fake CUDA event at the hardware edge, following ``torch.cuda.Event``'s API, for the hooks'
-GPU path on a machine without a GPU.
+"""The hooks' GPU path on a machine without a GPU: one process-wide "device" (the shipped test double,
+:class:`trainer_hooks.device_clock.HostDevice`) behind every clock a test makes.
 
-``record()`` notes the host clock: on CPU the work "on the stream" at that moment is what the
-host has done so far (a DDP bucket's gradients when the hook is called; the all-reduce's end in a
-gloo future's callback). The event is done on the "device" ``lag_ns`` after it was recorded (a
-GPU running behind the host), or never while ``held`` is set: ``query()`` is False until then,
-and ``elapsed_time`` raises on an event not done, as CUDA does (cudaErrorNotReady).
-``synchronize()`` and ``wait()`` are device syncs: they are counted, and the tests require none.
-Every call is noted with the name of the thread that made it.
+An event is done on the "device" ``lag_ns`` (20 ms) after it was recorded (a GPU running behind the
+host), or never while ``DEVICE.held`` is set; ``elapsed_time`` raises on an event not done, as CUDA
+does. Device syncs are noted in ``DEVICE.syncs`` (the tests require none), every event call with the
+name of the thread that made it.
 """
 
 from __future__ import annotations
 
-import collections
-import threading
-import time
-from typing import Any
+from trainer_hooks.device_clock import HostClock, HostDevice
 
-from trainer_hooks.tracer import _CudaClock
+DEVICE = HostDevice(lag_ns=20_000_000)
 
 
-class FakeCudaEvent:
-    lag_ns = 20_000_000
-    held = False  # True: nothing recorded completes (the device is busy) until it is lifted
-    calls: collections.Counter = collections.Counter()  # (method, thread name) -> count
-    syncs: list[str] = []
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
-        if not enable_timing:
-            raise RuntimeError("FakeCudaEvent: elapsed_time needs enable_timing=True")
-        self.t_ns: int | None = None
-
-    def _note(self, method: str) -> None:
-        FakeCudaEvent.calls[(method, threading.current_thread().name)] += 1
-
-    def record(self, stream: Any = None) -> None:
-        self._note("record")
-        self.t_ns = time.perf_counter_ns()
-
-    def query(self) -> bool:
-        self._note("query")
-        if self.t_ns is None:  # CUDA: an event never recorded counts as done
-            return True
-        return not FakeCudaEvent.held and time.perf_counter_ns() >= self.t_ns + FakeCudaEvent.lag_ns
-
-    def elapsed_time(self, end: FakeCudaEvent) -> float:
-        self._note("elapsed_time")
-        if self.t_ns is None or end.t_ns is None:
-            raise RuntimeError("FakeCudaEvent: elapsed_time on an event never recorded")
-        if not (self.query() and end.query()):
-            raise RuntimeError("FakeCudaEvent: elapsed_time before both events completed (cudaErrorNotReady)")
-        return (end.t_ns - self.t_ns) / 1e6
-
-    def synchronize(self) -> None:
-        FakeCudaEvent.syncs.append(threading.current_thread().name)
-
-    def wait(self, stream: Any = None) -> None:
-        FakeCudaEvent.syncs.append(threading.current_thread().name)
+def FakeCudaClock() -> HostClock:  # noqa: N802  (named as the clock type it stands for)
+    """The Tracer's own CUDA clock (pool, record, query, elapsed_time) over the shared device."""
+    return HostClock(DEVICE)
 
 
-class FakeCudaClock(_CudaClock):
-    """The Tracer's own CUDA clock (pool, record, query, elapsed_time) over FakeCudaEvent; memory
-    is not the subject here."""
-
-    def __init__(self) -> None:
-        super().__init__(event=FakeCudaEvent)
-
-    def memory(self) -> tuple[int, int, int]:
-        return -1, -1, -1
-
-
-def threads_that(method: str) -> set[str]:
-    return {thread for (m, thread), n in FakeCudaEvent.calls.items() if m == method and n}
+threads_that = DEVICE.threads_that

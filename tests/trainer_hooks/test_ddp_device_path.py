@@ -1,5 +1,5 @@
 """DDP's gradient buckets on the GPU path (the Tracer's CUDA-event clock), on a real 2-process
-gloo DDP with a fake ``torch.cuda.Event`` at the hardware edge (``tests/trainer_hooks/fake_cuda.py``:
+gloo DDP with a host ``torch.cuda.Event`` (the shipped ``HostEvent``) at the hardware edge (``tests/trainer_hooks/fake_cuda.py``:
 an event is done on the "device" 20 ms after it was recorded, or never while held).
 
 Ground truths: the model's gradient bytes (``dp_trainer.build_model``), the 80 ms sleep injected
@@ -58,7 +58,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from tests.trainer_hooks import dp_trainer
-    from tests.trainer_hooks.fake_cuda import FakeCudaClock, FakeCudaEvent, threads_that
+    from tests.trainer_hooks.fake_cuda import DEVICE, FakeCudaClock, threads_that
     from tracetop.events import Kind
     from tracetop.wire.shipper import MemoryTransport
     from trainer_hooks import Tracer
@@ -85,13 +85,13 @@ def _worker(rank: int, port: int, out: str) -> None:
                     device_clock=FakeCudaClock())
     ddp = DDP(dp_trainer.build_model())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    FakeCudaEvent.held = True
+    DEVICE.held = True
     _train(ddp, tracer, opt, x, rank, range(HELD_STEPS))
     time.sleep(0.4)  # the emitter polls meanwhile
-    tracer._drain()
+    tracer.emitter.drain()
     held = {"collective_rows": len(_rows(mem, Kind.COLLECTIVE)), "step_rows": len(_rows(mem, Kind.STEP)),
-            "deferred": len(tracer._deferred)}
-    FakeCudaEvent.held = False
+            "deferred": len(tracer.recorder.deferred)}
+    DEVICE.held = False
     time.sleep(0.4)
     tracer.close()
     held.update(rows_after=_rows(mem, Kind.COLLECTIVE), steps_after=len(_rows(mem, Kind.STEP)), errors=tracer.errors)
@@ -105,7 +105,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     result["grads_equal_across_ranks"] = box[0] == box[1]
     result["asked"] = {m: sorted(threads_that(m)) for m in ("query", "elapsed_time")}
     result["recorded_on"] = sorted(threads_that("record"))
-    result["syncs"] = list(FakeCudaEvent.syncs)
+    result["syncs"] = list(DEVICE.syncs)
     dist.barrier()
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps(result, default=str))
     dist.destroy_process_group()

@@ -1,46 +1,24 @@
 """The GPU accounting path (CUDA events resolved by the emitter), on CPU with a fake event clock.
 
-The fake stands at the hardware edge: it follows _CudaClock's interface (mark / ready / elapsed_ns /
-release / memory). Events become "complete" only when the test says so, like a GPU still busy,
+The double stands at the hardware edge: the shipped HostClock (CudaClock's own code over host
+events). Events become "complete" only when the test says so, like a GPU still busy,
 and the fake notes which thread asked about them: never the training thread."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 from tracetop.events import Kind
 from tracetop.wire.shipper import MemoryTransport
-from trainer_hooks import Tracer, pipeline
+from trainer_hooks import Tracer
+from trainer_hooks.device_clock import HostClock
 from trainer_hooks.integrations import collectives as colls
+from trainer_hooks.integrations import pipeline
 
 
-class FakeEvent:
-    def __init__(self, t_ns: int) -> None:
-        self.t_ns = t_ns
-
-
-class FakeDeviceClock:
-    def __init__(self) -> None:
-        self.complete_before_ns = 0  # events recorded before this are "done on the device"
-        self.asked_from: set[str] = set()
-
-    def mark(self) -> FakeEvent:
-        return FakeEvent(time.perf_counter_ns())
-
-    def ready(self, ev: FakeEvent) -> bool:
-        self.asked_from.add(threading.current_thread().name)
-        return ev.t_ns < self.complete_before_ns
-
-    def elapsed_ns(self, a: FakeEvent, b: FakeEvent) -> int:
-        self.asked_from.add(threading.current_thread().name)
-        return b.t_ns - a.t_ns
-
-    def release(self, a: FakeEvent, b: FakeEvent) -> None:
-        pass
-
-    def memory(self) -> tuple[int, int, int]:
-        return 100, 200, 300
+def FakeDeviceClock() -> HostClock:  # noqa: N802  (named as the clock type it stands for)
+    """Nothing done on the "device" until the test moves ``complete_before_ns``; memory (100, 200, 300)."""
+    return HostClock(complete_before_ns=0, memory=(100, 200, 300))
 
 
 def test_device_timings_are_resolved_by_the_emitter_in_order() -> None:
@@ -71,7 +49,7 @@ def test_device_timings_are_resolved_by_the_emitter_in_order() -> None:
     engine = Engine()
     pipeline.wrap(engine, tracer)
     handler = next(iter(engine._INSTRUCTION_MAP.values()))
-    colls._installed.sink = tracer
+    colls._installed.sink = tracer.recorder
     try:
         for n in range(2):
             with tracer.step(n):
@@ -79,10 +57,10 @@ def test_device_timings_are_resolved_by_the_emitter_in_order() -> None:
                 with tracer.phase("optimizer"):
                     time.sleep(0.005)
         time.sleep(0.3)  # the emitter runs; the "device" has not finished anything yet
-        tracer._drain()
+        tracer.emitter.drain()
         tracer.shipper.flush(5.0)
         assert len(mem.rows(Kind.STEP)["step"]) == 0 and len(mem.rows(Kind.COLLECTIVE)["step"]) == 0
-        assert tracer._deferred  # waiting on the device
+        assert tracer.recorder.deferred  # waiting on the device
         clock.complete_before_ns = time.perf_counter_ns()
         time.sleep(0.3)
     finally:

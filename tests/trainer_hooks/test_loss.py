@@ -54,7 +54,7 @@ def _losses(device_clock, values) -> list[float]:
                 t.set_loss(v)
         if device_clock is not None:
             time.sleep(0.3)
-            t._drain()
+            t.emitter.drain()
             assert len(mem.rows(Kind.STEP)["step"]) == 0  # the device has not reached the step ends
             device_clock.complete_before_ns = time.perf_counter_ns()
             time.sleep(0.3)

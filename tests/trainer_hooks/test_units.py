@@ -233,7 +233,7 @@ def test_heartbeat_names_the_pending_collective() -> None:
         time.sleep(0.4)  # stuck in a collective, as a hung rank would be
 
     wrapped = colls._make_wrapper(colls._Spec("all_reduce", all_reduce), all_reduce)
-    colls._installed.sink = tracer
+    colls._installed.sink = tracer.recorder
     try:
         with tracer.step(3):
             before = time.time_ns()

@@ -37,10 +37,11 @@ class _Rank:
         self.rank, self.world_size = rank, world_size
         self.micro_batch, self.micro_batches = 4, 4
         self.run_id, self.endpoint = "bench-commands", None
-        self._warned: set[str] = set()
+        self.warned: set[str] = set()
         self.errors = 0
+        self.recorder = self  # the bus counts its errors on the Tracer's recorder
 
-    def _hook_error(self, where: str, e: BaseException) -> None:
+    def hook_error(self, where: str, e: BaseException) -> None:
         self.errors += 1
         print(f"bench commands: rank {self.rank}: {where}: {e!r}", file=sys.stderr)
 

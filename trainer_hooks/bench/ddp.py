@@ -7,7 +7,7 @@ Two ranks on gloo (spawned here), each holding three DDP copies of one model (8 
 * ``python``: DDP's own Python ``default_hooks.allreduce_hook``, registered directly, untimed;
 * ``timed``: the Tracer's comm hook (``trainer_hooks.integrations.ddp``).
 
-``--ddp-device-clock``: the Tracer runs its GPU path (its own ``_CudaClock`` over ``_HostEvent``,
+``--ddp-device-clock``: the Tracer runs its GPU path (its own ``CudaClock`` over host events, ``device_clock.HostClock``,
 ``torch.cuda.Event``'s API on the host clock, every event done at once), so ``timed`` takes the
 comm hook's CUDA-event path: two event records and one hand-over per pass on the training side,
 the resolution on the emitter's (in the process CPU).
@@ -37,22 +37,6 @@ from pathlib import Path
 from typing import Any
 
 
-class _HostEvent:
-    """torch.cuda.Event's API on the host clock, done when recorded (see --ddp-device-clock)."""
-
-    def __init__(self, enable_timing: bool = False, **_: Any) -> None:
-        self.t_ns = 0
-
-    def record(self, stream: Any = None) -> None:
-        self.t_ns = time.perf_counter_ns()
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, end: _HostEvent) -> float:
-        return (end.t_ns - self.t_ns) / 1e6
-
-
 def _worker(rank: int, port: int, steps: int, block: int, out: str, device_clock: bool = False) -> None:
     import torch
     import torch.distributed as dist
@@ -78,18 +62,14 @@ def _worker(rank: int, port: int, steps: int, block: int, out: str, device_clock
     mem = MemoryTransport()
     clock = None
     if device_clock:
-        from trainer_hooks.tracer import _CudaClock
+        from trainer_hooks.device_clock import HostClock
 
-        class HostClock(_CudaClock):
-            def memory(self) -> tuple[int, int, int]:
-                return -1, -1, -1
-
-        clock = HostClock(event=_HostEvent)
+        clock = HostClock()
     tracer = Tracer(rank=rank, world_size=2, run_id="bench-ddp", transport=mem, heartbeat_s=60, device_clock=clock)
     # the bench's reach inside: keep "plain" on DDP's built-in path and "python" on its own hook
-    tddp._state.seen.add(arms["plain"])
-    tddp._state.seen.add(arms["python"])
-    tddp._state.originals["register_comm_hook"](arms["python"], None, default_hooks.allreduce_hook)
+    tddp.leave_untimed(arms["plain"])
+    tddp.leave_untimed(arms["python"])
+    tddp.register_untimed_hook(arms["python"], None, default_hooks.allreduce_hook)
     tddp.watch(arms["timed"], tracer)
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(rank))
     rng = random.Random(1234)  # the same order on both ranks

@@ -6,7 +6,7 @@ The returned ``Work``'s future (``work.get_future()``) completes when the collec
 once, when it is queued, with its callbacks run on a stream made to wait for it, so the callback
 records a CUDA event there, done on the device when the collective is. Either way the row is
 written from the callback (CPU) or by the emitter once the events are done (GPU, through
-:func:`trainer_hooks.integrations.ddp.resolve_pass`, the DDP bucket's resolution with no exposed wait), never by
+:func:`trainer_hooks.device_clock.resolve_pass`, the DDP bucket's resolution with no exposed wait), never by
 a wait on the training thread.
 
 What is measured: the row's ``duration_ns`` is issue to completion (``is_async=1``); the step's
@@ -19,13 +19,18 @@ works) keeps the old row, the time until return; that (op, group) is not asked a
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from trainer_hooks.device_clock import DeferredOp
+
+if TYPE_CHECKING:
+    from trainer_hooks.recorder import Recorder
 
 perf_counter_ns = time.perf_counter_ns
 
 
-def _future(sink: Any, work: Any, sig: int) -> Any:
-    no_future = sink.__dict__.setdefault("_tracetop_no_future", set())
+def _future(sink: Recorder, work: Any, sig: int) -> Any:
+    no_future = sink.no_future
     if sig in no_future:
         return None
     get = getattr(work, "get_future", None)  # a list (batch_isend_irecv) has none: the old row
@@ -38,43 +43,42 @@ def _future(sink: Any, work: Any, sig: int) -> Any:
         return None
 
 
-def track(sink: Any, work: Any, step: int, wall0: int, t0: int, nbytes: int, sig: int) -> bool:
+def track(sink: Recorder, work: Any, step: int, wall0: int, t0: int, nbytes: int, sig: int) -> bool:
     """CPU: the row is appended when ``work`` completes. False: no future, the caller writes the
     row (the time until return)."""
     fut = _future(sink, work, sig)
     if fut is None:
         return False
-    rc = sink._rc
+    rows = sink.collective_rows
 
     def done(_f: Any) -> None:  # the process group's thread (or here, if already complete)
         try:
-            rc.append((step, wall0, perf_counter_ns() - t0, nbytes, sig))
+            rows.append((step, wall0, perf_counter_ns() - t0, nbytes, sig))
         except Exception as e:
-            sink._hook_error("collective", e)
+            sink.hook_error("collective", e)
 
     fut.add_done_callback(done)
     return True
 
 
-def track_device(sink: Any, work: Any, token: tuple) -> bool:
-    """GPU: ``token`` is the Tracer's ``_collective_enter`` (sig, bytes, t0, start event). The
+def track_device(sink: Recorder, work: Any, token: tuple) -> bool:
+    """GPU: ``token`` is the Recorder's ``collective_enter`` (sig, bytes, t0, start event). The
     completion event is recorded in the future's callback; the pair goes to the emitter as a
     one-bucket pass whose last-ready event is its own end (no exposed wait)."""
     sig, nbytes, t0, ev0 = token
     fut = _future(sink, work, sig)
     if fut is None:
         return False
-    from trainer_hooks.integrations.ddp import OP_PASS
-
-    cuda, deferred = sink._cuda, sink._deferred
-    step, wall0 = sink.step_n, sink._wall(t0)
+    clock, deferred = sink.device_clock, sink.deferred
+    assert clock is not None
+    step, wall0 = sink.step_n, sink.wall(t0)
 
     def done(_f: Any) -> None:
         try:
-            ev1 = cuda.mark()  # on the callback's stream: it waits for the collective
-            deferred.append((OP_PASS, [(step, wall0, nbytes, sig, ev0, ev1)], ev1, None))
+            ev1 = clock.mark()  # on the callback's stream: it waits for the collective
+            deferred.append((DeferredOp.PASS, [(step, wall0, nbytes, sig, ev0, ev1)], ev1, None))
         except Exception as e:
-            sink._hook_error("collective", e)
+            sink.hook_error("collective", e)
 
     fut.add_done_callback(done)
     return True

@@ -26,9 +26,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer_hooks.integrations import async_done
+
+if TYPE_CHECKING:
+    from trainer_hooks.recorder import Recorder
 
 #: op -> how to find the payload: ("arg", index) one tensor, ("list", index) a list of tensors,
 #: ("lists", index) a list of lists, ("p2p", 0) a list of P2POp, None no payload.
@@ -144,13 +147,16 @@ class _Local(threading.local):
 
 class _Installed:
     def __init__(self) -> None:
-        self.sink: Any = None  # the Tracer receiving calls; None = pass through
+        self.sink: Recorder | None = None  # the Tracer's recorder receiving calls; None = pass through
         self.originals: dict[tuple[Any, str], Any] = {}
         self.local = _Local()
         self.cdb_originals: dict[str, Any] = {}
 
 
 _installed = _Installed()
+#: the thread-local "inside a timed call" flag (``.inside``): nested calls, and a DDP hook's inner
+#: ``dist.all_reduce`` (:mod:`trainer_hooks.integrations.ddp`), count once
+call_flag = _installed.local
 
 
 def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -162,13 +168,13 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
         sink = state.sink
         if sink is None or local.inside:
             return fn(*args, **kwargs)
-        if sink._cuda is not None:
+        if sink.device_clock is not None:
             return _device_timed(sink, spec, fn, args, kwargs)
         # CPU: the hot path, inlined (one call to name the call, two clock reads, one append)
         try:
-            sig, nbytes = sink._collective_sig(spec, args, kwargs)
+            sig, nbytes = sink.collective_sig(spec, args, kwargs)
         except Exception as e:  # a hook never breaks the call it observes
-            sink._hook_error("collective", e)
+            sink.hook_error("collective", e)
             return fn(*args, **kwargs)
         local.inside = True
         sink.pending_sig = sig
@@ -182,14 +188,14 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
             local.inside = False
             sink.pending_sig = -1
             try:
-                sink._acc.comm_ns += dur
-                wall0 = sink._step_wall0 + (t0 - sink._step_perf0)
+                sink.acc.comm_ns += dur
+                wall0 = sink.step_wall0 + (t0 - sink.step_perf0)
                 # an async call's Work: its row is written at completion (trainer_hooks.integrations.async_done)
                 if ret is None or not async_done.track(sink, ret, sink.step_n, wall0, t0, nbytes, sig):
-                    sink._rc.append((sink.step_n, wall0, dur, nbytes, sig))
+                    sink.collective_rows.append((sink.step_n, wall0, dur, nbytes, sig))
                 sink.events += 1
             except Exception as e:
-                sink._hook_error("collective", e)
+                sink.hook_error("collective", e)
 
     wrapper.__name__ = getattr(fn, "__name__", spec.name)
     wrapper.__qualname__ = getattr(fn, "__qualname__", spec.name)
@@ -199,13 +205,13 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _device_timed(sink: Any, spec: _Spec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def _device_timed(sink: Recorder, spec: _Spec, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """GPU: CUDA events around the call, resolved later by the emitter."""
     local = _installed.local
     try:
-        token = sink._collective_enter(spec, args, kwargs)
+        token = sink.collective_enter(spec, args, kwargs)
     except Exception as e:
-        sink._hook_error("collective", e)
+        sink.hook_error("collective", e)
         return fn(*args, **kwargs)
     local.inside = True
     ret = None
@@ -219,13 +225,13 @@ def _device_timed(sink: Any, spec: _Spec, fn: Callable[..., Any], args: tuple, k
                 sink.pending_sig = -1
                 sink.events += 1
             else:
-                sink._collective_exit(token)
+                sink.collective_exit(token)
         except Exception as e:
-            sink._hook_error("collective", e)
+            sink.hook_error("collective", e)
 
 
-def install(sink: Any, ops: Iterable[str] = tuple(PAYLOAD)) -> list[str]:
-    """Route every listed collective through ``sink`` (a Tracer). One sink at a time: installing
+def install(sink: Recorder, ops: Iterable[str] = tuple(PAYLOAD)) -> list[str]:
+    """Route every listed collective through ``sink`` (a Tracer's recorder). One sink at a time: installing
     again re-targets the existing wrappers. Returns the op names wrapped."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
@@ -263,7 +269,7 @@ def _repoint_deepspeed(dist: Any) -> None:
             setattr(cdb, attr, getattr(dist, name))
 
 
-def uninstall(sink: Any = None) -> None:
+def uninstall(sink: Recorder | None = None) -> None:
     """Put every original function back (only if ``sink`` is the installed one, when given)."""
     if sink is not None and _installed.sink is not sink:
         return
@@ -279,8 +285,30 @@ def uninstall(sink: Any = None) -> None:
     _installed.cdb_originals.clear()
 
 
-def installed_sink() -> Any:
+def installed_sink() -> Recorder | None:
     return _installed.sink
+
+
+def route_to(sink: Recorder | None) -> None:
+    """Point the installed wrappers at ``sink`` (None: every call passes straight through), leaving
+    them in place (the overhead benchmark switches the hooks on and off this way)."""
+    _installed.sink = sink
+
+
+def originals() -> dict[tuple[Any, str], Any]:
+    """(module, name) -> the original function, for every function wrapped now."""
+    return dict(_installed.originals)
+
+
+def deepspeed_originals() -> dict[str, Any]:
+    """DeepSpeed comm backend attribute -> the original it held before :func:`install` re-pointed it."""
+    return dict(_installed.cdb_originals)
+
+
+def wrap_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A timed wrapper of ``fn`` as the collective ``name`` (a key of :data:`PAYLOAD`), without
+    installing it: benchmarks and tests time a stand-in this way."""
+    return _make_wrapper(_Spec(name, fn), fn)
 
 
 # ----------------------------------------------------------------------------- roles

@@ -56,10 +56,15 @@ import logging
 import sys
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tracetop import env as tenv
+from trainer_hooks.device_clock import DeferredOp
 from trainer_hooks.integrations import collectives as colls
+
+if TYPE_CHECKING:
+    from trainer_hooks.recorder import Recorder
+    from trainer_hooks.tracer import Tracer
 
 log = logging.getLogger("trainer_hooks")
 perf_counter_ns = time.perf_counter_ns
@@ -70,13 +75,9 @@ MAX_WATCHED_CALLS = 250_000
 #: the op name of a DDP bucket row ("all_reduce" prefix: busbw takes the all-reduce factor)
 DDP_OP = "all_reduce_ddp"
 
-#: the Tracer's deferred-queue code of one DDP backward pass on the device clock (GPU path;
-#: the Tracer's own codes are 0-5)
-OP_PASS = 6
-
 
 class _RowSpec:
-    """What the Tracer's signature table needs to name a DDP bucket row (like collectives._Spec)."""
+    """What the Recorder's signature table needs to name a DDP bucket row (like collectives._Spec)."""
 
     __slots__ = ("name", "peer_name", "default_role")
 
@@ -122,7 +123,7 @@ class _Cell:
 
 class _State:
     def __init__(self) -> None:
-        self.sink: Any = None  # the Tracer; None = every timed hook passes straight through
+        self.sink: Recorder | None = None  # the Tracer's recorder; None = every timed hook passes straight through
         self.handle: Any = None  # the global forward pre-hook, while watching
         self.first_step: int | None = None
         self.calls = 0  # module calls seen while watching
@@ -139,8 +140,8 @@ _state = _State()
 # ----------------------------------------------------------------------------- install
 
 
-def install(tracer: Any) -> bool:
-    """Watch for DDP/FSDP modules on behalf of ``tracer`` (one Tracer at a time, as the wrapper).
+def install(rec: Recorder) -> bool:
+    """Watch for DDP/FSDP modules on behalf of a Tracer's recorder (one at a time, as the wrapper).
     Returns False where torch.distributed is not there."""
     try:
         import torch.distributed as dist
@@ -156,7 +157,7 @@ def install(tracer: Any) -> bool:
                                 "_register_builtin_comm_hook": DDP._register_builtin_comm_hook}
             DDP.register_comm_hook = _register_comm_hook
             DDP._register_builtin_comm_hook = _register_builtin_comm_hook
-        _state.sink = tracer
+        _state.sink = rec
         _state.time_buckets = tenv.get(tenv.TRACETOP_DDP_BUCKETS, "1") != "0"
         _state.first_step = None
         _state.calls = 0
@@ -164,16 +165,16 @@ def install(tracer: Any) -> bool:
         if _state.handle is None:
             _state.handle = register_module_forward_pre_hook(_on_forward)
     except Exception as e:  # a torch without these seams: DDP stays unseen, the rest of the Tracer works
-        tracer._hook_error("ddp", e)
-        uninstall(tracer)
+        rec.hook_error("ddp", e)
+        uninstall(rec)
         return False
     return True
 
 
-def uninstall(tracer: Any = None) -> None:
+def uninstall(rec: Recorder | None = None) -> None:
     """Stop watching and put DDP's methods back. Hooks already registered stay (DDP has no way to
     remove one) and pass every bucket straight to the inner hook from now on."""
-    if tracer is not None and _state.sink is not tracer:
+    if rec is not None and _state.sink is not rec:
         return
     _state.sink = None
     _stop_watching()
@@ -185,16 +186,39 @@ def uninstall(tracer: Any = None) -> None:
         _state.originals = {}
 
 
-def watch(module: Any, tracer: Any = None) -> None:
+def watch(module: Any, tracer: Tracer | None = None) -> None:
     """Time / name one module now (for a DDP or FSDP module first used after the Tracer stopped
-    watching, see the module docstring)."""
-    t = tracer if tracer is not None else _state.sink
-    if t is None or not getattr(t, "enabled", False):
+    watching, see the module docstring); ``tracer``: the installed Tracer's by default."""
+    if tracer is not None and not tracer.enabled:
+        return
+    t = tracer.recorder if tracer is not None else _state.sink
+    if t is None:
         return
     try:
         _found(t, module, _kinds())
     except Exception as e:
-        t._hook_error("ddp", e)
+        t.hook_error("ddp", e)
+
+
+def watching() -> bool:
+    """The global forward pre-hook is in (modules are still being looked at)."""
+    return _state.handle is not None
+
+
+def watched_calls() -> int:
+    """Module calls seen while watching."""
+    return _state.calls
+
+
+def leave_untimed(module: Any) -> None:
+    """Never time or name ``module`` (a benchmark's plain arm)."""
+    _state.seen.add(module)
+
+
+def register_untimed_hook(module: Any, state: object, hook: Any) -> None:
+    """DDP's own ``register_comm_hook`` on ``module`` while a Tracer is installed: ``hook`` runs
+    untimed (a benchmark's arm on DDP's Python hook path)."""
+    _state.originals["register_comm_hook"](module, state, hook)
 
 
 def _stop_watching() -> None:
@@ -236,11 +260,11 @@ def _on_forward(module: Any, args: Any) -> None:
         if _state.calls > MAX_WATCHED_CALLS:  # a loop without tracer.step: stop paying ~1 us a call
             _stop_watching()
     except Exception as e:
-        t._hook_error("ddp", e)
+        t.hook_error("ddp", e)
     return None
 
 
-def _found(t: Any, module: Any, kinds: tuple[type, ...]) -> None:
+def _found(t: Recorder, module: Any, kinds: tuple[type, ...]) -> None:
     _state.seen.add(module)
     if isinstance(module, kinds[0]):  # DDP
         _name_dp(t, module.process_group)
@@ -260,17 +284,11 @@ def _found(t: Any, module: Any, kinds: tuple[type, ...]) -> None:
             _name_dp(t, pg)
 
 
-def _name_dp(t: Any, group: Any) -> None:
+def _name_dp(t: Recorder, group: Any) -> None:
     """Name ``group`` ``dp`` unless the user's topology already names its rank set."""
     import torch.distributed as dist
 
-    ranks = tuple(sorted(dist.get_process_group_ranks(group)))
-    axes = t._axes
-    if any(ranks in lists for lists in axes.values()):
-        return
-    axes.setdefault("dp", []).append(ranks)
-    t._roles.clear()
-    t._sig_cache.clear()
+    t.name_group("dp", tuple(sorted(dist.get_process_group_ranks(group))))
 
 
 def _warn_once(key: str, msg: str, *args: Any) -> None:
@@ -282,7 +300,7 @@ def _warn_once(key: str, msg: str, *args: Any) -> None:
 # ----------------------------------------------------------------------------- DDP comm hooks
 
 
-def _attach(t: Any, ddp: Any) -> None:
+def _attach(t: Recorder, ddp: Any) -> None:
     """Put the timed default hook on a DDP module that has none."""
     if getattr(ddp, "_tracetop_cell", None) is not None or not _state.time_buckets:
         return  # timed already (a hook the user registered while we were installed, or an earlier Tracer)
@@ -364,45 +382,45 @@ def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
 
 def _timed(cell: _Cell) -> Any:
     """The function DDP calls for each bucket (its parameter must be named ``bucket``)."""
-    local = colls._installed.local
+    local = colls.call_flag
 
     def timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses annotations other than its own
         t = _state.sink
         inner, inner_state = cell.inner, cell.state
         if t is None or not hasattr(bucket, "buffer"):
             return inner(inner_state, bucket)  # no Tracer, or the Python reducer's (grad, param)
-        if t._cuda is not None:
+        if t.device_clock is not None:
             return _timed_on_device(t, cell, inner, inner_state, bucket, local)
         try:
             i, p, nbytes, sig = _bucket_of(t, cell, bucket)
             step = t.step_n
             t0 = perf_counter_ns()
-            wall0 = t._step_wall0 + (t0 - t._step_perf0)
+            wall0 = t.step_wall0 + (t0 - t.step_perf0)
             if bucket.is_last():  # DDP hands buckets over in index order: compute is done now
                 p.ready_last_ns = t0
                 p.n = i + 1
                 t.pending_sig, t.pending_t0 = sig, t0  # the heartbeat shows the wait
             t.events += 1
         except Exception as e:
-            t._hook_error("ddp", e)
+            t.hook_error("ddp", e)
             return inner(inner_state, bucket)
         unwrap, fut = _run_inner(inner, inner_state, bucket, local)
-        rc, dones, tickets = t._rc, p.dones, p.tickets
+        rows, dones, tickets = t.collective_rows, p.dones, p.tickets
 
         def done(f: Any) -> Any:  # the process group's thread (or inline, if already complete)
             try:
                 d = perf_counter_ns()
-                rc.append((step, wall0, d - t0, nbytes, sig))
+                rows.append((step, wall0, d - t0, nbytes, sig))
                 dones.append(d)
                 if next(tickets) == p.n - 1:  # the pass's last completion: close it
                     exposed = max(dones) - p.ready_last_ns
                     if exposed > 0:
                         # the training thread is blocked in DDP's finalize_backward until we return
-                        t._acc.comm_ns += exposed
+                        t.acc.comm_ns += exposed
                     if t.pending_sig == sig:
                         t.pending_sig = -1
             except Exception as e:  # a raise here would fail backward()
-                t._hook_error("ddp", e)
+                t.hook_error("ddp", e)
             return f.value()[0] if unwrap else f.value()
 
         return fut.then(done)
@@ -417,16 +435,13 @@ def _timed(cell: _Cell) -> Any:
 # ----------------------------------------------------------------------------- the device clock (GPU)
 
 
-def _bucket_of(t: Any, cell: _Cell, bucket: Any) -> tuple[int, Any, int, int]:
+def _bucket_of(t: Recorder, cell: _Cell, bucket: Any) -> tuple[int, Any, int, int]:
     """A bucket's index, its backward pass (a new one at bucket 0), its bytes and its signature."""
     i = bucket.index()
     if i == 0:
         cell.current = _Pass()
     buf = bucket.buffer()
-    key = (_BUCKET, cell.group, buf.dtype, True, None)
-    sig = t._sig_cache.get(key)
-    if sig is None:
-        sig = t._new_sig(_BUCKET, cell.group, buf, True, None, key)
+    sig = t.signature(_BUCKET, cell.group, buf, True, None)
     return i, cell.current, buf.numel() * buf.element_size(), sig
 
 
@@ -442,23 +457,24 @@ def _run_inner(inner: Any, inner_state: Any, bucket: Any, local: Any) -> tuple[b
         local.inside = inside
 
 
-def _timed_on_device(t: Any, cell: _Cell, inner: Any, inner_state: Any, bucket: Any, local: Any) -> Any:
+def _timed_on_device(t: Recorder, cell: _Cell, inner: Any, inner_state: Any, bucket: Any, local: Any) -> Any:
     """One bucket on the device clock (the module docstring says why events, and which)."""
-    cuda = t._cuda
+    cuda = t.device_clock
+    assert cuda is not None
     try:
         i, p, nbytes, sig = _bucket_of(t, cell, bucket)
         step = t.step_n
-        wall0 = t._step_wall0 + (perf_counter_ns() - t._step_perf0)
+        wall0 = t.step_wall0 + (perf_counter_ns() - t.step_perf0)
         ev0 = cuda.mark()  # the current stream: done on the device once this bucket's gradients are
         if bucket.is_last():
             p.ev_last = ev0
             p.n = i + 1
         t.events += 1
     except Exception as e:
-        t._hook_error("ddp", e)
+        t.hook_error("ddp", e)
         return inner(inner_state, bucket)
     unwrap, fut = _run_inner(inner, inner_state, bucket, local)
-    buckets, tickets, deferred = p.buckets, p.tickets, t._deferred
+    buckets, tickets, deferred = p.buckets, p.tickets, t.deferred
 
     def done(f: Any) -> Any:
         # a CUDA future runs its callbacks on a stream made to wait for the all-reduce (NCCL: at
@@ -467,30 +483,9 @@ def _timed_on_device(t: Any, cell: _Cell, inner: Any, inner_state: Any, bucket: 
         try:
             buckets.append((step, wall0, nbytes, sig, ev0, cuda.mark()))
             if next(tickets) == p.n - 1:  # the pass's last completion: hand it to the emitter
-                deferred.append((OP_PASS, buckets, p.ev_last, None))
+                deferred.append((DeferredOp.PASS, buckets, p.ev_last, None))
         except Exception as e:  # a raise here would fail backward()
-            t._hook_error("ddp", e)
+            t.hook_error("ddp", e)
         return f.value()[0] if unwrap else f.value()
 
     return fut.then(done)
-
-
-def pass_ready(cuda: Any, buckets: list[tuple], ev_last: Any) -> bool:
-    """Emitter: every event of one pass is done on the device (``query()``: never a wait)."""
-    if not cuda.ready(ev_last):
-        return False
-    return all(cuda.ready(b[4]) and cuda.ready(b[5]) for b in buckets)
-
-
-def resolve_pass(t: Any, acc: Any, cuda: Any, buckets: list[tuple], ev_last: Any) -> None:
-    """Emitter, in recording order: one row per bucket (ready -> done on the device) and the
-    exposed wait (the last completion after the last bucket was ready) into the step's
-    communication time (``acc``: the accumulator of the step being resolved)."""
-    exposed = 0
-    rc = t._rc
-    for step, wall0, nbytes, sig, ev0, ev1 in buckets:
-        rc.append((step, wall0, cuda.elapsed_ns(ev0, ev1), nbytes, sig))
-        exposed = max(exposed, cuda.elapsed_ns(ev_last, ev1))
-    acc.comm_ns += exposed
-    for b in buckets:
-        cuda.release(b[4], b[5])

@@ -30,7 +30,8 @@ from typing import Any
 
 from trainer_hooks.tracer import Tracer, perf_counter_ns
 
-_WRAPPED = "_tracetop_offload_wrapped"
+#: the optimizer attribute listing the methods wrapped on it
+WRAPPED_ATTR = "_tracetop_offload_wrapped"
 
 
 def _nbytes(t: Any) -> int:
@@ -39,7 +40,7 @@ def _nbytes(t: Any) -> int:
 
 def wrap(optimizer: Any, tracer: Tracer) -> list[str]:
     """Instrument a ZeRO optimizer that offloads; returns the method names wrapped."""
-    if optimizer is None or not tracer.enabled or getattr(optimizer, _WRAPPED, None):
+    if optimizer is None or not tracer.enabled or getattr(optimizer, WRAPPED_ATTR, None):
         return []
     done: list[str] = []
     cls_name = type(optimizer).__name__
@@ -48,15 +49,15 @@ def wrap(optimizer: Any, tracer: Tracer) -> list[str]:
     if cls_name == "DeepSpeedZeroOptimizer_Stage3" and getattr(optimizer, "offload_optimizer", False):
         done += _wrap_stage3(optimizer, tracer)
     done += _wrap_states(optimizer, tracer)
-    setattr(optimizer, _WRAPPED, done)
+    setattr(optimizer, WRAPPED_ATTR, done)
     return done
 
 
 def unwrap(optimizer: Any) -> None:
-    for name in getattr(optimizer, _WRAPPED, None) or []:
+    for name in getattr(optimizer, WRAPPED_ATTR, None) or []:
         optimizer.__dict__.pop(name, None)
-    if optimizer is not None and _WRAPPED in getattr(optimizer, "__dict__", {}):
-        delattr(optimizer, _WRAPPED)
+    if optimizer is not None and WRAPPED_ATTR in getattr(optimizer, "__dict__", {}):
+        delattr(optimizer, WRAPPED_ATTR)
 
 
 def _guard(tracer: Tracer, fn: Any) -> Any:
@@ -64,7 +65,7 @@ def _guard(tracer: Tracer, fn: Any) -> Any:
     try:
         fn()
     except Exception as e:
-        tracer._hook_error("offload", e)
+        tracer.recorder.hook_error("offload", e)
 
 
 def _wrap_stage12(opt: Any, tracer: Tracer) -> list[str]:

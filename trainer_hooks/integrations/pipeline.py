@@ -14,31 +14,34 @@ are counted by the collective wrapper).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainer_hooks.tracer import INSTRUCTIONS, Tracer, perf_counter_ns
+from trainer_hooks.recorder import INSTRUCTIONS, Recorder, perf_counter_ns
+
+if TYPE_CHECKING:
+    from trainer_hooks.tracer import Tracer
 
 
-def _wrap_handler(tracer: Tracer, instr: str, handler: Any) -> Any:
+def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
     slot, phase, has_mb = INSTRUCTIONS.get(instr, (4, "comm", False))
-    code = tracer._instr_code(instr)
-    counts = tracer._instr_counts
+    code = rec.instr_code(instr)
+    counts = rec.instr_counts
     clock = perf_counter_ns
 
     def timed(engine: Any, *args: Any, **kwargs: Any) -> Any:
-        t = tracer
-        if t._cuda is not None:
-            return _device_timed(t, instr, slot, has_mb, handler, engine, args, kwargs)
+        r = rec
+        if r.device_clock is not None:
+            return _device_timed(r, instr, slot, has_mb, handler, engine, args, kwargs)
         # CPU: the hot path, inlined. Self time = wall time minus the collectives inside.
         try:
             mb = counts.get(instr, 0)
             counts[instr] = mb + 1
-            prev = t.current_phase
-            t.current_phase = phase
-            acc = t._acc
+            prev = r.current_phase
+            r.current_phase = phase
+            acc = r.acc
             comm0 = acc.comm_ns
         except Exception as e:  # a hook never breaks the instruction it observes
-            t._hook_error("pipeline", e)
+            r.hook_error("pipeline", e)
             return handler(engine, *args, **kwargs)
         t0 = clock()
         try:
@@ -46,33 +49,33 @@ def _wrap_handler(tracer: Tracer, instr: str, handler: Any) -> Any:
         finally:
             dur = clock() - t0
             try:
-                t.current_phase = prev
+                r.current_phase = prev
                 acc.sums[slot] += dur - (acc.comm_ns - comm0)
-                t._ri.append((t.step_n, t._step_wall0 + (t0 - t._step_perf0), dur, mb if has_mb else -1, code))
-                t.events += 1
+                r.instr_rows.append((r.step_n, r.step_wall0 + (t0 - r.step_perf0), dur, mb if has_mb else -1, code))
+                r.events += 1
             except Exception as e:
-                t._hook_error("pipeline", e)
+                r.hook_error("pipeline", e)
 
     timed.__name__ = getattr(handler, "__name__", instr)
     timed.__wrapped__ = handler  # type: ignore[attr-defined]
     return timed
 
 
-def _device_timed(t: Tracer, instr: str, slot: int, has_mb: bool, handler: Any, engine: Any, args: tuple,
+def _device_timed(r: Recorder, instr: str, slot: int, has_mb: bool, handler: Any, engine: Any, args: tuple,
                   kwargs: dict) -> Any:
     """GPU: CUDA events around the instruction, resolved later by the emitter."""
     try:
-        token = t._instr_enter(instr, slot)
+        token = r.instr_enter(instr)
     except Exception as e:
-        t._hook_error("pipeline", e)
+        r.hook_error("pipeline", e)
         return handler(engine, *args, **kwargs)
     try:
         return handler(engine, *args, **kwargs)
     finally:
         try:
-            t._instr_exit(instr, slot, token, has_mb)
+            r.instr_exit(instr, slot, token, has_mb)
         except Exception as e:
-            t._hook_error("pipeline", e)
+            r.hook_error("pipeline", e)
 
 
 def wrap(engine: Any, tracer: Tracer) -> bool:
@@ -80,7 +83,7 @@ def wrap(engine: Any, tracer: Tracer) -> bool:
     table = getattr(type(engine), "_INSTRUCTION_MAP", None)
     if not isinstance(table, dict) or not tracer.enabled:
         return False
-    engine._INSTRUCTION_MAP = {cls: _wrap_handler(tracer, cls.__name__, fn) for cls, fn in table.items()}
+    engine._INSTRUCTION_MAP = {cls: _wrap_handler(tracer.recorder, cls.__name__, fn) for cls, fn in table.items()}
     return True
 
 
