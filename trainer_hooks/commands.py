@@ -255,12 +255,12 @@ class CommandBus:
         self._buf = torch.zeros(WORDS, dtype=torch.int64)
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._src = 0
-        dist = None
+        dist: Any = None
         try:
-            import torch.distributed as dist
+            import torch.distributed
 
-            if not (dist.is_available() and dist.is_initialized()) or self.t.world_size <= 1:
-                dist = None
+            if torch.distributed.is_available() and torch.distributed.is_initialized() and self.t.world_size > 1:
+                dist = torch.distributed
         except ImportError:
             dist = None
         if dist is None and self.t.world_size > 1:

@@ -29,7 +29,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from tracetop.events import Kind
 from trainer_hooks.device_clock import DeferredOp, DeviceClock
@@ -111,7 +111,7 @@ class PhaseContext:
         except Exception as e:
             r.hook_error("phase", e)
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         r = self.rec
         try:
             t0, prev = self.marks.pop()
@@ -315,8 +315,9 @@ class Recorder:
     def _new_sig(self, spec: Any, group: Any, tensor: Any, is_async: bool, peer: Any, key: tuple) -> int:
         """First call of its kind: name the group, the peer and the dtype once."""
         role, size = self._group_info(group)
-        if role in ("world", "group") and getattr(spec, "default_role", ""):
-            role = spec.default_role  # DDP's buckets and broadcasts are data parallel whatever the group
+        default_role = getattr(spec, "default_role", "")
+        if role in ("world", "group") and default_role:
+            role = default_role  # DDP's buckets and broadcasts are data parallel whatever the group
         peer_rank = -1
         if spec.peer_name and peer is not None:
             peer_rank = int(peer)

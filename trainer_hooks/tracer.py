@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 from tracetop import env as tenv
 from tracetop.events import Kind
@@ -52,7 +52,7 @@ class _NullCtx:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         return False
 
 
@@ -75,7 +75,7 @@ class _StepCtx:
         except Exception as e:
             t.recorder.hook_error("step", e)
 
-    def __exit__(self, *exc: Any) -> bool:
+    def __exit__(self, *exc: Any) -> Literal[False]:
         t = self.t
         try:
             t._step_end(self.tokens, self.samples)
@@ -476,9 +476,9 @@ def _client_auth() -> dict[str, Any]:
 
 def _seconds(value: float | None, var: str, default: float, what: str) -> float:
     """A positive number of seconds: the argument, then the variable, then the default."""
-    raw = value if value is not None else tenv.get(var, str(default))
+    raw: float | str | None = value if value is not None else tenv.get(var, str(default))
     try:
-        seconds = float(raw)  # type: ignore[arg-type]
+        seconds = float(raw if raw is not None else default)
     except ValueError as e:
         raise SetupError(f"trainer_hooks: {what} interval {raw!r} is not a number; set {var} to seconds, e.g. {default:g}") from e
     if not seconds > 0:

@@ -267,7 +267,7 @@ def _on_forward(module: Any, args: Any) -> None:
 def _found(t: Recorder, module: Any, kinds: tuple[type, ...]) -> None:
     _state.seen.add(module)
     if isinstance(module, kinds[0]):  # DDP
-        _name_dp(t, module.process_group)
+        _name_dp(t, getattr(module, "process_group"))  # noqa: B009  (kinds[0] is typed as a bare type)
         _attach(t, module)
         return
     mesh = None
@@ -384,7 +384,7 @@ def _timed(cell: _Cell) -> Any:
     """The function DDP calls for each bucket (its parameter must be named ``bucket``)."""
     local = colls.call_flag
 
-    def timed_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses annotations other than its own
+    def timed_hook(state, bucket):  # DDP refuses annotations other than its own
         t = _state.sink
         inner, inner_state = cell.inner, cell.state
         if t is None or not hasattr(bucket, "buffer"):

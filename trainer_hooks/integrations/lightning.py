@@ -34,12 +34,13 @@ class TracetopCallback(Callback):
         self.tracer = tracer
         self._kwargs = tracer_kwargs
 
-    def _make_tracer(self, trainer: Any) -> None:
+    def _make_tracer(self, trainer: Any) -> Tracer:
         if self.tracer is None:
             kw = dict(self._kwargs)
             kw.setdefault("rank", int(trainer.global_rank))
             kw.setdefault("world_size", int(trainer.world_size))
             self.tracer = Tracer(**kw)
+        return self.tracer
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         # before the strategy wraps the model: DDP's start-up broadcast is seen, and a comm hook
@@ -48,8 +49,7 @@ class TracetopCallback(Callback):
             self._make_tracer(trainer)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._make_tracer(trainer)
-        self.tracer.describe(
+        self._make_tracer(trainer).describe(
             model_name=type(pl_module).__name__, n_params=sum(p.numel() for p in pl_module.parameters()),
             micro_batches=int(getattr(trainer, "accumulate_grad_batches", 1) or 1), integration="lightning",
         )
