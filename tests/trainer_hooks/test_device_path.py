@@ -32,7 +32,7 @@ def test_device_timings_are_resolved_by_the_emitter_in_order() -> None:
     def all_reduce(tensor, op=None, group=None, async_op=False):
         time.sleep(0.01)
 
-    wrapped = colls._make_wrapper(colls._Spec("all_reduce", all_reduce), all_reduce)
+    wrapped = colls.wrap_function("all_reduce", all_reduce)
 
     class Engine:
         pass
@@ -49,7 +49,7 @@ def test_device_timings_are_resolved_by_the_emitter_in_order() -> None:
     engine = Engine()
     pipeline.wrap(engine, tracer)
     handler = next(iter(engine._INSTRUCTION_MAP.values()))
-    colls._installed.sink = tracer.recorder
+    colls.route_to(tracer.recorder)
     try:
         for n in range(2):
             with tracer.step(n):
@@ -64,7 +64,7 @@ def test_device_timings_are_resolved_by_the_emitter_in_order() -> None:
         clock.complete_before_ns = time.perf_counter_ns()
         time.sleep(0.3)
     finally:
-        colls._installed.sink = None
+        colls.route_to(None)
         tracer.close()
     steps = mem.rows(Kind.STEP)
     assert list(steps["step"]) == [0, 1]

@@ -232,14 +232,14 @@ def test_heartbeat_names_the_pending_collective() -> None:
     def all_reduce(tensor, op=None, group=None, async_op=False):
         time.sleep(0.4)  # stuck in a collective, as a hung rank would be
 
-    wrapped = colls._make_wrapper(colls._Spec("all_reduce", all_reduce), all_reduce)
-    colls._installed.sink = tracer.recorder
+    wrapped = colls.wrap_function("all_reduce", all_reduce)
+    colls.route_to(tracer.recorder)
     try:
         with tracer.step(3):
             before = time.time_ns()
             wrapped(T())
     finally:
-        colls._installed.sink = None
+        colls.route_to(None)
     tracer.close()
     hb = mem.rows(Kind.HEARTBEAT)
     inside = [i for i, op in enumerate(hb["pending_op"]) if op == "all_reduce"]
