@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tracetop import env as tenv
 from tracetop.events import Kind
@@ -38,6 +38,9 @@ from trainer_hooks.loss import loss_value
 from trainer_hooks.memory import StepPeak
 from trainer_hooks.recorder import INSTRUCTIONS, PHASE_SLOTS, PhaseContext, Recorder, perf_counter_ns
 from trainer_hooks.sink import RowSink
+
+if TYPE_CHECKING:
+    from tracetop.wire.transport import Transport  # a module with protobuf: not loaded at import
 
 log = logging.getLogger("trainer_hooks")
 
@@ -150,7 +153,7 @@ class Tracer:
         *,
         local_rank: int | None = None,
         enabled: bool | None = None,
-        transport: Any = None,
+        transport: Transport | None = None,
         shipper: RowSink | None = None,
         device: str | None = None,
         heartbeat_s: float | None = None,
@@ -432,7 +435,7 @@ class Tracer:
         return wrapped
 
 
-def _make_shipper(run_id: str, rank: int, endpoint: str | None, transport: Any, flush_interval_s: float,
+def _make_shipper(run_id: str, rank: int, endpoint: str | None, transport: Transport | None, flush_interval_s: float,
                   max_unacked_bytes: int | None) -> RowSink:
     from tracetop.wire.shipper import Shipper
 
