@@ -36,15 +36,13 @@ from trainer_hooks.integrations import collectives as colls
 from trainer_hooks.integrations import ddp
 from trainer_hooks.loss import loss_value
 from trainer_hooks.memory import StepPeak
-from trainer_hooks.recorder import INSTRUCTIONS, PHASE_SLOTS, PhaseContext, Recorder, perf_counter_ns
+from trainer_hooks.recorder import PhaseContext, Recorder
 from trainer_hooks.sink import RowSink
 
 if TYPE_CHECKING:
     from tracetop.wire.transport import Transport  # a module with protobuf: not loaded at import
 
 log = logging.getLogger("trainer_hooks")
-
-__all__ = ["INSTRUCTIONS", "PHASE_SLOTS", "Tracer", "perf_counter_ns", "tracing"]
 
 _NAN = float("nan")
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from trainer_hooks.tracer import Tracer, perf_counter_ns
+from trainer_hooks.recorder import perf_counter_ns
+from trainer_hooks.tracer import Tracer
 
 #: the optimizer attribute listing the methods wrapped on it
 WRAPPED_ATTR = "_tracetop_offload_wrapped"
