@@ -23,7 +23,8 @@ $(VENV)/.ready: pyproject.toml
 	$(VPY) -m pip install -q -e '.[trainer,dev,otlp]'
 	touch $@
 
-test: setup
+# ruff and mypy first (seconds), then the suite.
+test: setup lint
 	$(VPY) -m pytest -q -ra --durations=25
 
 test-fast: setup
@@ -32,8 +33,10 @@ test-fast: setup
 demo: setup
 	$(VENV)/bin/tracetop demo
 
+# ruff on the tree; mypy on the packages every rank runs (pyproject.toml [tool.mypy] names them).
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 proto: setup
 	$(VPY) scripts/gen_proto.py

@@ -26,6 +26,7 @@ from agent.nvml import NVML, NVMLUnavailable
 from agent.relay import Relay
 from tracetop import env
 from tracetop.events import Kind
+from tracetop.wire.shipper import Sink
 
 log = logging.getLogger("tracetop.agent")
 
@@ -52,14 +53,14 @@ class AgentConfig:
     node: str | None = None
     clock_interval_s: float = 60.0
     spool_fsync: bool = True
-    #: Sealing interval of the agent's own rows (hook batches are forwarded at once, not sealed
-    #: here). 1 s matches 1 Hz sampling and keeps the flusher's wake-ups (4 a second) cheap.
-    flush_interval_s: float = 1.0
+    #: Sealing interval of the agent's own rows (tracetop.env.AGENT_FLUSH_S: 1 s matches 1 Hz
+    #: sampling and keeps the flusher's wake-ups cheap; hook batches are forwarded at once).
+    flush_interval_s: float = env.AGENT_FLUSH_S
     #: how the agent proves itself to a collector that demands it (tracetop.wire.auth.ClientAuth)
     auth: Any = None
 
 
-def _auth_kwargs(auth: Any) -> dict[str, Any]:
+def shipper_auth_kwargs(auth: Any) -> dict[str, Any]:
     """The shipper's TLS credentials and bearer metadata from a ClientAuth (nothing without one)."""
     if auth is None:
         return {}
@@ -113,7 +114,7 @@ class Agent:
         *,
         nvml_backend: Any = None,
         psutil_mod: Any = None,
-        shipper_factory: Callable[..., Any] | None = None,
+        shipper_factory: Callable[..., Sink] | None = None,
         clock_ns: Callable[[], int] = time.time_ns,
         mono_s: Callable[[], float] = time.monotonic,
         out: TextIO | None = None,
@@ -132,7 +133,7 @@ class Agent:
 
             shipper_factory = Shipper
         self._shipper_factory = shipper_factory
-        self.shipper: Any = None
+        self.shipper: Sink | None = None
         self.nvml: NVML | None = None
         self.gpu: GPUSampler | None = None
         self.host: HostSampler | None = None
@@ -158,7 +159,7 @@ class Agent:
             spool_max_bytes=cfg.spool_max_bytes,
             spool_fsync=cfg.spool_fsync,
             flush_interval_s=cfg.flush_interval_s,
-            **_auth_kwargs(cfg.auth),
+            **shipper_auth_kwargs(cfg.auth),
         )
         self.nvml = NVML(self._nvml_backend)
         try:

@@ -37,6 +37,7 @@ import grpc
 from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.codec import Rejection, parse_batch, receive
+from tracetop.wire.shipper import Sink
 
 log = logging.getLogger("tracetop.agent.relay")
 
@@ -94,7 +95,7 @@ class Relay:
 
     def __init__(
         self,
-        shipper: Any,
+        shipper: Sink,
         listen: list[str],
         *,
         on_batch: Callable[[Any], None] | None = None,
@@ -119,7 +120,7 @@ class Relay:
         self._high: dict[str, int] = dict(high_water or {})  # source -> highest seq spooled
         self._source_locks: dict[str, threading.Lock] = {}
         self._refused: set[tuple[str, int]] = set()
-        self.stats_ = {
+        self._counts = {
             "relay_batches": 0,
             "relay_rows": 0,
             "relay_duplicates": 0,
@@ -234,11 +235,11 @@ class Relay:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return dict(self.stats_)
+            return dict(self._counts)
 
     def _count(self, key: str, by: int = 1) -> None:
         with self._lock:
-            self.stats_[key] += by
+            self._counts[key] += by
 
     # ---- Ingest.Clock: hooks may align to their agent ----
     def _clock(self, request: pb.ClockRequest, context: Any) -> pb.ClockReply:
@@ -289,8 +290,8 @@ class Relay:
                     return
                 self._high[source] = seq
             with self._lock:
-                self.stats_["relay_batches"] += 1
-                self.stats_["relay_rows"] += batch.n
+                self._counts["relay_batches"] += 1
+                self._counts["relay_rows"] += batch.n
             if self.on_batch is not None:
                 try:
                     self.on_batch(batch)
@@ -314,7 +315,7 @@ class Relay:
         """Count a refusal (every one) and log it once per batch; no GAP row (see the module doc)."""
         key = (batch.source_id, batch.seq)
         with self._lock:
-            self.stats_["spool_full"] += 1
+            self._counts["spool_full"] += 1
             first = key not in self._refused
             if first:
                 self._refused.add(key)

@@ -6,10 +6,44 @@ down after a TLS handshake failure), the second sees a partially initialised mod
 itself crashes, failing an unrelated test (seen in tests/collector/test_auth.py).
 """
 
+import shutil  # noqa: E402
 import tracemalloc  # noqa: F401
+from collections.abc import Callable, Iterator  # noqa: E402
+from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 # hypothesis' pytest plugin imports hypothesis at the end of a session that collected no
 # hypothesis test; on CPython 3.11.7 that import, deep in pytest's summary hooks, can fail with
 # "SystemError: AST constructor recursion depth mismatch" (assertion rewriting compiles it there)
 # and turn a green run into exit 1. Importing it up front avoids the deep-stack compile.
 import hypothesis  # noqa: E402, F401
+import pytest  # noqa: E402
+
+from tests.support import FIXTURES  # noqa: E402
+from tests.support.services import CollectorProc, start_collector  # noqa: E402
+from tests.support.torchrun import RunResult, torchrun  # noqa: E402
+
+
+@pytest.fixture
+def collector(tmp_path: Path) -> Iterator[CollectorProc]:
+    """A real collector (its own process) on a fresh file in tmp_path, on a loopback port it picked;
+    stopped by SIGTERM after the test, which must find it exiting cleanly. Modules that need other
+    flags or one collector for all their tests define their own ``collector`` fixture."""
+    c = start_collector(tmp_path)
+    yield c
+    assert c.stop() == 0, c.text()
+
+
+@pytest.fixture
+def recorded_file(tmp_path: Path) -> Path:
+    """A copy of the recorded reference run (tests/fixtures/straggler_run.duckdb: 4 ranks, a
+    straggler; made by scripts/make_fixture.py), free to open, migrate or write."""
+    dst = tmp_path / "recorded.duckdb"
+    shutil.copyfile(FIXTURES / "straggler_run.duckdb", dst)
+    return dst
+
+
+@pytest.fixture
+def torchrun_job(tmp_path: Path) -> Callable[..., RunResult]:
+    """``torchrun_job(nproc=2, args=[...])``: the reference trainer under torchrun, logs in tmp_path."""
+    return partial(torchrun, tmp_path / "job")

@@ -10,7 +10,7 @@ import sys
 import duckdb
 import pytest
 
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 
 @pytest.mark.slow

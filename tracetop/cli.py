@@ -33,12 +33,12 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ingest": ("collector.bench_ingest", "N shipper processes into a real collector: events/s, p50/p99"),
     "chaos": ("collector.bench_chaos", "kill -9 the collector repeatedly while shipping: lost/duplicates"),
     "hooks": ("reference_trainer.bench.hooks", "interleaved reference runs with hooks on/off: overhead"),
-    "agent": ("agent.bench", "agent CPU cost: sampling 8 fake GPUs, relaying 10k events/s"),
+    "agent": ("agent.bench.cost", "agent CPU cost: sampling 8 fake GPUs, relaying 10k events/s"),
     "gpu": ("reference_trainer.bench.gpu", "the GPU path in one call: syncs, overhead, CUDA timing, NVML, offload"),
     "views": ("collector.bench_views", "every view over a generated file of --rows rows: seconds each"),
     "live": ("collector.bench_live", "live judgments: eval ms per step at 16,384 ranks, state MB, ingest on/off"),
-    "tui": ("tui.bench", "the TUI's CPU share at 2 Hz and the Ranks screen's refresh time at 16,384 ranks"),
-    "e2e": ("tui.bench_e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
+    "tui": ("tui.bench.render", "the TUI's CPU share at 2 Hz and the Ranks screen's refresh time at 16,384 ranks"),
+    "e2e": ("tui.bench.e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
     "commands": ("trainer_hooks.bench.commands", "the command path's gloo broadcast on its own: us per K steps"),
 }
 

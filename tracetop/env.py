@@ -111,8 +111,18 @@ DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"
 DEFAULT_HEARTBEAT_S = 5.0
-DEFAULT_FLUSH_S = 5.0
 DEFAULT_FRESH_SHIP_S = 1.0
+
+# Three shipping intervals, one per kind of producer; each is that producer's own default.
+DEFAULT_FLUSH_S = 5.0
+"""A rank's hooks (TRACETOP_FLUSH_S): long, because every rank pays for each shipment in its own
+CPU (see TRACETOP_FLUSH_S); the collector asks for DEFAULT_FRESH_SHIP_S while someone watches."""
+AGENT_FLUSH_S = 1.0
+"""The node agent's own rows (GPU and host samples): 1 s matches its 1 Hz sampling; hook batches
+it relays are forwarded at once, not sealed by this interval."""
+SHIPPER_FLUSH_S = 0.25
+"""``Shipper``'s own default, for in-process producers that set nothing (tools, tests): a library
+default that favours freshness; the two producers above pass theirs explicitly."""
 
 
 def get(name: str, default: str | None = None) -> str | None:

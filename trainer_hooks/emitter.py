@@ -2,7 +2,7 @@
 (on the device clock) the resolution of deferred event pairs.
 
 It decides *when* rows go (every drain interval, at every heartbeat, sooner when the collector asks
-for fresh rows); the sink (:class:`trainer_hooks.sink.RowSink`, the Shipper) decides *where*. Each
+for fresh rows); the sink (``tracetop.wire.shipper.Sink``, the Shipper) decides *where*. Each
 wake-up takes the GIL from training: few, large pieces of work. The emitter never dies: an error
 is counted by the Recorder and the loop goes on.
 """
@@ -22,7 +22,7 @@ from trainer_hooks.device_clock import resolve_deferred
 from trainer_hooks.recorder import Recorder, StepAccumulator
 
 if TYPE_CHECKING:
-    from trainer_hooks.sink import RowSink
+    from tracetop.wire.shipper import Sink
 
 #: where the resident set size is read (pages; field 2)
 STATM_PATH = "/proc/self/statm"
@@ -47,7 +47,7 @@ class Emitter:
     memory row.
     """
 
-    def __init__(self, rec: Recorder, sink: RowSink, *, heartbeat_s: float, drain_interval_s: float | None,
+    def __init__(self, rec: Recorder, sink: Sink, *, heartbeat_s: float, drain_interval_s: float | None,
                  fallback_drain_s: float, memory_budget_bytes: int = -1, statm_path: str = STATM_PATH) -> None:
         self.rec = rec
         self.sink = sink

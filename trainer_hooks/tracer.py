@@ -37,10 +37,10 @@ from trainer_hooks.integrations import ddp
 from trainer_hooks.loss import loss_value
 from trainer_hooks.memory import StepPeak
 from trainer_hooks.recorder import PhaseContext, Recorder
-from trainer_hooks.sink import RowSink
 
-if TYPE_CHECKING:
-    from tracetop.wire.transport import Transport  # a module with protobuf: not loaded at import
+if TYPE_CHECKING:  # modules with protobuf: not loaded at import
+    from tracetop.wire.shipper import Sink
+    from tracetop.wire.transport import Transport
 
 log = logging.getLogger("trainer_hooks")
 
@@ -109,7 +109,7 @@ class Tracer:
         run_id: TRACETOP_RUN_ID, then the launcher's job id, then a timestamp agreed on by rank 0.
         rank, world_size, local_rank: from torchrun / the deepspeed launcher / Slurm variables.
         enabled: False (or TRACETOP_DISABLE=1) makes every method a no-op.
-        transport / shipper: an in-memory transport (tests) or a ready sink (:class:`RowSink`).
+        transport / shipper: an in-memory transport (tests) or a ready sink (``tracetop.wire.shipper.Sink``).
         device: "cpu" (perf_counter) or "cuda" (CUDA events); default: cuda if torch sees one.
         heartbeat_s: TRACETOP_HEARTBEAT_S, default 5.
         memory_budget_bytes: declared budget reported beside the memory rows; TRACETOP_MEMORY_BUDGET_BYTES.
@@ -152,7 +152,7 @@ class Tracer:
         local_rank: int | None = None,
         enabled: bool | None = None,
         transport: Transport | None = None,
-        shipper: RowSink | None = None,
+        shipper: Sink | None = None,
         device: str | None = None,
         heartbeat_s: float | None = None,
         wrap_collectives: bool = True,
@@ -191,7 +191,7 @@ class Tracer:
         self.close_timeout_s = close_timeout_s
         self.drain_interval_s = drain_interval_s
         self._wrapped: list[str] = []
-        self.shipper: RowSink
+        self.shipper: Sink
         if not self.enabled:
             from tracetop.wire.shipper import NullShipper
 
@@ -434,7 +434,7 @@ class Tracer:
 
 
 def _make_shipper(run_id: str, rank: int, endpoint: str | None, transport: Transport | None, flush_interval_s: float,
-                  max_unacked_bytes: int | None) -> RowSink:
+                  max_unacked_bytes: int | None) -> Sink:
     from tracetop.wire.shipper import Shipper
 
     # flush_rows: a shipment holds whatever the interval gathered (the 3 MiB cap still cuts it)

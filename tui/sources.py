@@ -17,10 +17,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from collector.query import snapshot as snap
 from tracetop.errors import TracetopError
+
+if TYPE_CHECKING:
+    import duckdb
 
 
 class SourceError(TracetopError):
@@ -29,6 +32,11 @@ class SourceError(TracetopError):
     def __init__(self, title: str, message: str, hint: str) -> None:
         super().__init__(f"{title}: {message}")
         self.title, self.message, self.hint = title, message, hint
+
+
+def as_source_error(e: Exception, hint: str) -> SourceError:
+    """`e` as the screen shows it: a SourceError as it is, anything else as an unexpected error with `hint`."""
+    return e if isinstance(e, SourceError) else SourceError("unexpected error", f"{type(e).__name__}: {e}", hint)
 
 
 class Decision(NamedTuple):
@@ -53,6 +61,10 @@ class Source(Protocol):
     live: bool
     description: str
     run_id: str
+
+    @property
+    def is_open(self) -> bool:
+        """True from a successful open() to close(): the app opens a source only when it is not."""
 
     def open(self) -> None:
         """Connect / open and pick the run; raises SourceError."""
@@ -83,8 +95,12 @@ class FileSource:
         self.path = Path(path)
         self.run_id = run_id or ""
         self.description = self.path.name  # the name, not the full path: screenshots stay the same anywhere
-        self.con = None
+        self.con: duckdb.DuckDBPyConnection | None = None
         self._lock = threading.Lock()
+
+    @property
+    def is_open(self) -> bool:
+        return self.con is not None
 
     def open(self) -> None:
         import duckdb
@@ -187,6 +203,10 @@ class CollectorSource:
         self.channel = None
         self._call = None
 
+    @property
+    def is_open(self) -> bool:
+        return self.channel is not None
+
     def open(self) -> None:
         import grpc
 
@@ -231,9 +251,10 @@ class CollectorSource:
 
         from tracetop.wire import tracetop_pb2 as pb
 
-        self._call = self.stub.Watch(pb.WatchRequest(run_id=self.run_id, interval_s=interval_s), metadata=self.metadata)
+        call = self._call = self.stub.Watch(pb.WatchRequest(run_id=self.run_id, interval_s=interval_s),
+                                            metadata=self.metadata)
         try:
-            for msg in self._call:
+            for msg in call:
                 s = snap.decode(msg.arrow_ipc)
                 if s.header.get("run_id") and not self.run_id:
                     self.run_id = s.header["run_id"]
@@ -245,7 +266,7 @@ class CollectorSource:
                 return
             raise self._error(e) from None
         finally:
-            self._call.cancel()
+            call.cancel()
 
     def snapshot_at(self, step: int | None) -> snap.Snapshot:
         for s in self.watch(1.0, threading.Event()):

@@ -15,13 +15,13 @@ with its error, its figures' keys set to null, and the next part runs. Writes tw
    part 2 adds ``deepspeed_warn_mode``: the same trainer under "warn", each synchronization
    attributed to its innermost frame outside torch (DeepSpeed and the trainer's ``float(loss)``
    synchronize by design, so "error" cannot run them).
-1b. ``ddp`` (``bench_gpu_child ddp``): DDP's gradient buckets on CUDA events (issue 9): a plain
+1b. ``ddp`` (``gpu_child ddp``): DDP's gradient buckets on CUDA events (issue 9): a plain
    ``DistributedDataParallel`` model of several buckets over an NCCL group of one under
    ``set_sync_debug_mode("error")``, a control without hooks, then the Tracer finding the DDP
    module and timing its buckets through the comm hook; bucket rows and their bytes against the
    gradient bytes, durations against their steps', the steps' device time against the loop's
    host wall clock, and that only the emitter asked the events.
-2. ``overhead`` (``bench_gpu_child hooks``, which runs ``reference_trainer/bench/hooks_child.py``): the
+2. ``overhead`` (``gpu_child hooks``, which runs ``reference_trainer/bench/hooks_child.py``): the
    larger preset (``1b``) on DeepSpeed, bf16, hooks switched on and off every 2 steps in random
    ABBA/BAAB quads, as ``tracetop bench hooks`` does; the figure is the wall step time (the
    median over quads of on - off, goal <= 0.2%; ``meets_goal`` is true when its whole 95% interval
@@ -32,8 +32,8 @@ with its error, its figures' keys set to null, and the next part runs. Writes tw
    events, and that duration / the trainer's own host wall time of the step (train_batch ends in
    a device sync), within ``tolerance_pct`` (5% on GPU, 20% on CPU) of 1; and which threads asked
    the device clock about events (only ``tracetop-emitter`` may).
-4. ``nvml`` (``agent/bench_gpu.py agent``): the agent against the real NVML for 30 s.
-5. ``offload`` (``bench_gpu_child offload`` + ``agent/bench_gpu.py pcie``): the ZeRO shape
+4. ``nvml`` (``agent/bench/gpu.py agent``): the agent against the real NVML for 30 s.
+5. ``offload`` (``gpu_child offload`` + ``agent/bench/gpu.py pcie``): the ZeRO shape
    (``--zero 2 --offload cpu``, 350m, bf16) while another process samples NVML's PCIe counters;
    the hooks' d2h/h2d bytes and GB/s over the measured steps against NVML's TX/RX over the same
    wall-clock window (goal: within 10%).
@@ -54,7 +54,7 @@ test suite; figures that only a GPU can give say "not applicable" instead of pas
 
 Layering: this module imports no agent or collector (and torch only to see that a GPU is there); it
 starts the parts as processes
-(``python -m reference_trainer.bench.gpu_child``, ``python -m agent.bench_gpu``,
+(``python -m reference_trainer.bench.gpu_child``, ``python -m agent.bench.gpu``,
 ``python -m collector``), so each part imports only what its own package may.
 """
 
@@ -483,7 +483,7 @@ class Bench:
 
     def part_nvml(self) -> dict[str, Any]:
         out = self.tmp / "nvml.json"
-        argv = [sys.executable, "-m", "agent.bench_gpu", "agent", str(out), "--duration-s", str(self.nvml_s),
+        argv = [sys.executable, "-m", "agent.bench.gpu", "agent", str(out), "--duration-s", str(self.nvml_s),
                 "--collector", self.endpoint, *(["--fake"] if self.cpu else [])]
         self.spawn("nvml", argv, self.nvml_s + 60)
         return json.loads(out.read_text())
@@ -495,7 +495,7 @@ class Bench:
         sampler_log = self.tmp / "pcie.out"
         with open(sampler_log, "w") as err:
             sampler = subprocess.Popen(
-                [sys.executable, "-m", "agent.bench_gpu", "pcie", str(pcie_out), *(["--fake"] if self.cpu else [])],
+                [sys.executable, "-m", "agent.bench.gpu", "pcie", str(pcie_out), *(["--fake"] if self.cpu else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                 env=self.env("bench-gpu-pcie"))
         try:

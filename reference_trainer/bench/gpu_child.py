@@ -41,7 +41,7 @@
 * ``offload OUT WARMUP <trainer flags>``: part 5's trainer side, the ZeRO shape with optimizer
   offload: the hooks' OFFLOAD rows of the steps from WARMUP on and the wall-clock window
   (``time.time_ns``) they span, for comparison with NVML's PCIe counters sampled meanwhile by
-  ``agent/bench_gpu.py`` in another process.
+  ``agent/bench/gpu.py`` in another process.
 
 Layering: this module imports the reference trainer and trainer_hooks only (DESIGN §2).
 """
@@ -117,7 +117,7 @@ class Tee:
                     self.collectives += list(zip(cols["step"].tolist(), cols["duration_ns"].tolist(),
                                                  cols["bytes"].tolist(), [names[c] for c in codes.tolist()]))
             except Exception as e:  # the tee must not change what the hooks do
-                print(f"bench_gpu_child: tee failed: {e!r}", file=sys.stderr)
+                print(f"reference_trainer.bench.gpu_child: tee failed: {e!r}", file=sys.stderr)
             return record_many(kind, cols)
 
         def tee_one(kind: Any, *row: Any) -> Any:
@@ -272,7 +272,7 @@ def _free_port() -> int:
 def _sync(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="bench_gpu_child sync")
+    p = argparse.ArgumentParser(prog="reference_trainer.bench.gpu_child sync")
     p.add_argument("out")
     p.add_argument("--model", default="tiny")
     p.add_argument("--steps", type=int, default=6)
@@ -466,7 +466,7 @@ def ddp_figures(buckets: list[tuple[int, int, int]], steps: list[dict[str, int]]
 def _ddp(argv: list[str]) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="bench_gpu_child ddp")
+    p = argparse.ArgumentParser(prog="reference_trainer.bench.gpu_child ddp")
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cpu", action="store_true")
@@ -796,7 +796,7 @@ def main(argv: list[str]) -> int:
         return _offload(rest)
     if mode == "ddp":
         return _ddp(rest)
-    print(f"bench_gpu_child: unknown mode {mode!r}; use sync, hooks, ddp or offload", file=sys.stderr)
+    print(f"reference_trainer.bench.gpu_child: unknown mode {mode!r}; use sync, hooks, ddp or offload", file=sys.stderr)
     return 2
 
 

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 
 def test_bench_agent_json_short_run():

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.agent_procs import start_agent
 from tests.collector.test_auth import _ca_and_cert
-from tests.helpers import ROOT
+from tests.support import ROOT
+from tests.support.services import start_agent
 
 TOKEN = "agent-metrics-t0ken-9f8e7d"
 

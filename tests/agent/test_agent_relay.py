@@ -15,8 +15,8 @@ import time
 import duckdb
 import pytest
 
-from tests.agent.agent_procs import exactly_once, start_agent, start_hook, wait_hooks
-from tests.helpers import start_collector
+from tests.agent.hook_procs import exactly_once, start_hook, wait_hooks
+from tests.support.services import start_agent, start_collector
 
 
 @pytest.mark.parametrize("outage_s", [5, pytest.param(60, marks=pytest.mark.slow)])

@@ -8,12 +8,12 @@ be regenerated with `python scripts/make_fixture.py --out tests/fixtures/straggl
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import duckdb
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import ROOT
+
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
 
 _spec = importlib.util.spec_from_file_location("make_fixture", ROOT / "scripts" / "make_fixture.py")

@@ -22,9 +22,13 @@ from tests.tui.fixture import (
     replay_into,
 )
 from tests.tui.pilot import table_rows, text_of, wait_for
-from tui import core, sim
-from tui.app import HELP, SCREEN_IDS, HeatmapView, HelpScreen, TracetopApp
+from tui import core
+from tui.app import TracetopApp
+from tui.bench import sim
+from tui.keys import HELP, SCREEN_IDS
+from tui.screens.help import HelpScreen
 from tui.sources import CollectorSource, FileSource
+from tui.widgets import HeatmapView
 
 SIZE = (150, 48)
 

@@ -18,7 +18,8 @@ from tests.tui.pilot import table_rows, text_of, wait_for
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 from tracetop.wire.auth import ClientAuth
-from tui.app import ConfirmScreen, TracetopApp
+from tui.app import TracetopApp
+from tui.screens.decide import ConfirmScreen
 from tui.sources import CollectorSource, FileSource, SourceError
 
 SIZE = (150, 48)

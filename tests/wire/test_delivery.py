@@ -12,7 +12,7 @@ import pytest
 
 from collector.bench_chaos import chaos
 from collector.loadgen import CollectorProcess
-from tests.helpers import scrape_metrics, start_collector
+from tests.support.services import scrape_metrics, start_collector
 from tracetop.events import Kind
 from tracetop.wire.shipper import MemoryTransport, Shipper
 

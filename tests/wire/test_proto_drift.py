@@ -6,10 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.support import ROOT
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_code_matches_proto(tmp_path: Path) -> None:

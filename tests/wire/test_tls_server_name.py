@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.helpers import start_collector
+from tests.support.services import start_collector
 from tracetop import env
 from tracetop.events import Kind
 from tracetop.wire import tracetop_pb2 as pb
@@ -80,11 +80,11 @@ def test_hooks_shipper_checks_the_name_given_by_tls_server_name(tls_collector, p
 
 def test_agent_shipper_and_auth_channels_take_the_server_name(tls_collector, pki: Path) -> None:
     from agent.clock import grpc_exchange
-    from agent.daemon import _auth_kwargs
+    from agent.daemon import shipper_auth_kwargs
 
     auth = ClientAuth.from_options(tls_ca=str(pki / "ca.pem"), tls_server_name=NAME)
     s = Shipper(tls_collector.addr, run_id="sn", source_id="agent-named", flush_interval_s=0.02,
-                **_auth_kwargs(auth))
+                **shipper_auth_kwargs(auth))
     _heartbeats(s, 3)
     assert s.flush(30.0), s.stats()
     s.close(5.0)

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.helpers import start_collector
+from tests.support.services import start_collector
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc

@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import crc32c as _crc32c
 import numpy as np
@@ -87,7 +88,8 @@ def concat_columns(kind: Kind, parts: Sequence[Mapping[str, object]]) -> dict[st
             index: dict[str, int] = {}
             codes = []
             for v in values:
-                c, d = v if _is_encoded(v) else dict_encode(v)  # type: ignore[misc,arg-type]
+                pair = cast(tuple[Any, list[str]], v) if _is_encoded(v) else dict_encode(cast(Any, v))
+                c, d = pair
                 remap = np.fromiter((index.setdefault(s, len(index)) for s in d), "<i4", len(d))
                 c = np.asarray(c, np.intp)
                 if len(c) and (c.min() < 0 or c.max() >= len(d)):
@@ -123,13 +125,13 @@ def encode_batch(
     n = None
     out = []
     for col in schema:
-        value = columns[col.name]
+        value: Any = columns[col.name]
         dictionary: list[str] = []
         if col.dtype == "str":
             if _is_encoded(value):
                 codes, dictionary = np.asarray(value[0], dtype="<i4"), list(value[1])
             else:
-                codes, dictionary = dict_encode(value)  # type: ignore[arg-type]
+                codes, dictionary = dict_encode(value)
             arr = codes
         else:
             arr = np.asarray(value, dtype=NUMPY_DTYPES[col.dtype])
@@ -145,7 +147,7 @@ def encode_batch(
         source_id=source_id,
         seq=seq,
         run_id=run_id,
-        kind=int(kind),
+        kind=cast(Any, int(kind)),
         n=n or 0,
         columns=out,
         first_record_ns=first_record_ns,

@@ -32,10 +32,12 @@ from tracetop.events import Kind
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.codec import decode_batch
 
+_KIND_VALUES = frozenset(int(k) for k in Kind)
+
 
 def kind_name(kind: int) -> str:
     """``Kind(kind).name.lower()``, or ``"batch"`` for a value no Kind has."""
-    return Kind(kind).name.lower() if kind in Kind._value2member_map_ else "batch"
+    return Kind(kind).name.lower() if kind in _KIND_VALUES else "batch"
 
 
 class DropLedger:
@@ -79,7 +81,7 @@ class DropLedger:
         cols = decode_batch(batch).columns
 
         def strings(name: str) -> list[str]:
-            codes, dictionary = cols[name]  # type: ignore[misc]
+            codes, dictionary = cols[name]
             return [dictionary[c] for c in codes.tolist()]
 
         with self._lock:

@@ -16,15 +16,17 @@ Three promises (DESIGN §4):
   to disk before it counts as accepted (``forward`` returns only then: the agent acks hooks on
   that), survives a kill -9, and is replayed on the next start.
 
-Parts: ``outbox.py`` (the unacked book, limbo, resend order: plain state), ``spool.py`` (the
-disk spool), ``transport.py`` (the one I/O seam: gRPC ``Ingest.Stream`` by default,
-``MemoryTransport`` for tests and in-process use). This module keeps intake, sealing, the two
-threads (flusher, sender: one sender loop for every transport) and the stats.
+Parts: ``intake.py`` (what producers recorded, not yet sealed: plain state), ``sealer.py`` (rows
+into numbered batches; every loss into the ledger), ``outbox.py`` (the unacked book, limbo, resend
+order: plain state), ``spool.py`` (the disk spool), ``transport.py`` (the one I/O seam: gRPC
+``Ingest.Push``/``Ingest.Stream`` by default, ``MemoryTransport`` for tests and in-process use).
+This module keeps the two threads (flusher, sender: one sender loop for every transport), the
+receiver's freshness request (``ship_interval_s``) and the stats. ``Sink`` is the contract a
+producer (the hooks' Tracer, the agent's relay) holds: ``Shipper`` and ``NullShipper`` fulfil it.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import random
@@ -34,15 +36,15 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import numpy as np
-
-from tracetop.events import SCHEMAS, Kind
+from tracetop import env
+from tracetop.events import Kind
 from tracetop.wire import tracetop_pb2 as pb
-from tracetop.wire.codec import concat_columns, dict_encode, encode_batch
+from tracetop.wire.intake import Intake
 from tracetop.wire.ledger import DropLedger
 from tracetop.wire.outbox import Outbox
+from tracetop.wire.sealer import BATCH_BYTES, MAX_BATCH_ROWS, Sealer
 from tracetop.wire.spool import Spool
 from tracetop.wire.transport import (
     MAX_MESSAGE_BYTES,
@@ -50,33 +52,47 @@ from tracetop.wire.transport import (
     GrpcTransport,
     MemoryTransport,
     Rejected,
+    SendTarget,
     SendTransport,
+    Transport,
     Unsupported,
     default_channel,
     push_end,
 )
 
 __all__ = ["BATCH_BYTES", "MAX_BATCH_ROWS", "MAX_MESSAGE_BYTES", "MemoryTransport", "NullShipper", "Shipper",
-           "ShipperStats", "default_channel"]
+           "ShipperStats", "Sink", "default_channel"]
 
 log = logging.getLogger("tracetop.shipper")
 
 MiB = 1 << 20
-#: A sealed batch never holds more rows than this, nor more than BATCH_BYTES of column data, so
-#: every message fits gRPC's default 4 MiB receive limit with room to spare.
-MAX_BATCH_ROWS = 65536
-BATCH_BYTES = 3 * MiB
 #: How long a push waits for the rest of a flusher pass's batches (sealed a kind at a time).
 PUSH_GATHER_S = 0.005
 
 
-def _rows_per_batch(kind: Kind, budget_bytes: int = BATCH_BYTES) -> int:
-    row_bytes = sum(8 if c.dtype in ("i8", "f8") else 4 for c in SCHEMAS[kind])
-    return max(1, min(MAX_BATCH_ROWS, min(BATCH_BYTES, budget_bytes) // row_bytes))
+class Sink(Protocol):
+    """Where a producer's rows go: the contract the hooks' Tracer and the agent's relay hold.
+
+    ``record`` and ``record_many`` never block; ``flush`` waits for acks up to its timeout;
+    ``stats`` is a plain dict of counters (empty when disabled)."""
+
+    source_id: str
+    run_id: str
+
+    def record(self, kind: Kind, *row: Any) -> None: ...
+    def record_many(self, kind: Kind, columns: Mapping[str, Any]) -> None: ...
+    def forward(self, batch: pb.ColumnBatch) -> bool: ...
+    def ship_soon(self) -> None: ...
+    def flush(self, timeout_s: float = ...) -> bool: ...
+    def close(self, timeout_s: float = ...) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
 
 
 @dataclass
 class ShipperStats:
+    """The shipper's counters (``stats()`` adds the ledger's loss counts and ``pending_rows``)."""
+
+
     recorded: int = 0
     batches_sealed: int = 0
     batches_sent: int = 0
@@ -108,8 +124,8 @@ class Shipper:
         max_pending_rows: per-kind buffer bound; beyond it the oldest rows are dropped and counted.
         max_unacked_bytes: memory bound on sealed-but-unacked batches.
         spool_dir / spool_max_bytes: durable spool (agent); replayed at start.
-        transport: None for gRPC to ``endpoint``; or a transport (``stream(batches) -> acks``,
-            see tracetop/wire/transport.py: MemoryTransport); or an object with ``send(batch)``.
+        transport: None for gRPC to ``endpoint``; or a ``Transport`` (``stream(batches) -> acks``,
+            see tracetop/wire/transport.py: MemoryTransport); or a ``SendTarget`` (``send(batch)``).
         channel_credentials / call_metadata: for the gRPC link (TLS credentials, e.g.
             ``grpc.ssl_channel_credentials(...)``; ``(key, value)`` pairs sent with every stream,
             e.g. ``(("authorization", "Bearer <token>"),)``). Both default to none.
@@ -129,13 +145,13 @@ class Shipper:
         source_id: str | None = None,
         rank: int = -1,
         flush_rows: int = 4096,
-        flush_interval_s: float = 0.25,
+        flush_interval_s: float = env.SHIPPER_FLUSH_S,
         max_pending_rows: int = 1 << 20,
         max_unacked_bytes: int = 256 * MiB,
         spool_dir: str | os.PathLike[str] | None = None,
         spool_max_bytes: int = 1 << 30,
         spool_fsync: bool = True,
-        transport: Any = None,
+        transport: Transport | SendTarget | None = None,
         channel_credentials: Any = None,
         call_metadata: Sequence[tuple[str, str]] | None = None,
         channel_options: Sequence[tuple[str, Any]] | None = None,
@@ -150,21 +166,20 @@ class Shipper:
         self.run_id = run_id
         self.source_id = source_id or f"src-{uuid.uuid4().hex[:16]}"
         self.rank = rank
-        self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
         self.max_unacked_bytes = max_unacked_bytes
-        self._owns_transport = transport is None
+        self._owned: GrpcTransport | None = None  # the transport this shipper made, and closes
         if transport is None:
-            transport = GrpcTransport(
+            transport = self._owned = GrpcTransport(
                 endpoint,  # type: ignore[arg-type]
                 channel_credentials=channel_credentials,
                 call_metadata=call_metadata,
                 channel_options=channel_options,
                 channel_factory=channel_factory,
             )
-        elif not hasattr(transport, "stream") and hasattr(transport, "send"):
+        elif not isinstance(transport, Transport):
             transport = SendTransport(transport)
-        self._transport = transport
+        self._transport: Transport = transport
         self._clock_ns = clock_ns
         self._reconnect_max_s = reconnect_max_s
         self.burst_linger_s = burst_linger_s
@@ -172,25 +187,22 @@ class Shipper:
         self._asked_interval_s = 0.0  # the receiver's freshness request (ship_interval_s)
         self._interval_listeners: list[Callable[[], None]] = []
 
-        # --- producer side: guarded by _lock, held only for append / swap ---
-        self._lock = threading.Lock()
-        self._max_pending = max_pending_rows
-        self._pending: dict[Kind, collections.deque] = {k: collections.deque(maxlen=max_pending_rows) for k in Kind}
-        self._first_ns: dict[Kind, int] = {}
-        self._overflow: dict[Kind, int] = dict.fromkeys(Kind, 0)
-        self._bulk: list[tuple[Kind, Mapping[str, Any], int]] = []
-        self._bulk_rows = 0
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # set when a buffer reaches flush_rows or bulk columns arrive
+        # --- producer side: its lock is held only for an append or a swap ---
+        self._intake = Intake(flush_rows, max_pending_rows, clock_ns, self._wake.set)
 
         # --- every loss, and the outbox (guarded by _cv) ---
         self._ledger = DropLedger()
         self._cv = threading.Condition()
         self._outbox = Outbox(self._ledger, max_unacked_bytes)
         self._seq = 0
-        self.stats_ = ShipperStats()
-
+        self._stats = ShipperStats()
         self._seal_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._wake = threading.Event()  # set when a buffer reaches flush_rows or bulk columns arrive
+        self._sealer = Sealer(source_id=self.source_id, run_id=run_id, rank=rank, ledger=self._ledger,
+                              next_seq=self._next_seq, enqueue=lambda b: self._enqueue(b, own=True),
+                              warn_once=self._warn_once, budget_bytes=max_unacked_bytes // 8, clock_ns=clock_ns)
+
         self._ship_now = False  # ship_soon(): the flusher's next pass seals everything
         self._closing = False
         self._warned: set[str] = set()
@@ -210,27 +222,16 @@ class Shipper:
     # ------------------------------------------------------------------ producer API
     def record(self, kind: Kind, *row: Any) -> None:
         """Append one row (columns in tracetop.events.SCHEMAS[kind] order). Never blocks."""
-        with self._lock:
-            q = self._pending[kind]
-            if len(q) == self._max_pending:
-                self._overflow[kind] += 1
-            elif not q:
-                self._first_ns[kind] = self._clock_ns()
-            q.append(row)
-            if len(q) == self.flush_rows:
-                self._wake.set()  # once per batch: seal it now rather than at the next tick
+        self._intake.record(kind, row)
 
     def record_many(self, kind: Kind, columns: Mapping[str, Any]) -> None:
         """Queue whole columns (numpy arrays, or lists of str for string columns) as rows."""
-        n = len(next(iter(columns.values())))
-        if n == 0:
-            return
-        with self._lock:
-            self._bulk.append((kind, columns, self._clock_ns()))
-            self._bulk_rows += n
-            full = self._bulk_rows >= self.flush_rows
-        if full:
-            self._wake.set()
+        self._intake.record_many(kind, columns)
+
+    @property
+    def flush_rows(self) -> int:
+        """A kind's rows are sealed at this many (or at ship_interval_s)."""
+        return self._intake.flush_rows
 
     def forward(self, batch: pb.ColumnBatch) -> bool:
         """Relay a batch sealed elsewhere, keeping its source_id and seq. With a spool, returns
@@ -279,22 +280,27 @@ class Shipper:
                 )
 
     def stats(self) -> dict[str, Any]:
+        """The counters of ``ShipperStats``, the ledger's loss counts, and ``pending_rows``."""
         with self._cv:
-            s = self.stats_
+            s = self._stats
+            s.batches_sealed = self._sealer.batches_sealed
+            s.gap_rows = self._sealer.gap_rows
             s.unacked_batches = len(self._outbox)
             s.unacked_bytes = self._outbox.unacked_bytes
             s.spool_bytes = self._spool.bytes if self._spool else 0
             d = dict(s.__dict__)
         d.update(self._ledger.counters())  # every loss from the one ledger
-        with self._lock:
-            d["pending_rows"] = sum(len(q) for q in self._pending.values()) + sum(
-                len(next(iter(cols.values()))) for _, cols, _ in self._bulk
-            )
+        d["pending_rows"] = self._intake.pending_rows()
         return d
 
     # ------------------------------------------------------------------ sealing
     def _has_pending(self) -> bool:
-        return bool(self._bulk or self._ledger or any(self._pending.values()))
+        return bool(self._ledger) or self._intake.has_rows()
+
+    def _next_seq(self) -> int:
+        with self._cv:
+            self._seq += 1
+            return self._seq
 
     def _run_flusher(self) -> None:
         tick = max(0.01, self.ship_interval_s / 4)
@@ -314,120 +320,7 @@ class Shipper:
 
     def _seal(self, force: bool) -> None:
         with self._seal_lock:
-            now = self._clock_ns()
-            interval = self.ship_interval_s
-            due: list[tuple[Kind, list, int]] = []
-            with self._lock:
-                for kind, q in self._pending.items():
-                    if not q:
-                        continue
-                    age_s = (now - self._first_ns.get(kind, now)) / 1e9
-                    if force or len(q) >= self.flush_rows or age_s >= interval:
-                        self._pending[kind] = collections.deque(maxlen=self._max_pending)
-                        due.append((kind, list(q), self._first_ns.pop(kind, now)))
-                bulk: list[tuple[Kind, Mapping[str, Any], int]] = []
-                if self._bulk and (
-                    force or self._bulk_rows >= self.flush_rows or (now - self._bulk[0][2]) / 1e9 >= interval
-                ):
-                    bulk, self._bulk, self._bulk_rows = self._bulk, [], 0
-                overflow = {k: v for k, v in self._overflow.items() if v}
-                for k in overflow:
-                    self._overflow[k] = 0
-            for kind, count in overflow.items():
-                self._note_drop(kind.name.lower(), "queue_full", self.source_id, count)
-            for kind, rows, first_ns in due:
-                if kind == Kind.GAP:
-                    self._fold_gap_rows(rows)
-                    continue
-                step = _rows_per_batch(kind, self.max_unacked_bytes // 8)
-                for i in range(0, len(rows), step):
-                    self._seal_rows(kind, rows[i : i + step], first_ns)
-            merged: dict[Kind, tuple[list[Mapping[str, Any]], int]] = {}
-            for kind, columns, first_ns in bulk:
-                if kind == Kind.GAP:
-                    self._fold_gap_rows(_column_rows(columns))
-                    continue
-                merged.setdefault(kind, ([], first_ns))[0].append(columns)
-            for kind, (parts, first_ns) in merged.items():
-                self._seal_bulk(kind, parts, first_ns)
-            self._seal_gaps()
-
-    def _seal_rows(self, kind: Kind, rows: list[tuple], first_ns: int) -> None:
-        schema = SCHEMAS[kind]
-        transposed = list(zip(*rows))
-        if len(transposed) != len(schema):
-            self._warn_once(
-                f"arity-{kind}",
-                f"tracetop: {kind.name} rows have {len(transposed)} values, the schema has {len(schema)}; "
-                f"dropping {len(rows)} rows (see tracetop/events.py)",
-            )
-            self._note_drop(kind.name.lower(), "bad_row", self.source_id, len(rows))
-            return
-        columns = {}
-        for col, values in zip(schema, transposed):
-            columns[col.name] = dict_encode(values) if col.dtype == "str" else np.asarray(values)
-        self._seal_columns(kind, columns, first_ns)
-
-    def _seal_bulk(self, kind: Kind, parts: list[Mapping[str, Any]], first_ns: int) -> None:
-        """Every ``record_many`` of a kind since the last seal goes out as one batch (cut at the
-        row and byte caps), not one each: the emitter hands over a few times per flush interval,
-        and each gRPC message costs the process 0.3-0.9 ms of CPU (trainer_hooks/README.md "Cost")."""
-        if len(parts) > 1:
-            try:
-                parts = [concat_columns(kind, parts)]
-            except (KeyError, ValueError, TypeError, IndexError):
-                pass  # seal them one by one: the faulty part is dropped and counted there
-        for columns in parts:
-            self._seal_columns(kind, columns, first_ns)
-
-    def _seal_columns(self, kind: Kind, columns: Mapping[str, Any], first_ns: int) -> None:
-        n = len(next(iter(columns.values())))
-        step = _rows_per_batch(kind, self.max_unacked_bytes // 8)
-        for start in range(0, n, step):
-            part = columns if n <= step else {k: _slice(v, start, step) for k, v in columns.items()}
-            with self._cv:
-                self._seq += 1
-                seq = self._seq
-            try:
-                batch = encode_batch(kind, part, source_id=self.source_id, seq=seq, run_id=self.run_id, first_record_ns=first_ns)
-            except (ValueError, TypeError, OverflowError) as e:
-                self._warn_once(f"encode-{kind}", f"tracetop: cannot encode {kind.name} rows, dropping them: {e}")
-                self._note_drop(kind.name.lower(), "bad_row", self.source_id, min(step, n - start))
-                continue  # the seq is skipped; receivers accept skips
-            self.stats_.batches_sealed += 1
-            self._enqueue(batch, own=True)
-
-    def _note_drop(self, kind: str, reason: str, origin: str, count: int) -> None:
-        self._ledger.note(kind, reason, origin, count)
-
-    def _fold_gap_rows(self, rows: list) -> None:
-        """GAP rows a producer recorded itself (the agent relay's ``spool_full``) go through the
-        ledger like every other loss: counted, and shipped in this source's next gap batch."""
-        width = len(SCHEMAS[Kind.GAP])
-        bad = 0
-        for row in rows:
-            try:
-                if len(row) != width:
-                    raise ValueError(row)
-                _rank, _step, _start_ns, _duration_ns, kind, dropped, reason, origin = row
-                self._note_drop(str(kind), str(reason), str(origin), int(dropped))
-            except (TypeError, ValueError):
-                bad += 1
-        if bad:
-            self._warn_once("arity-GAP", f"tracetop: {bad} GAP rows do not fit the schema (see tracetop/events.py); dropped")
-            self._note_drop("gap", "bad_row", self.source_id, bad)
-
-    def _seal_gaps(self) -> None:
-        now = self._clock_ns()
-        cols = self._ledger.columns(now, self.rank)
-        if cols is None:
-            return
-        self.stats_.gap_rows += len(cols["dropped"])
-        with self._cv:
-            self._seq += 1
-            seq = self._seq
-        batch = encode_batch(Kind.GAP, cols, source_id=self.source_id, seq=seq, run_id=self.run_id, first_record_ns=now)
-        self._enqueue(batch, own=True)
+            self._sealer.seal(self._intake.take(self._clock_ns(), self.ship_interval_s, force))
 
     # ------------------------------------------------------------------ outbox
     def _enqueue(self, batch: pb.ColumnBatch, own: bool) -> bool:
@@ -441,7 +334,7 @@ class Shipper:
             spool_path = self._spool.write(batch, nbytes)
             if spool_path is None:
                 with self._cv:
-                    self.stats_.spool_full += 1
+                    self._stats.spool_full += 1
                 if not own:
                     return False  # the caller keeps it (the relay: the hook resends it later)
                 self._warn_once("spool-full", f"tracetop: spool {self._spool.root} is full; keeping batches in memory only")
@@ -453,8 +346,8 @@ class Shipper:
     def _on_ack(self, source_id: str, seq: int) -> None:
         with self._cv:
             done = self._outbox.ack(source_id, seq)
-            self.stats_.batches_acked += len(done)
-            self.stats_.rows_acked += sum(e.n for e in done)
+            self._stats.batches_acked += len(done)
+            self._stats.rows_acked += sum(e.n for e in done)
             self._cv.notify_all()
         if self._spool is not None:
             for e in done:
@@ -501,7 +394,7 @@ class Shipper:
                             outbox.drop(e, "spool_unreadable")
                             self._spool.set_aside(e.spool_path, e.nbytes)
                     if batch is not None:
-                        self.stats_.batches_sent += 1
+                        self._stats.batches_sent += 1
                         return batch
                     e = outbox.next_due(epoch)
                 if self._closing:
@@ -616,26 +509,26 @@ class Shipper:
                     push = getattr(self._transport, "push", None) if self._use_push and self._small_backlog() else None
                     acks = self._pushes(epoch, push) if push is not None else self._transport.stream(self._requests(epoch))
                     for ack in acks:
-                        if not self.stats_.connected:
-                            self.stats_.connected = True
+                        if not self._stats.connected:
+                            self._stats.connected = True
                             backoff = 0.05
                         self._on_ack(ack.source_id, ack.seq)
                     clean = True  # the receiver acked what it took and ended the stream (or we closed ours)
                 except Rejected as e:
-                    self.stats_.last_error = str(e)
+                    self._stats.last_error = str(e)
                     self._on_rejected(e)
                     backoff = 0.05
                 except Unsupported as e:  # an older receiver: stream from now on (what it had, resent)
                     log.info("tracetop: %s; streaming instead", e)
                     self._use_push = False
                 except Exception as e:  # Disconnected, or a transport's own failure: resend on the next
-                    self.stats_.connected = False
-                    self.stats_.last_error = str(e)
+                    self._stats.connected = False
+                    self._stats.last_error = str(e)
                     if not isinstance(e, Disconnected):
                         self._warn_once("transport-error", f"tracetop: transport failed (retrying): {e!r}")
-                    if self.stats_.reconnects == 0:
+                    if self._stats.reconnects == 0:
                         self._warn_once("connect", f"tracetop: cannot reach {self.endpoint or 'the receiver'} ({e}); buffering and retrying")
-                    self.stats_.reconnects += 1
+                    self._stats.reconnects += 1
                 finally:
                     if acks is not None and hasattr(acks, "close"):
                         acks.close()
@@ -652,8 +545,8 @@ class Shipper:
                 self._stop.wait(backoff * (0.5 + random.random()))
                 backoff = min(backoff * 2, self._reconnect_max_s)
         finally:
-            if self._owns_transport:
-                self._transport.close()
+            if self._owned is not None:
+                self._owned.close()
 
     def _on_rejected(self, err: Rejected) -> None:
         """The receiver refused a batch: drop it for good (a gap row says so), resend the rest."""
@@ -695,20 +588,3 @@ class NullShipper:
 
     def stats(self) -> dict[str, Any]:
         return {}
-
-
-def _column_rows(columns: Mapping[str, Any]) -> list[tuple]:
-    """``record_many`` columns back into rows (strings decoded), in schema order."""
-    out = []
-    for col in SCHEMAS[Kind.GAP]:
-        v = columns.get(col.name, ())
-        if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], np.ndarray):
-            v = [v[1][c] for c in v[0].tolist()]
-        out.append(list(v.tolist() if isinstance(v, np.ndarray) else v))
-    return list(zip(*out))
-
-
-def _slice(v: Any, start: int, count: int) -> Any:
-    if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], np.ndarray):
-        return (v[0][start : start + count], v[1])
-    return v[start : start + count]

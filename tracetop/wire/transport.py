@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -63,10 +63,21 @@ class Disconnected(TransportError):
     """The stream broke or never opened (receiver unreachable, gone, shutting down, full)."""
 
 
+@runtime_checkable
 class Transport(Protocol):
+    """The one seam. A transport may also have ``open()`` (connect ahead of the first burst),
+    ``push(batches) -> PushReply`` (one unary call per burst, :class:`GrpcTransport`) and
+    ``close()``; the shipper uses each where it is there."""
+
     def stream(self, batches: Iterator[pb.ColumnBatch]) -> Iterator[Any]:
         """Send ``batches`` on one stream; yield acks (``.source_id``, ``.seq``) as they come."""
         ...
+
+
+class SendTarget(Protocol):
+    """Anything that takes one batch at a time, raising to refuse it (see :class:`SendTransport`)."""
+
+    def send(self, batch: pb.ColumnBatch) -> None: ...
 
 
 def default_channel(target: str, credentials: Any = None,
@@ -193,7 +204,7 @@ def push_end(reply: Any) -> TransportError | None:
 class SendTransport:
     """Adapts an object with ``send(batch)`` (raising to refuse it) to the stream protocol."""
 
-    def __init__(self, target: Any) -> None:
+    def __init__(self, target: SendTarget) -> None:
         self.target = target
 
     def stream(self, batches: Iterator[pb.ColumnBatch]) -> Iterator[Any]:

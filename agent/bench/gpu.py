@@ -1,6 +1,6 @@
-"""The agent-side parts of ``tracetop bench gpu`` (``reference_trainer/bench_gpu.py``), one process each.
+"""The agent-side parts of ``tracetop bench gpu`` (``reference_trainer/bench/gpu.py``), one process each.
 
-``python -m agent.bench_gpu MODE OUT.json ...``, MODE one of:
+``python -m agent.bench.gpu MODE OUT.json ...``, MODE one of:
 
 * ``agent OUT --duration-s S --collector ADDR [--fake]``: part 4. The real ``Agent`` (NVML through
   ``agent.nvml.NVML``, host sampling, relay, clock probe, XID watcher) for S seconds at 1 Hz,
@@ -43,7 +43,7 @@ def _agent(argv: list[str]) -> int:
     from agent.daemon import Agent, AgentConfig
     from agent.gpu import GpuReading
 
-    p = argparse.ArgumentParser(prog="agent.bench_gpu agent")
+    p = argparse.ArgumentParser(prog="agent.bench.gpu agent")
     p.add_argument("out")
     p.add_argument("--duration-s", type=float, default=30.0)
     p.add_argument("--collector", default="127.0.0.1:1")
@@ -112,7 +112,7 @@ def _pcie(argv: list[str]) -> int:
 
     from agent.nvml import NVML
 
-    p = argparse.ArgumentParser(prog="agent.bench_gpu pcie")
+    p = argparse.ArgumentParser(prog="agent.bench.gpu pcie")
     p.add_argument("out")
     p.add_argument("--interval-s", type=float, default=0.05)
     p.add_argument("--max-s", type=float, default=600.0)
@@ -155,7 +155,7 @@ def main(argv: list[str]) -> int:
         return _agent(rest)
     if mode == "pcie":
         return _pcie(rest)
-    print(f"agent.bench_gpu: unknown mode {mode!r}; use agent or pcie", file=sys.stderr)
+    print(f"agent.bench.gpu: unknown mode {mode!r}; use agent or pcie", file=sys.stderr)
     return 2
 
 

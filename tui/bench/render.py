@@ -7,7 +7,7 @@
 - ranks_refresh_ms: the Ranks screen's refresh at --refresh-ranks (16,384) simulated ranks, in
   process, headless: from handing the app a new snapshot to the end of its repaint (median of
   --refreshes; the max too), at the auto aggregation level (replica cells) and at rank level.
-Simulated snapshots come from tui/sim.py (prebuilt, so the generator is not measured).
+Simulated snapshots come from tui/bench/sim.py (prebuilt, so the generator is not measured).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _child(screen: str, ranks: int) -> int:
     """The TUI on simulated snapshots at 2 Hz, in the pty the parent gave us."""
     from tui.app import TracetopApp
-    from tui.sim import SimSource
+    from tui.bench.sim import SimSource
 
     app = TracetopApp(SimSource(ranks), interval_s=0.5, initial=screen)
     return int(app.run() or 0)
@@ -56,7 +56,7 @@ def _cpu_in_pty(screen: str, ranks: int, seconds: float, warmup_s: float = 6.0) 
     env = dict(os.environ, TERM="xterm-256color")
     env.pop("COLUMNS", None)
     env.pop("LINES", None)
-    proc = subprocess.Popen([sys.executable, "-m", "tui.bench", "--child", screen, "--ranks", str(ranks)],
+    proc = subprocess.Popen([sys.executable, "-m", "tui.bench.render", "--child", screen, "--ranks", str(ranks)],
                             stdin=slave, stdout=slave, stderr=slave, env=env, start_new_session=True)
     os.close(slave)
     try:
@@ -92,8 +92,8 @@ def _cpu_in_pty(screen: str, ranks: int, seconds: float, warmup_s: float = 6.0) 
 
 
 async def _refresh_ms(ranks: int, refreshes: int, level: str) -> list[float]:
-    from tui import sim
     from tui.app import TracetopApp
+    from tui.bench import sim
 
     snaps = [sim.snapshot(ranks, step=100 + i) for i in range(3)]
     app = TracetopApp(None, initial="ranks", show_no_source=False)

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval-s", type=float, default=1.0, help="agent sampling interval (default 1)")
 
 
-def _client(endpoint: str, events_per_s: int, duration_s: float) -> None:
+def client(endpoint: str, events_per_s: int, duration_s: float) -> None:
     """The relay load: STEP rows at a steady rate, in 20 ms chunks through record_many."""
     import time
 
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                 [
                     sys.executable,
                     "-c",
-                    f"from agent.bench import _client; _client({sock!r}, {args.events_per_s}, "
+                    f"from agent.bench.cost import client; client({sock!r}, {args.events_per_s}, "
                     f"{args.window_s + 3.0})",
                 ],
                 env=env,

@@ -95,10 +95,11 @@ class SimSource:
         self.n_ranks = n_ranks
         self.description = f"simulated {n_ranks} ranks"
         self.run_id = "simulated"
-        self.channel = object()
         self.sent = 0
         # a few prebuilt snapshots, so the bench measures the TUI, not the generator
         self._snaps = [snapshot(n_ranks, step=100 + i) for i in range(4)]
+
+    is_open = True  # nothing to open: the snapshots are prebuilt
 
     def open(self) -> None:
         pass

@@ -1,0 +1,59 @@
+"""6 GPUs: a tile per GPU, by node (memory, utilisation, temperature, power, throttle and XID)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from collector.query import snapshot as snapmod
+from tui import core
+from tui.screens import View
+
+#: Nodes drawn at most (the rest: / filters by node name).
+MAX_NODES = 64
+
+
+def gpu_tile(g: core.GpuTile) -> Text:
+    tile = Text()
+    tile.append(f"GPU{g.gpu} ", style="bold")
+    tile.append(f"{core.STATUS_MARK[g.status]}{core.STATUS_WORD[g.status]}\n", style=core.STATUS_STYLE[g.status])
+    frac_m = g.mem_used_bytes / g.mem_total_bytes if g.mem_total_bytes else float("nan")
+    tile.append(f"MEM {core.bar(frac_m, 10)} {core.fmt_num(g.mem_used_bytes, 'B', 0)}/"
+                f"{core.fmt_num(g.mem_total_bytes, 'B', 0)}\n")
+    tile.append(f"UTL {core.bar(g.util_pct / 100, 10)} {core.fmt_num(g.util_pct, '%', 0)}\n")
+    tile.append(f"{core.fmt_num(g.temp_c, '', 0)}°C {core.fmt_num(g.power_w, 'W', 0)} thr {g.throttle} "
+                f"xid {g.xid}\n")
+    if g.reasons:
+        tile.append(", ".join(g.reasons), style=core.STATUS_STYLE[g.status])
+    return tile
+
+
+class GpusPane(VerticalScroll):
+    def compose(self) -> ComposeResult:
+        yield Static("", id="gpu-tiles")
+
+    def draw(self, view: View) -> None:
+        tiles = core.gpu_tiles(view.snap)
+        flt = view.filter
+        out = Table.grid(padding=(0, 1))
+        if not tiles:
+            out.add_row(Text(f"no GPU samples in the last {snapmod.GPU_WINDOW_S:.0f} s (no node agent, or it has no NVML)",
+                             style="dim"))
+        shown = 0
+        for node, gpus in tiles.items():
+            if flt and flt.lower() not in node.lower():
+                continue
+            if shown >= MAX_NODES:
+                out.add_row(Text(f"… {len(tiles)} nodes in all: / to filter by node", style="dim"))
+                break
+            out.add_row(Text(f"node {node}", style="bold"))
+            row = Table.grid(padding=(0, 2))
+            cells = [gpu_tile(g) for g in gpus]
+            for a in range(0, len(cells), 4):
+                row.add_row(*cells[a:a + 4])
+            out.add_row(row)
+            shown += 1
+        self.query_one("#gpu-tiles", Static).update(out)
