@@ -36,7 +36,7 @@ class Tracing:
 class _Traced(Tracing):
     def __init__(self, tracer: Any) -> None:
         self.tracer = tracer
-        self._bus = getattr(tracer, "_commands", None)  # trainer_hooks.commands.CommandBus
+        self._bus = getattr(tracer, "commands", None)  # trainer_hooks.commands.CommandBus (enabled tracers)
         self._pending: Any = None
 
     def step(self, n: int) -> Any:
@@ -73,7 +73,7 @@ def start(engine: Any, args: Any, *, meta: dict[str, Any]) -> Tracing:
     """Begin tracing this rank's run; a no-op Tracing when ``args.no_trace`` is set."""
     if getattr(args, "no_trace", False):
         return Tracing()
-    from trainer_hooks.deepspeed import instrument
+    from trainer_hooks.integrations.deepspeed import instrument
 
     meta = dict(meta)
     pipelined = int(meta.get("pp", 1)) > 1

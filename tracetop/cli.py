@@ -32,15 +32,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 BENCHES: dict[str, tuple[str, str]] = {
     "ingest": ("collector.bench.ingest", "N shipper processes into a real collector: events/s, p50/p99"),
     "chaos": ("collector.bench.chaos", "kill -9 the collector repeatedly while shipping: lost/duplicates"),
-    "hooks": ("trainer_hooks.bench", "interleaved reference runs with hooks on/off: overhead"),
+    "hooks": ("reference_trainer.bench.hooks", "interleaved reference runs with hooks on/off: overhead"),
     "agent": ("agent.bench.cost", "agent CPU cost: sampling 8 fake GPUs, relaying 10k events/s"),
-    "gpu": ("reference_trainer.bench_gpu", "the GPU path in one call: syncs, overhead, CUDA timing, NVML, offload"),
+    "gpu": ("reference_trainer.bench.gpu", "the GPU path in one call: syncs, overhead, CUDA timing, NVML, offload"),
     "views": ("collector.bench.views", "every view over a generated file of --rows rows: seconds each"),
     "live": ("collector.bench.live", "live judgments: eval ms per step at 16,384 ranks, state MB, ingest on/off"),
     "raw": ("collector.bench.raw", "the collector alone: pre-encoded batches from raw gRPC stubs, events/s and p50/p99"),
     "tui": ("tui.bench.render", "the TUI's CPU share at 2 Hz and the Ranks screen's refresh time at 16,384 ranks"),
     "e2e": ("tui.bench.e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
-    "commands": ("trainer_hooks.bench_commands", "the command path's gloo broadcast on its own: us per K steps"),
+    "commands": ("trainer_hooks.bench.commands", "the command path's gloo broadcast on its own: us per K steps"),
 }
 
 

@@ -34,7 +34,7 @@ TRACETOP_FLUSH_S = "TRACETOP_FLUSH_S"
 drains its rows into the shipper at this interval, so a step's row leaves the rank at most this
 long after the step. Lower means a fresher live view and more CPU spent shipping (at 1 s the
 hooks' threads' share of step time read 1.22% against 0.27% at 5 s, 0.81% at 2 s: measured in
-trainer_hooks/README.md "Cost"; against the 1% overhead bar, too much to be the default).
+docs/hooks-benchmarks.md "Cost"; against the 1% overhead bar, too much to be the default).
 Default: 5."""
 
 TRACETOP_FRESH_SHIP_S = "TRACETOP_FRESH_SHIP_S"
@@ -84,7 +84,7 @@ TRACETOP_OTLP = "TRACETOP_OTLP"
 
 TRACETOP_DDP_BUCKETS = "TRACETOP_DDP_BUCKETS"
 """``0`` leaves DDP's gradient all-reduce on its built-in C++ path: no comm hook, no DDP bucket rows,
-the wait for them counted as backward compute (``trainer_hooks/ddp.py``). Default ``1``: timed."""
+the wait for them counted as backward compute (``trainer_hooks/integrations/ddp.py``). Default ``1``: timed."""
 
 TRACETOP_MEMORY_BUDGET_BYTES = "TRACETOP_MEMORY_BUDGET_BYTES"
 """The memory one rank may use, in bytes (``Tracer(memory_budget_bytes=...)`` wins): the MEMORY rows

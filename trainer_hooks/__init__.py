@@ -5,9 +5,10 @@
         with tracer.phase("forward"): ...
     tracer.close()
 
-DDP and FSDP modules are found at their first forward (``trainer_hooks.ddp``: DDP's gradient
+DDP and FSDP modules are found at their first forward (``trainer_hooks.integrations.ddp``: DDP's gradient
 buckets are timed through its comm hook). DeepSpeed: ``trainer_hooks.deepspeed.instrument(engine)``; Hugging Face:
-``trainer_hooks.hf.TracetopCallback``; Lightning: ``trainer_hooks.lightning.TracetopCallback``.
+``trainer_hooks.hf.TracetopCallback``; Lightning: ``trainer_hooks.lightning.TracetopCallback`` (each in
+:mod:`trainer_hooks.integrations`).
 
 Never imports the collector, the agent, the TUI, duckdb or textual (checked by a test)."""
 

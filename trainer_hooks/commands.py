@@ -255,12 +255,12 @@ class CommandBus:
         self._buf = torch.zeros(WORDS, dtype=torch.int64)
         self._flag = torch.zeros(1, dtype=torch.int64)
         self._src = 0
-        dist = None
+        dist: Any = None
         try:
-            import torch.distributed as dist
+            import torch.distributed
 
-            if not (dist.is_available() and dist.is_initialized()) or self.t.world_size <= 1:
-                dist = None
+            if torch.distributed.is_available() and torch.distributed.is_initialized() and self.t.world_size > 1:
+                dist = torch.distributed
         except ImportError:
             dist = None
         if dist is None and self.t.world_size > 1:
@@ -300,7 +300,7 @@ class CommandBus:
 
     def _break(self, where: str, e: BaseException) -> None:
         self.broken = True
-        self.t._hook_error(f"commands {where}", e)
+        self.t.recorder.hook_error(f"commands {where}", e)
         log.warning("trainer_hooks: rank %d turns the command path off (%s failed: %r); training goes on",
                     self.t.rank, where, e)
 
@@ -350,12 +350,12 @@ class CommandBus:
                 wait_s = min(30.0, max(self.poll_s, wait_s * 2))
                 if code == grpc.StatusCode.UNIMPLEMENTED:
                     wait_s = 60.0
-                    if "unimplemented" not in self.t._warned:
-                        self.t._warned.add("unimplemented")
+                    if "unimplemented" not in self.t.recorder.warned:
+                        self.t.recorder.warned.add("unimplemented")
                         log.warning("trainer_hooks: %s has no Control service (an agent older than the control "
                                     "relay?): this run receives no commands", self._target())
             except Exception as e:
-                self.t._hook_error("commands subscriber", e)
+                self.t.recorder.hook_error("commands subscriber", e)
 
     def _take(self, cmd: Any) -> None:
         """Rank 0's subscriber: one command from the collector."""
@@ -407,7 +407,7 @@ class CommandBus:
                     except Exception as e:
                         if attempt == 4:
                             self.stats["reports_failed"] += 1
-                            self.t._hook_error("commands report", e)
+                            self.t.recorder.hook_error("commands report", e)
                         elif self._stop.wait(0.5 * (attempt + 1)):
                             break
                 self._outbox.popleft()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from reference_trainer import bench_gpu
-from reference_trainer.bench_gpu_child import sync_figures, sync_site, timing_figures
+from reference_trainer.bench import gpu as bench_gpu
+from reference_trainer.bench.gpu_child import sync_figures, sync_site, timing_figures
 from reference_trainer.config import PRESETS, n_params
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -267,7 +267,7 @@ def test_sync_watch_catches_the_sync_warning_in_any_thread_and_lets_others_throu
     import threading
     import warnings
 
-    from reference_trainer.bench_gpu_child import SyncWatch
+    from reference_trainer.bench.gpu_child import SyncWatch
 
     modes: list[object] = []
     window = {"current_step": 7}

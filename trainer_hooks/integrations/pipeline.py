@@ -1,0 +1,92 @@
+"""Pipeline instruction timing on DeepSpeed's PipelineEngine, without editing DeepSpeed.
+
+``PipelineEngine._exec_schedule`` looks each instruction's handler up in
+``self._INSTRUCTION_MAP`` and binds it to the engine (``MethodType(handler, self)``). An instance
+attribute of that name holding wrapped handlers shadows the class table: every instruction of
+every step is timed on this rank, and :func:`unwrap` removes the attribute again.
+
+Each instruction gives one PIPE_INSTR row (stage, micro-batch = its index among the step's
+instructions of that type, duration including any wait inside it) and feeds the STEP row's phase
+sums: ForwardPass -> forward, BackwardPass -> backward, OptimizerStep -> optimizer,
+LoadMicroBatch -> data wait; send/recv/reduce instructions are communication (their collectives
+are counted by the collective wrapper).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trainer_hooks.recorder import INSTRUCTIONS, Recorder, perf_counter_ns
+
+if TYPE_CHECKING:
+    from trainer_hooks.tracer import Tracer
+
+
+def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
+    slot, phase, has_mb = INSTRUCTIONS.get(instr, (4, "comm", False))
+    code = rec.instr_code(instr)
+    counts = rec.instr_counts
+    clock = perf_counter_ns
+
+    def timed(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        r = rec
+        if r.device_clock is not None:
+            return _device_timed(r, instr, slot, has_mb, handler, engine, args, kwargs)
+        # CPU: the hot path, inlined. Self time = wall time minus the collectives inside.
+        try:
+            mb = counts.get(instr, 0)
+            counts[instr] = mb + 1
+            prev = r.current_phase
+            r.current_phase = phase
+            acc = r.acc
+            comm0 = acc.comm_ns
+        except Exception as e:  # a hook never breaks the instruction it observes
+            r.hook_error("pipeline", e)
+            return handler(engine, *args, **kwargs)
+        t0 = clock()
+        try:
+            return handler(engine, *args, **kwargs)
+        finally:
+            dur = clock() - t0
+            try:
+                r.current_phase = prev
+                acc.sums[slot] += dur - (acc.comm_ns - comm0)
+                r.instr_rows.append((r.step_n, r.step_wall0 + (t0 - r.step_perf0), dur, mb if has_mb else -1, code))
+                r.events += 1
+            except Exception as e:
+                r.hook_error("pipeline", e)
+
+    timed.__name__ = getattr(handler, "__name__", instr)
+    timed.__wrapped__ = handler  # type: ignore[attr-defined]
+    return timed
+
+
+def _device_timed(r: Recorder, instr: str, slot: int, has_mb: bool, handler: Any, engine: Any, args: tuple,
+                  kwargs: dict) -> Any:
+    """GPU: CUDA events around the instruction, resolved later by the emitter."""
+    try:
+        token = r.instr_enter(instr)
+    except Exception as e:
+        r.hook_error("pipeline", e)
+        return handler(engine, *args, **kwargs)
+    try:
+        return handler(engine, *args, **kwargs)
+    finally:
+        try:
+            r.instr_exit(instr, slot, token, has_mb)
+        except Exception as e:
+            r.hook_error("pipeline", e)
+
+
+def wrap(engine: Any, tracer: Tracer) -> bool:
+    """Shadow the engine's instruction map with timed handlers. False if it has none."""
+    table = getattr(type(engine), "_INSTRUCTION_MAP", None)
+    if not isinstance(table, dict) or not tracer.enabled:
+        return False
+    engine._INSTRUCTION_MAP = {cls: _wrap_handler(tracer.recorder, cls.__name__, fn) for cls, fn in table.items()}
+    return True
+
+
+def unwrap(engine: Any) -> None:
+    if "_INSTRUCTION_MAP" in getattr(engine, "__dict__", {}):
+        del engine._INSTRUCTION_MAP
