@@ -13,7 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.helpers import ROOT, start_collector
+from tests.support import ROOT
+from tests.support.services import start_collector
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 from tracetop.wire.auth import CONTROL, INGEST, QUERY, AuthSetupError, ClientAuth, ServerAuth, role_of

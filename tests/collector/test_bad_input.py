@@ -10,7 +10,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from tests.collector.util import Feeder, batch, scalar, trailing
-from tests.helpers import scrape_metrics, start_collector
+from tests.support.services import scrape_metrics, start_collector
 from tracetop.wire import tracetop_pb2 as pb
 
 N = 100  # rows per batch

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import sys
 import duckdb
 
 from collector.bench.views import generate
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 
 def test_bench_views_small_json() -> None:

@@ -14,7 +14,7 @@ import duckdb
 import pytest
 
 from collector.ingest.schema import open_store
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 TT = [sys.executable, "-m", "tracetop.cli", "export"]
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"

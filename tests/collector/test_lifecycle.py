@@ -11,7 +11,8 @@ import duckdb
 import grpc
 
 from tests.collector.util import Feeder, batch, scalar
-from tests.helpers import ROOT, start_collector
+from tests.support import ROOT
+from tests.support.services import start_collector
 
 N = 500
 TOTAL = 60

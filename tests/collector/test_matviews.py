@@ -21,7 +21,7 @@ from collector.ingest.schema import MIGRATIONS, open_store
 from collector.ingest.writer import QueuedBatch, StreamReplies, Writer, batch_to_arrow
 from collector.query.lost_sql import lost_time_sql, lost_time_sql_v8
 from collector.query.multifile import connect_many
-from tests.helpers import ROOT
+from tests.support import ROOT
 from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import decode_batch, encode_batch
 

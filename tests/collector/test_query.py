@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from tests.collector.util import Feeder, batch, scalar, sql
-from tests.helpers import ROOT, start_collector
+from tests.support import ROOT
+from tests.support.services import start_collector
 from tracetop.events import Kind
 from tracetop.wire.codec import encode_batch
 

@@ -14,7 +14,7 @@ import pytest
 
 from collector.ingest import rollup
 from collector.ingest.schema import open_store
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 TT = [sys.executable, "-m", "tracetop.cli", "query"]
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"

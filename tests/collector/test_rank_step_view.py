@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 
 from collector.ingest.schema import open_store
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
 

@@ -17,7 +17,7 @@ import pytest
 
 from collector import report as R
 from collector.query.post_file import pick_run
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 FIXTURE = ROOT / "tests" / "fixtures" / "straggler_run.duckdb"
 PLOTTED = ("step-time", "rank-heatmap", "bubble", "collectives", "grad-sync", "memory")

@@ -19,7 +19,8 @@ from collector.ingest.schema import open_store
 from collector.ingest.writer import QueuedBatch, StreamReplies, Writer, batch_to_arrow
 from collector.query.multifile import connect_many
 from tests.collector.util import Feeder
-from tests.helpers import ROOT, start_collector
+from tests.support import ROOT
+from tests.support.services import start_collector
 from tracetop.events import Kind, table_name
 from tracetop.wire.codec import decode_batch, encode_batch
 

@@ -15,9 +15,7 @@ import pytest
 from reference_trainer.bench import gpu as bench_gpu
 from reference_trainer.bench.gpu_child import sync_figures, sync_site, timing_figures
 from reference_trainer.config import PRESETS, n_params
-
-ROOT = Path(__file__).resolve().parents[2]
-
+from tests.support import ROOT
 
 # ----------------------------------------------------------------------------- pure figures
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from .launch import RunResult, median, torchrun
+from tests.support.torchrun import RunResult, median, torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .launch import RunResult, torchrun
+from tests.support.torchrun import RunResult, torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -25,8 +25,7 @@ from reference_trainer.data import global_batch, micro_batches_for
 from reference_trainer.faults import Fault, FaultSpecError, StageClock, parse_fault, parse_faults
 from reference_trainer.model import GPT
 from reference_trainer.tp_layers import TPGroup, qkv_rows
-
-from .launch import ROOT
+from tests.support import ROOT
 
 TINY = PRESETS["tiny"]
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def trainer_env(endpoint: str, run_id: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
@@ -22,7 +20,7 @@ def torchrun(tmp: Path, nproc: int, trainer_args: list[str], *, endpoint: str, r
     the reference trainer tests' launcher, which also cleans up its process group)."""
     import pytest
 
-    from tests.reference_trainer.launch import torchrun as launch
+    from tests.support.torchrun import torchrun as launch
 
     with pytest.MonkeyPatch.context() as mp:
         for key, value in {"TRACETOP_ENDPOINT": endpoint, "TRACETOP_RUN_ID": run_id, "TRACETOP_HEARTBEAT_S": "1",

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, start_collector
+from tests.support.services import start_collector
+from tests.support.torchrun import launch
 from tests.trainer_hooks import dp_trainer
 from tests.trainer_hooks._harness import query
 
@@ -45,16 +44,10 @@ def _torchrun(tmp: Path, nproc: int, script: str, args: list[str], endpoint: str
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), script, *args]
     if script != "tests/trainer_hooks/dp_trainer.py":
         cmd += ["--out", str(out)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        text, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        raise AssertionError(f"{run_id}: torchrun did not finish in 300 s:\n{text[-4000:]}") from None
+    job = launch(cmd, timeout_s=300, env=env)
+    text = job.output
     (out / "output.txt").write_text(text)
-    assert proc.returncode == 0, f"{run_id} failed ({proc.returncode}):\n{text[-6000:]}"
+    assert job.rc == 0, f"{run_id} failed ({job.rc}):\n{text[-6000:]}"
     assert "hook failed" not in text, f"{run_id}: a trainer hook failed:\n{text[-6000:]}"
 
 

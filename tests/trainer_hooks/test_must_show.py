@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import start_collector
+from tests.support.services import start_collector
 from tests.trainer_hooks._harness import query, torchrun
 from trainer_hooks.bubble import expected_bubble_rate
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import start_collector
+from tests.support.services import start_collector
 from tests.trainer_hooks._harness import ROOT, query, trainer_env
 
 pytest.importorskip("deepspeed")

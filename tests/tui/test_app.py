@@ -10,7 +10,7 @@ import pytest
 from textual.widgets import ContentSwitcher, Tabs
 
 from collector.query import snapshot as snapmod
-from tests.helpers import start_collector
+from tests.support.services import start_collector
 from tests.tui.fixture import (
     FIXTURE,
     RUN_ID,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 
 def _tracetop(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.helpers import start_collector
+from tests.support.services import start_collector
 from tests.tui.fixture import FIXTURE, RUN_ID, replay_into
 from tests.tui.pilot import table_rows, text_of, wait_for
 from tracetop.wire import tracetop_pb2 as pb

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, start_collector
+from tests.support import ROOT
+from tests.support.services import start_collector
 
 STRAGGLER_RANK, STRAGGLER_MS, FROM_STEP, STEPS = 3, 150, 5, 30
 

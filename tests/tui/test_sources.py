@@ -12,7 +12,7 @@ import pytest
 
 from collector.ingest.schema import STORE_VERSION
 from collector.query import snapshot as snapmod
-from tests.helpers import start_collector
+from tests.support.services import start_collector
 from tests.tui.fixture import (
     FIXTURE,
     RUN_ID,

@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 
-from tests.helpers import ROOT, start_collector
+from tests.support import ROOT
+from tests.support.services import start_collector
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 

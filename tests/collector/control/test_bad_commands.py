@@ -10,7 +10,8 @@ import grpc
 import pytest
 
 from tests.collector.control.harness import Client, wait_for
-from tests.helpers import ROOT, start_collector
+from tests.support import ROOT
+from tests.support.services import start_collector
 from tracetop.wire import tracetop_pb2 as pb
 from trainer_hooks import Tracer
 

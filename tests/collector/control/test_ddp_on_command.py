@@ -9,7 +9,8 @@ import json
 import pytest
 
 from tests.collector.control.harness import Client, Trainer, changes, wait_for
-from tests.helpers import ROOT, start_collector
+from tests.support import ROOT
+from tests.support.services import start_collector
 
 pytestmark = pytest.mark.slow
 RUN = "loop-ddp-1"

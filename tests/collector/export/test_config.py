@@ -6,15 +6,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from collector.export import ExportConfigError, build, check_otlp_endpoint
+from tests.support import ROOT
 
 from .tools import need
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize(

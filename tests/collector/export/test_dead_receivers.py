@@ -19,7 +19,7 @@ from collector.export import Exports
 from collector.export.alertmanager import AlertmanagerSink
 from collector.export.webhook import WebhookSink
 from tests.collector.util import Feeder, batch
-from tests.helpers import scrape_metrics, start_collector
+from tests.support.services import scrape_metrics, start_collector
 
 from .records import gauges, resolved, straggler
 from .tools import Blackhole, refused_port

@@ -15,7 +15,7 @@ from collector.export.alertmanager import AlertmanagerSink
 from collector.export.webhook import WebhookSink
 from collector.ingest.metrics import CollectorMetrics
 from tests.collector.util import Feeder, batch
-from tests.helpers import scrape_metrics, start_collector
+from tests.support.services import scrape_metrics, start_collector
 
 from .records import gauges, pending_bubble, resolved, straggler
 from .tools import promtool_check, refused_port, wait_until

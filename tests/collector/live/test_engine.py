@@ -216,7 +216,7 @@ def test_bench_live_json_keys():
     import subprocess
     import sys
 
-    from tests.helpers import ROOT
+    from tests.support import ROOT
 
     out = subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "live", "--ranks", "512", "--window", "16",
                           "--steps", "5", "--ingest-events", "0", "--json"], cwd=ROOT, capture_output=True, text=True,

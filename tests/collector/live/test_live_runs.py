@@ -22,8 +22,9 @@ from collector.live import signals as sg
 from collector.live.replay import recompute
 from collector.live.rules import DEFAULTS_TOML, parse
 from tests.collector.util import sql
-from tests.helpers import ROOT, start_collector
-from tests.reference_trainer.launch import torchrun
+from tests.support import ROOT
+from tests.support.services import start_collector
+from tests.support.torchrun import torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def _metrics_at_step(c, run_id: str, step: int, timeout_s: float = 60.0) -> dict
     """/metrics once the live engine has judged `step` of the run (its last)."""
     import time
 
-    from tests.helpers import scrape_metrics
+    from tests.support.services import scrape_metrics
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -16,8 +16,8 @@ import pytest
 from collector.live.rules import DEFAULTS_TOML
 from tests.collector.live.test_live_runs import _env
 from tests.collector.util import sql
-from tests.helpers import start_collector
-from tests.reference_trainer.launch import torchrun
+from tests.support.services import start_collector
+from tests.support.torchrun import torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from collector.live import lost
 from collector.live import signals as sg
 from collector.live.rules import DEFAULTS_TOML, RulesError, parse_all, parse_cost
 from collector.query import lost_sql
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 
 def _step(compute, *, stage=None, step_ms=None, data=None, fwd_bwd=None, p2p=None, p2p_bytes=None, comm=None,

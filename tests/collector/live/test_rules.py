@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from collector.live.rules import DEFAULTS_TOML, SIGNALS, RulesError, defaults, load, parse
-from tests.helpers import ROOT
+from tests.support import ROOT
 
 GOOD = """\
 [rule.gs]
