@@ -34,7 +34,7 @@ TRACETOP_FLUSH_S = "TRACETOP_FLUSH_S"
 drains its rows into the shipper at this interval, so a step's row leaves the rank at most this
 long after the step. Lower means a fresher live view and more CPU spent shipping (at 1 s the
 hooks' threads' share of step time read 1.22% against 0.27% at 5 s, 0.81% at 2 s: measured in
-docs/hooks-benchmarks.md "Cost"; against the 1% overhead bar, too much to be the default).
+docs/benchmarks.md, "The hooks' cost"; against the 1% overhead bar, too much to be the default).
 Default: 5."""
 
 TRACETOP_FRESH_SHIP_S = "TRACETOP_FRESH_SHIP_S"

@@ -30,4 +30,4 @@ def bubble_rate(forward_ns: float, backward_ns: float, schedule_ns: float) -> fl
         return math.nan
     return min(1.0, max(0.0, 1.0 - (forward_ns + backward_ns) / schedule_ns))
 
-# The collector's `bubble_by_stage` view (collector/schema.py) applies the same definition in SQL.
+# The collector's `bubble_by_stage` view (collector/ingest/schema.py) applies the same definition in SQL.

@@ -28,7 +28,7 @@ reset at every step's end (on the training thread; on CPU ~27 us a step, measure
   outgrows its launcher's (the common case: torch and the model are loaded after the exec) reads
   ``ru_maxrss`` only; ``status_reads`` counts the fallbacks. With the reset (~6 us), ``take()``
   timed in place in the reference trainer cost 26-28 us a step instead of 50-52 us
-  (``reference_trainer/bench/probe_hook_costs.py``, trainer_hooks/README.md "Cost").
+  (``reference_trainer/bench/probe_hook_costs.py``, docs/benchmarks.md, "The hooks' cost").
 
 A side effect, on purpose and to know: the kernel keeps one high-water mark per process, so
 after the hooks reset it the process's own ``getrusage(RUSAGE_SELF).ru_maxrss`` (and what a

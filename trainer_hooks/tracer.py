@@ -381,7 +381,7 @@ class Tracer:
             ddp.uninstall(rec)
             self.commands.close()
             emitter.stop(timeout_s=max(2.0, self.close_timeout_s))
-            emitter.heartbeat(closed=True)  # the clean close: collector/source_ends.py watches for it
+            emitter.heartbeat(closed=True)  # the clean close: collector/ingest/source_ends.py watches for it
         except Exception as e:
             rec.hook_error("close", e)
         finally:

@@ -367,6 +367,10 @@ class LiveSections(Protocol):
         """Changes whenever a row of steps lo..step comes in: a section of those steps only, built
         under the same stamp, is still true (None: unknown, build it)."""
 
+    def lost(self, run_id: str):
+        """The `lost` section from the live engine's lost-time gauges, with the SQL's columns
+        (None: the engine has judged no step of the run)."""
+
 
 #: Sections that read rows of the snapshot's steps only (no time window): live, a cursor keeps
 #: them while the live state's stamp of those steps is unchanged (the collectives' quantiles cost
@@ -476,7 +480,7 @@ def build(
     if "step_ranks" in present and step >= 0:
         # live: the engine's own lost-time gauges over its window (collector/live/lost.py, the same
         # definition as the view), not ~0.6 s of SQL per new step at 16,384 ranks
-        got = live.lost(run_id) if live is not None and hasattr(live, "lost") else None
+        got = live.lost(run_id) if live is not None else None
         if got is not None:
             tables["lost"], lost_window_s = got
         else:
@@ -524,7 +528,7 @@ def build(
 def _lost(con, cursor: Cursor | None, run_id: str, step: int, t_end_ns: int):
     """The lost section. Live (a cursor): each step's sums and its 16 most-charged ranks are read
     once and kept, so a snapshot reads only the steps completed since the last (one step of 16,384
-    ranks costs ~0.6 s of SQL on the loaded 2-core machine, scripts/bench_watch_snapshot.py); the
+    ranks costs ~0.6 s of SQL on the loaded 2-core machine, collector/bench/watch_snapshot.py); the
     ranks' shares are then over those 16 per step. A file (no cursor): the last DEFAULT_WINDOW_STEPS
     steps, every rank."""
     import pyarrow as pa

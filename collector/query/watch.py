@@ -11,7 +11,7 @@ state does not hold the steps (a collector restarted on the file, a run older th
 collector without the engine) the SQL builds everything, as it always could. The Cursor remembers
 the newest complete step, so finding the next one reads only rows at or after it.
 
-Cost at 16,384 ranks: scripts/bench_watch_snapshot.py measures both, interleaved.
+Cost at 16,384 ranks: collector/bench/watch_snapshot.py measures both, interleaved.
 """
 
 from __future__ import annotations

@@ -487,7 +487,7 @@ class Shipper:
         One stream per burst: it carries what is due plus whatever comes within burst_linger_s,
         half-closes, and ends once the receiver has acked everything. An open but idle gRPC
         stream costs the process ~1.5 ms of CPU a second in grpcio's polling threads
-        (docs/hooks-benchmarks.md "Cost"); between bursts there is none."""
+        (docs/benchmarks.md, "The hooks' cost"); between bursts there is none."""
         backoff = 0.05
         try:
             opener = getattr(self._transport, "open", None)

@@ -6,7 +6,7 @@ Two ways, interleaved (A/B in one run): `sql`, every section by the bounded SQL 
 without the live engine), and `live`, the per-rank sections from a live engine's state fed the
 same rows (collector/watch.LiveSnapshots, what a collector with the engine does).
 
-    .venv/bin/python scripts/bench_watch_snapshot.py [--ranks 16384] [--steps 40]
+    .venv/bin/python -m collector.bench.watch_snapshot [--ranks 16384] [--steps 40]
 """
 
 from __future__ import annotations
@@ -16,9 +16,6 @@ import os
 import sys
 import tempfile
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main() -> int:
