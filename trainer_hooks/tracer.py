@@ -445,7 +445,7 @@ def _make_shipper(run_id: str, rank: int, endpoint: str | None, transport: Trans
         kw["max_unacked_bytes"] = max_unacked_bytes
     target = None if transport is not None else tenv.endpoint(endpoint)
     if transport is None:
-        kw.update(_client_auth())  # TRACETOP_TOKEN_FILE / TRACETOP_TLS_*: a closed collector
+        kw.update(client_auth())  # TRACETOP_TOKEN_FILE / TRACETOP_TLS_*: a closed collector
     return Shipper(target, run_id=run_id, rank=rank, transport=transport, **kw)
 
 
@@ -460,7 +460,7 @@ def _buffer_bytes() -> int | None:
         raise SetupError(f"trainer_hooks: {tenv.TRACETOP_BUFFER_BYTES}={raw!r} is not a number of bytes") from e
 
 
-def _client_auth() -> dict[str, Any]:
+def client_auth() -> dict[str, Any]:
     """The shipper's credentials from TRACETOP_TOKEN_FILE / TRACETOP_TLS_CA (/_CERT/_KEY); a file
     that cannot be used fails the setup at once, naming it (never at run time)."""
     from tracetop.wire.auth import AuthSetupError, ClientAuth

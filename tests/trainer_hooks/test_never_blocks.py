@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ROOT
 from tests.support.services import start_collector
-from tests.trainer_hooks._harness import ROOT, query, trainer_env
+from tests.trainer_hooks._harness import query, trainer_env
 
 pytest.importorskip("deepspeed")
 

@@ -57,20 +57,20 @@ def _heartbeats(s: Shipper, n: int) -> None:
 
 
 def test_hooks_shipper_checks_the_name_given_by_tls_server_name(tls_collector, pki: Path, monkeypatch) -> None:
-    from trainer_hooks.tracer import _client_auth
+    from trainer_hooks.tracer import client_auth
 
     monkeypatch.setenv(env.TRACETOP_TLS_CA, str(pki / "ca.pem"))
     # without the override the certificate (issued to NAME) does not match 127.0.0.1: nothing gets through
     monkeypatch.delenv(env.TRACETOP_TLS_SERVER_NAME, raising=False)
     plain = Shipper(tls_collector.addr, run_id="sn", source_id="hooks-no-name", flush_interval_s=0.02,
-                    reconnect_max_s=0.1, **_client_auth())
+                    reconnect_max_s=0.1, **client_auth())
     _heartbeats(plain, 5)
     assert not plain.flush(3.0)
     assert plain.stats()["batches_acked"] == 0
     plain.close(0.1)
     # with it, the same shipper setup is acked
     monkeypatch.setenv(env.TRACETOP_TLS_SERVER_NAME, NAME)
-    kw = _client_auth()
+    kw = client_auth()
     assert kw["channel_options"] == [("grpc.ssl_target_name_override", NAME)]
     named = Shipper(tls_collector.addr, run_id="sn", source_id="hooks-named", flush_interval_s=0.02, **kw)
     _heartbeats(named, 5)

@@ -69,7 +69,7 @@ def _source(endpoint: str, run_id: str, lo: int, hi: int, world: int, steps: int
     done, rewake = threading.Event(), threading.Event()
     sh.on_interval_change(rewake.set)
 
-    def emitter() -> None:  # trainer_hooks.tracer.Tracer._run_emitter's timing, on this process's rows
+    def emitter() -> None:  # trainer_hooks.emitter.Emitter's timing, on this process's rows
         last = time.monotonic()
         while not done.is_set():
             if rewake.wait(max(0.0, last + sh.ship_interval_s - time.monotonic())):
