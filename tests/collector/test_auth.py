@@ -255,7 +255,7 @@ def _stored_steps(c, run_id: str, token: str) -> int:
 
 
 def test_hooks_and_agent_present_their_token(tmp_path: Path) -> None:
-    from tests.agent.agent_procs import start_agent
+    from tests.support.services import start_agent
 
     tok = _token_file(tmp_path / "token", TOKEN)
     c = start_collector(tmp_path, "unix", extra_args=["--token-file", str(tok)])
