@@ -9,8 +9,8 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def wait_for(pred: Callable[[], T], timeout_s: float = 30.0, what: str = "condition", *,
-             every_s: float = 0.05, show: Callable[[], Any] | None = None) -> T:
+def wait_for(pred: Callable[[], T], timeout_s: float = 30.0, what: str = "condition",
+             show: Callable[[], Any] | None = None, *, every_s: float = 0.05) -> T:
     """Call ``pred`` every ``every_s`` until it returns something truthy, and return that. After
     ``timeout_s`` fail with what was awaited (and ``show()``, the last state worth seeing)."""
     deadline = time.monotonic() + timeout_s

@@ -8,9 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import grpc
 
 from tests.support import ROOT
 from tests.support.services import start_collector
+from tests.support.wait import wait_for as wait_for_condition
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 
@@ -57,14 +58,8 @@ class Client:
                         f"action {action_id} in {states}", lambda: self.action(action_id))
 
 
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, show: Callable[[], Any] = lambda: None) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}; last: {show()}")
+#: the loop's waits poll SQL through the collector: every 0.2 s is enough
+wait_for = partial(wait_for_condition, every_s=0.2)
 
 
 class Trainer:

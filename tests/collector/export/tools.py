@@ -11,13 +11,14 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 import urllib.request
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from tests.support.wait import wait_for as wait_until  # noqa: F401  (the tests here call it so)
 
 PACKAGES = {"prometheus-alertmanager": "prometheus-alertmanager", "promtool": "prometheus", "amtool": "prometheus-alertmanager"}
 
@@ -32,17 +33,6 @@ def need(tool: str) -> str:
             pytrace=False,
         )
     return path
-
-
-def wait_until(pred, timeout_s: float = 30.0, what: str = "condition", every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(every_s)
 
 
 # ---- an HTTP receiver ------------------------------------------------------------------------
