@@ -44,6 +44,7 @@ from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.intake import Intake
 from tracetop.wire.ledger import DropLedger
 from tracetop.wire.outbox import Outbox
+from tracetop.wire.pacing import Pacing
 from tracetop.wire.sealer import BATCH_BYTES, MAX_BATCH_ROWS, Sealer
 from tracetop.wire.spool import Spool
 from tracetop.wire.transport import (
@@ -166,7 +167,6 @@ class Shipper:
         self.run_id = run_id
         self.source_id = source_id or f"src-{uuid.uuid4().hex[:16]}"
         self.rank = rank
-        self.flush_interval_s = flush_interval_s
         self.max_unacked_bytes = max_unacked_bytes
         self._owned: GrpcTransport | None = None  # the transport this shipper made, and closes
         if transport is None:
@@ -184,11 +184,11 @@ class Shipper:
         self._reconnect_max_s = reconnect_max_s
         self.burst_linger_s = burst_linger_s
         self._use_push = True  # Ingest.Push where the transport has it, until the receiver lacks it
-        self._asked_interval_s = 0.0  # the receiver's freshness request (ship_interval_s)
-        self._interval_listeners: list[Callable[[], None]] = []
 
         self._stop = threading.Event()
         self._wake = threading.Event()  # set when a buffer reaches flush_rows or bulk columns arrive
+        self._warned: set[str] = set()
+        self._pacing = Pacing(flush_interval_s, self._wake.set, self._warn_once)
         # --- producer side: its lock is held only for an append or a swap ---
         self._intake = Intake(flush_rows, max_pending_rows, clock_ns, self._wake.set)
 
@@ -205,14 +205,15 @@ class Shipper:
 
         self._ship_now = False  # ship_soon(): the flusher's next pass seals everything
         self._closing = False
-        self._warned: set[str] = set()
 
         self._spool: Spool | None = None
         #: source -> highest seq found on the spool at start (what a killed predecessor had accepted).
         self.replayed_high_water: dict[str, int] = {}
         if spool_dir is not None:
             self._spool = Spool(Path(spool_dir), spool_max_bytes, spool_fsync)
-            self._replay_spool()
+            for path, batch in self._spool.replay(self._ledger, self.replayed_high_water):
+                with self._cv:
+                    self._outbox.add(batch, batch.ByteSize(), path, own=False)
 
         self._flusher = threading.Thread(target=self._run_flusher, name="tracetop-flusher", daemon=True)
         self._sender = threading.Thread(target=self._run_sender, name="tracetop-sender", daemon=True)
@@ -354,26 +355,6 @@ class Shipper:
                 if e.spool_path is not None:
                     self._spool.remove(e.spool_path, e.nbytes)
 
-    def _replay_spool(self) -> None:
-        assert self._spool is not None
-        high = self.replayed_high_water
-        for path, batch in self._spool.load():
-            if batch is None:
-                # Unreadable: lost. Its seq still counts as accepted (a resend of it is a duplicate
-                # to the relay), so its loss is recorded exactly once, here.
-                h = self._spool.header(path)
-                if h.seq > 0:
-                    high[h.source_id] = max(high.get(h.source_id, 0), h.seq)
-                if h.kind >= 0 and h.n >= 0:
-                    self._ledger.note_batch(h.kind, "spool_unreadable", h.source_id, h.n)
-                else:
-                    self._ledger.note("batch", "spool_unreadable", h.source_id, 1, batches=1)
-                self._spool.set_aside(path)
-                continue
-            high[batch.source_id] = max(high.get(batch.source_id, 0), batch.seq)
-            with self._cv:
-                self._outbox.add(batch, batch.ByteSize(), path, own=False)
-
     # ------------------------------------------------------------------ sending
     def _next_to_send(self, epoch: int, linger_s: float | None = None) -> pb.ColumnBatch | None:
         """Blocks until a batch is due on this connection; None when the connection is over, or
@@ -432,7 +413,7 @@ class Shipper:
                 calls.append(nxt)
                 size += nxt.ByteSize()
             reply = push(calls)
-            self._asked(float(getattr(reply, "ship_interval_s", 0.0) or 0.0))
+            self._pacing.ask(float(getattr(reply, "ship_interval_s", 0.0) or 0.0))
             yield from reply.acks
             end = push_end(reply)
             if end is not None:  # taken up to here, then refused or cut short: as a stream that ends so
@@ -447,31 +428,25 @@ class Shipper:
             return self._outbox.unacked_bytes <= BATCH_BYTES
 
     @property
+    def flush_interval_s(self) -> float:
+        """This shipper's own interval between shipments (see ``ship_interval_s``)."""
+        return self._pacing.flush_interval_s
+
+    @property
     def ship_interval_s(self) -> float:
         """Seconds between shipments now: flush_interval_s, or the shorter interval the receiver
-        asks for while someone watches the run (Ingest.Push replies; 0 = none asked)."""
-        asked = self._asked_interval_s
-        return min(asked, self.flush_interval_s) if asked > 0 else self.flush_interval_s
+        asks for while someone watches the run (Ingest.Push replies; tracetop/wire/pacing.py)."""
+        return self._pacing.interval_s
 
     @property
     def asked_interval_s(self) -> float:
         """The receiver's latest freshness request (0: none); a relay passes it on to its hooks."""
-        return self._asked_interval_s
+        return self._pacing.asked_s
 
     def on_interval_change(self, fn: Callable[[], None]) -> None:
         """Call ``fn()`` (from the sender thread; it must not block) whenever ship_interval_s
         changes: a producer that buffers rows itself (the hooks' emitter) wakes to follow it."""
-        self._interval_listeners.append(fn)
-
-    def _asked(self, interval_s: float) -> None:
-        if interval_s != self._asked_interval_s and interval_s >= 0:
-            self._asked_interval_s = interval_s
-            self._wake.set()  # the flusher may be asleep for a whole (longer) interval
-            for fn in self._interval_listeners:
-                try:
-                    fn()
-                except Exception as e:  # a listener never stops the sender
-                    self._warn_once("interval-listener", f"tracetop: interval listener failed: {e!r}")
+        self._pacing.listen(fn)
 
     def _wait_for_work(self) -> bool:
         """Sender between bursts: True once a batch waits (between bursts every unacked batch is

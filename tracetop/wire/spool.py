@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tracetop.wire import tracetop_pb2 as pb
+from tracetop.wire.ledger import DropLedger
 
 log = logging.getLogger("tracetop.shipper")
 
@@ -161,3 +162,22 @@ class Spool:
                 with self._lock:
                     self.bytes += batch.ByteSize()
                 yield path, batch
+
+    def replay(self, ledger: DropLedger, high_water: dict[str, int]) -> Iterator[tuple[Path, pb.ColumnBatch]]:
+        """Every readable batch on the spool, oldest first (what a killed predecessor accepted), for
+        the outbox. ``high_water`` gets each source's highest seq found. An unreadable file is lost:
+        its seq still counts as accepted (a resend of it is a duplicate to the relay), so its loss
+        is noted in ``ledger`` exactly once, here, and the file is set aside."""
+        for path, batch in self.load():
+            if batch is None:
+                h = self.header(path)
+                if h.seq > 0:
+                    high_water[h.source_id] = max(high_water.get(h.source_id, 0), h.seq)
+                if h.kind >= 0 and h.n >= 0:
+                    ledger.note_batch(h.kind, "spool_unreadable", h.source_id, h.n)
+                else:
+                    ledger.note("batch", "spool_unreadable", h.source_id, 1, batches=1)
+                self.set_aside(path)
+                continue
+            high_water[batch.source_id] = max(high_water.get(batch.source_id, 0), batch.seq)
+            yield path, batch
