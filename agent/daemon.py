@@ -26,7 +26,7 @@ from agent.nvml import NVML, NVMLUnavailable
 from agent.relay import Relay
 from tracetop import env
 from tracetop.events import Kind
-from tracetop.wire.shipper import Sink
+from tracetop.wire.shipper import NullShipper, Sink
 
 log = logging.getLogger("tracetop.agent")
 
@@ -133,7 +133,7 @@ class Agent:
 
             shipper_factory = Shipper
         self._shipper_factory = shipper_factory
-        self.shipper: Sink | None = None
+        self.shipper: Sink = NullShipper()  # the real one from start()
         self.nvml: NVML | None = None
         self.gpu: GPUSampler | None = None
         self.host: HostSampler | None = None
@@ -239,8 +239,7 @@ class Agent:
             self.nvml.stop()
         if self.metrics is not None:
             self.metrics.close()
-        if self.shipper is not None:
-            self.shipper.close(flush_timeout_s)  # whatever is unacked stays on the spool
+        self.shipper.close(flush_timeout_s)  # whatever is unacked stays on the spool
 
     # ---- consumers ----
     def _on_xid(self, t_ns: int, gpu: int, xid: int) -> None:
