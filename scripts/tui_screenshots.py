@@ -1,4 +1,4 @@
-"""Export the README's TUI screenshots (SVG) from the committed fixture.
+"""Export docs/tui.md's TUI screenshots (SVG) from the committed fixture.
 
     .venv/bin/python scripts/tui_screenshots.py            # writes tui/screenshots/*.svg
 """

@@ -43,7 +43,7 @@ BINDINGS: list[BindingType] = [
 ]
 
 
-#: Every binding with what it does, for `?` and the README (one list, so they agree).
+#: Every binding with what it does, for `?` and docs/tui.md (one list, so they agree).
 HELP: tuple[tuple[str, str], ...] = (
     ("1 … 7, tab / shift+tab", "switch screen (or click a tab)"),
     ("/", "filter the screen's rows (Ranks: stage=1 replica=0 tp=0 rank=3 node=NAME z>3, or a rank number)"),
