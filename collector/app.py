@@ -122,9 +122,35 @@ class Collector:
         self.service.close()
         if self.control is not None:
             self.control.close()  # type: ignore[attr-defined]
-        self.con.close()  # type: ignore[attr-defined]
+        await self._close_file(grace_s)
         if self.exports is not None:
             await asyncio.to_thread(self.exports.close)  # bounded: dead receivers are left behind
+
+    async def _close_file(self, grace_s: float) -> None:
+        """Close the file's connection. A Query.Sql still running on it (its thread outlives the
+        gRPC server's stop, up to the query timeout) makes DuckDB refuse the close ("connection is
+        busy"; DuckDB 2 refuses instead of waiting): interrupt it and try again, for at most
+        ``grace_s``. Everything the writer took is committed before this point either way."""
+        import duckdb
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while True:
+            try:
+                self.con.close()  # type: ignore[attr-defined]
+                return
+            except duckdb.ConnectionException:
+                return  # closed already: a refused close can still have closed it (DuckDB 2.0)
+            except duckdb.Error as e:
+                if loop.time() > deadline:
+                    log.warning("collector: the file's connection is still busy after %.0f s (%s); exiting "
+                                "without closing it (everything acked is committed)", grace_s, e)
+                    return
+            try:
+                self.con.interrupt()  # type: ignore[attr-defined]
+            except duckdb.ConnectionException:
+                return
+            await asyncio.sleep(0.05)
 
 
 async def start(

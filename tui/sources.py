@@ -213,9 +213,12 @@ class CollectorSource:
         from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 
         self.channel = self.auth.channel(self.addr, options=[("grpc.max_receive_message_length", 256 << 20)])
+        ready = grpc.channel_ready_future(self.channel)
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=self.connect_timeout_s)
+            ready.result(timeout=self.connect_timeout_s)
         except grpc.FutureTimeoutError:
+            ready.cancel()
+            _await_connectivity_poll_end(self.channel)
             self.close()
             raise SourceError(
                 "nothing answers",
@@ -351,3 +354,18 @@ def _control_env() -> str:
     from tracetop import env
 
     return env.TRACETOP_CONTROL_TOKEN_FILE
+
+
+def _await_connectivity_poll_end(channel, timeout_s: float = 2.0) -> None:
+    """While a ready-future listens, grpcio polls the channel's connectivity on a thread of its own
+    (a 0.2 s watch at a time); a channel closed under that watch raises "Cannot monitor channel
+    state: Channel closed!" in the thread, which a user sees printed over the TUI (grpcio 1.85,
+    seen in tests/tui/test_app.py::test_error_screens). Once the future is cancelled nobody
+    listens, and the poll stops at the end of its watch: wait for that, at most ``timeout_s``."""
+    import time
+
+    state = getattr(channel, "_connectivity_state", None)  # grpc._channel.Channel's; absent: nothing to wait for
+    deadline = time.monotonic() + timeout_s
+    while getattr(state, "polling", False) and time.monotonic() < deadline:
+        time.sleep(0.02)
+

@@ -28,7 +28,7 @@ def collector(tmp_path_factory):
     channel = grpc.insecure_channel(c.addr)
     yield c, channel
     channel.close()
-    assert c.stop() == 0
+    assert c.stop() == 0, c.text()  # the collector's own output says why it did not exit cleanly
 
 
 def _raw_stream(channel, messages: list[bytes]):
