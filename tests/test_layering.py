@@ -16,6 +16,8 @@ import pytest
 
 OURS = ("collector", "agent", "tui", "trainer_hooks", "reference_trainer")
 HEAVY = ("duckdb", "textual", "torch", "grpc", "matplotlib")
+#: what the hooks and their integrations never load
+HOOKS_FORBIDDEN = ("duckdb", "textual", "collector", "agent", "tui", "reference_trainer")
 
 
 class Rule(NamedTuple):
@@ -39,21 +41,9 @@ LAYERS: dict[str, Rule] = {
     "tracetop.cli": Rule(
         ("duckdb", "textual", "torch", "grpc", "collector", "agent", "tui", "trainer_hooks"),
         "`tracetop --help` and `tracetop query` start fast: each command imports its own module"),
-    "trainer_hooks": Rule(
-        ("duckdb", "textual", "collector", "agent", "tui", "reference_trainer"),
-        "the hooks run inside user trainers: no database, no UI, no server code"),
-    "trainer_hooks.integrations.deepspeed": Rule(
-        ("duckdb", "textual", "collector", "agent", "tui", "reference_trainer"),
-        "the DeepSpeed integration is part of the hooks"),
-    "trainer_hooks.integrations.pipeline": Rule(
-        ("duckdb", "textual", "collector", "agent", "tui", "reference_trainer"),
-        "the pipeline integration is part of the hooks"),
-    "trainer_hooks.integrations.offload": Rule(
-        ("duckdb", "textual", "collector", "agent", "tui", "reference_trainer"),
-        "the offload integration is part of the hooks"),
-    "trainer_hooks.integrations.collectives": Rule(
-        ("duckdb", "textual", "collector", "agent", "tui", "reference_trainer"),
-        "the collective wrappers are part of the hooks"),
+    "trainer_hooks": Rule(HOOKS_FORBIDDEN, "the hooks run inside user trainers: no database, no UI, no server code"),
+    **{f"trainer_hooks.integrations.{m}": Rule(HOOKS_FORBIDDEN, f"the {m} integration is part of the hooks")
+       for m in ("deepspeed", "pipeline", "offload", "collectives")},
     "reference_trainer.tracing": Rule(
         ("duckdb", "textual", "collector", "agent", "tui"),
         "the reference trainer traces itself as a user trainer would"),
