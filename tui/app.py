@@ -123,11 +123,18 @@ class TracetopApp(App[int]):
         if self.stop.is_set():
             return False
         try:
-            self.call_from_thread(fn, *args)
+            self.call_from_thread(self._while_running, fn, *args)
         except RuntimeError:  # the app's loop has closed under us
             self.stop.set()
             return False
         return True
+
+    def _while_running(self, fn: Callable[..., Any], *args: Any) -> None:
+        """On the UI thread: fn(*args) unless the app has begun shutting down (Textual stops
+        running, then prunes the screens before our on_unmount sets `stop`: a snapshot landing in
+        between found no #head, and its worker failed the app)."""
+        if self.is_running and not self.stop.is_set():
+            fn(*args)
 
     @work(thread=True, exclusive=True, group="source")
     def run_live(self) -> None:
