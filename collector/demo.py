@@ -6,7 +6,8 @@ activations need more memory than its declared budget and one of whose ranks tur
 straggler halfway. What happens, in order:
 - the live engine flags the memory above 0.90 of the budget, the controller shrinks the
   micro-batch (the global batch kept) and every rank applies it at one and the same step;
-- later rank --straggler-rank computes --straggler-ms longer each step: a straggler alert names it;
+- later rank --straggler-rank computes --straggler-factor times as long each step (proportional, so
+  it is a straggler at any load): a straggler alert names it;
 - the CPU pipeline's bubble and exposed communication are what they are, and their rules say so.
 With a terminal the TUI watches the run live; without one (or with --headless) the demo prints the
 per-rank summary, the alerts and the actions. The file stays at DIR/demo.duckdb for
@@ -38,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     parser.add_argument("--headless", action="store_true", help="no TUI: print the summary, alerts and actions")
     parser.add_argument("--straggler-rank", type=int, default=3, help="the rank that turns slow (default 3)")
-    parser.add_argument("--straggler-ms", type=int, default=150, help="how much slower, per step (default 150)")
+    parser.add_argument("--straggler-factor", type=float, default=2.0,
+                        help="how much slower: its forward and backward take this many times as long (default 2)")
     parser.add_argument("--straggler-from", type=int, default=None,
                         help="from which step (default: half the steps, after the controller has acted)")
 
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
         "-m", "reference_trainer", "--tp", "1", "--pp", "2", "--steps", str(args.steps),
         "--micro-batch", "4", "--micro-batches", "2", "--activation-mb-per-sample", "40", "--memory-budget-mb", "700",
-        "--inject-straggler", f"{args.straggler_rank}:{args.straggler_ms}@{strag_from}", "--quiet",
+        "--inject-slow-rank", f"{args.straggler_rank}:{args.straggler_factor:g}@{strag_from}", "--quiet",
     ]
     print("tracetop demo: " + " ".join(cmd[2:]), flush=True)
     rc = 1
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {agree} micro-batch {mb} x {mbs} from step {step}")
     print()
     print(f"injected: activations of 40 MiB a sample against a 700 MiB budget; rank {args.straggler_rank} computes "
-          f"{args.straggler_ms} ms longer from step {strag_from}")
+          f"{args.straggler_factor:g}x as long from step {strag_from}")
     print(f"explore: tracetop ui {db}   |   tracetop report {db} -o {workdir / 'report.html'}   |   "
           f'tracetop query {db} "SELECT * FROM stragglers WHERE is_straggler"')
     return 0

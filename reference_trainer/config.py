@@ -218,6 +218,9 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("fault injection (real effects)")
     g.add_argument("--inject-straggler", action="append", default=[], metavar="RANK:MS[@STEP]",
                    help="that rank computes MS longer every step (inside its forward) from STEP")
+    g.add_argument("--inject-slow-rank", action="append", default=[], metavar="RANK:FACTOR[@STEP]",
+                   help="from STEP that rank sleeps (FACTOR - 1) x its median step time before STEP, every step, "
+                   "inside its forward: a straggler proportional to the step")
     g.add_argument("--inject-comm-delay", action="append", default=[], metavar="RANK:MS[@STEP]",
                    help="that rank enters its data-parallel gradient reduction MS late every step")
     g.add_argument("--inject-stage-imbalance", action="append", default=[], metavar="STAGE:FACTOR[@STEP]",

@@ -10,6 +10,11 @@ Every fault acts on the real run, never on a reported number:
   so hooks that wrap it see the late entry as it is;
 - stage imbalance STAGE:FACTOR[@STEP]: every rank of that pipeline stage measures its forward and
   its backward and sleeps (FACTOR - 1) times as long inside each, so the stage is FACTOR x slower;
+- slow rank RANK:FACTOR[@STEP]: a straggler proportional to the step: from STEP that rank sleeps
+  (FACTOR - 1) x the median wall time of its own steps before STEP, every step, inside its forward
+  (split across its micro-batches). A fixed MS is half a step on an idle machine and a fifth of one
+  at load 3; this is FACTOR x at any load (the baseline is fixed at onset, so the wait it causes
+  does not feed back into it);
 - memory growth RANK:MB[@STEP]: that rank allocates, touches and holds MB more every step (host
   memory on CPU, device memory on GPU);
 - hang RANK@STEP: at STEP, where its first DP reduction would start, that rank enters an
@@ -33,9 +38,10 @@ from typing import Any
 
 from tracetop.errors import TracetopError
 
-KINDS = ("straggler", "comm_delay", "stage_imbalance", "mem_growth", "hang", "kill")
+KINDS = ("straggler", "slow_rank", "comm_delay", "stage_imbalance", "mem_growth", "hang", "kill")
 _SPEC = {
     "straggler": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MS[@STEP], e.g. 1:200@5"),
+    "slow_rank": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:FACTOR[@STEP], e.g. 3:2@30"),
     "comm_delay": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MS[@STEP], e.g. 0:150"),
     "stage_imbalance": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "STAGE:FACTOR[@STEP], e.g. 1:3"),
     "mem_growth": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MB[@STEP], e.g. 2:64@3"),
@@ -68,7 +74,7 @@ def parse_fault(kind: str, text: str) -> Fault:
     if kind in ("hang", "kill"):
         return Fault(kind, int(m.group(1)), 0.0, int(m.group(2)))
     amount = float(m.group(2))
-    if kind == "stage_imbalance" and amount < 1.0:
+    if kind in ("stage_imbalance", "slow_rank") and amount < 1.0:
         raise FaultSpecError(f"{flag} {text!r}: FACTOR must be at least 1 (1 = no effect)")
     return Fault(kind, int(m.group(1)), amount, int(m.group(3) or 0))
 
@@ -119,6 +125,9 @@ class StageClock:
         self.straggler = [f for f in faults if f.kind == "straggler" and f.target == rank]
         self.comm_delay = [f for f in faults if f.kind == "comm_delay" and f.target == rank]
         self.imbalance = [f for f in faults if f.kind == "stage_imbalance" and f.target == stage]
+        self.slow_rank = [f for f in faults if f.kind == "slow_rank" and f.target == rank]
+        self.step_walls: list[float] = []  # this rank's step wall times before its slow_rank onset
+        self._step_t0: float | None = None
         self.mem_growth = [f for f in faults if f.kind == "mem_growth" and f.target == rank]
         self.hang = [f for f in faults if f.kind == "hang" and f.target == rank]
         self.kill = [f for f in faults if f.kind == "kill" and f.target == rank]
@@ -133,6 +142,10 @@ class StageClock:
 
     # -- step boundaries ------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
+        now = self._clock()
+        if self._step_t0 is not None and self.slow_rank and not any(f.active(step - 1) for f in self.slow_rank):
+            self.step_walls.append(now - self._step_t0)
+        self._step_t0 = now
         self.step = step
         self._entered_reduction = False
         self.forward_s = self.backward_s = self.dp_reduce_s = 0.0
@@ -215,6 +228,7 @@ class StageClock:
         self._fwd_t0 = self._clock()
         ms = sum(f.amount for f in self.straggler if f.active(self.step))
         ms += self.slow_micro_batch.get(self._micro_batch(), 0.0)
+        ms += self._slow_rank_ms()
         if self.activation_bytes_per_sample and module.training:
             import torch
 
@@ -229,6 +243,13 @@ class StageClock:
                 return ((_wrap_end(first[0], self), *first[1:]), *args[1:])
             return (_wrap_end(first, self), *args[1:])
         return None
+
+    def _slow_rank_ms(self) -> float:
+        factor = max((f.amount for f in self.slow_rank if f.active(self.step)), default=1.0)
+        if factor <= 1.0 or not self.step_walls:
+            return 0.0
+        walls = sorted(self.step_walls)
+        return (factor - 1.0) * walls[len(walls) // 2] * 1000.0
 
     def _post_forward(self, module: Any, args: tuple, output: Any) -> Any:
         factor = self._factor()

@@ -80,6 +80,9 @@ def test_fault_specs_parse_and_bad_ones_are_named():
         parse_fault("straggler", "1-200")
     with pytest.raises(FaultSpecError, match="FACTOR must be at least 1"):
         parse_fault("stage_imbalance", "1:0.5")
+    assert parse_fault("slow_rank", "3:2@30") == Fault("slow_rank", 3, 2.0, 30)
+    with pytest.raises(FaultSpecError, match="--inject-slow-rank '3:0.5'.*FACTOR must be at least 1"):
+        parse_fault("slow_rank", "3:0.5")
     ns = argparse.Namespace(inject_straggler=["9:10"], inject_stage_imbalance=[])
     with pytest.raises(FaultSpecError, match="rank 9 does not exist in a world of 4"):
         parse_faults(ns, world_size=4, pp=2)
@@ -174,6 +177,23 @@ def test_stage_clock_straggler_and_imbalance_sleep_the_right_amounts():
     clock.backward_ended()
     assert clock.backward_s == pytest.approx(0.012)
     assert clock.held == []  # memory growth is rank 1's
+
+
+def test_stage_clock_slow_rank_sleeps_factor_minus_one_times_its_median_step_before_onset():
+    faults = [Fault("slow_rank", 1, 2.5, 3)]
+    for rank in (1, 0):
+        c = FakeClock()
+        clock = StageClock(faults, rank=rank, stage=0, micro_batches=lambda: 2, clock=c, sleep=c.sleep)
+        for step, wall in enumerate((0.100, 0.300, 0.200, 0.200, 0.200)):
+            c.slept.clear()
+            clock.begin_step(step)
+            clock._pre_forward(None, ())
+            clock._pre_forward(None, ())  # two micro-batches
+            # rank 1 from step 3: (2.5 - 1) x 200 ms (the median of its steps 0-2), split in 2
+            assert c.slept == ([pytest.approx(0.150)] * 2 if rank == 1 and step >= 3 else []), (rank, step)
+            c.t += wall
+        if rank == 1:
+            assert clock.step_walls == [pytest.approx(w) for w in (0.100, 0.300, 0.200)]  # fixed at onset
 
 
 def test_tracetop_train_dry_run_and_refusal():

@@ -39,11 +39,19 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
         assert strag == []
         # ...and the engine was judging: another rule fired on the clean run (exposed comm is >30% on
         # gloo CPU runs; the balanced run's delay is a sleep, not comm, so its share depends on the
-        # machine's load and is not asserted), and the view flags no rank of either run
+        # machine's load and is not asserted), and the view names no rank of either run a straggler.
+        # The view judges each step alone: a rank descheduled for one step on this shared 2-core
+        # machine really was that step's slow rank (CI flagged 2 single steps of the clean run). A
+        # straggler is a rank flagged on `for_steps` (3) consecutive steps, what the rule fires on.
         other = sql(c.addr, "SELECT DISTINCT run_id FROM alerts WHERE signal = 'comm_share'").column(0).to_pylist()
         assert "clean" in other
         judged = sql(c.addr, "SELECT run_id, count(*) AS n, count(*) FILTER (WHERE is_straggler) AS flagged FROM stragglers "
                              "WHERE run_id IN ('clean', 'balanced') GROUP BY run_id ORDER BY run_id").to_pylist()
-        assert [(r["run_id"], r["flagged"]) for r in judged] == [("balanced", 0), ("clean", 0)] and all(r["n"] > 0 for r in judged)
+        assert [r["run_id"] for r in judged] == ["balanced", "clean"] and all(r["n"] >= 400 for r in judged)
+        held = sql(c.addr, "SELECT run_id, rank, step FROM (SELECT run_id, rank, step, is_straggler AND "
+                           "lag(is_straggler) OVER w AND lag(is_straggler, 2) OVER w AS held FROM stragglers "
+                           "WHERE run_id IN ('clean', 'balanced') WINDOW w AS (PARTITION BY run_id, rank ORDER BY step)) "
+                           "WHERE held").to_pylist()
+        assert held == [], (held, judged)
     finally:
         c.stop()
