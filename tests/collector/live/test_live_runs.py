@@ -98,12 +98,12 @@ def live(tmp_path_factory):
         c.stop()
 
 
-def test_straggler_alert_names_rank_3_within_3_steps_and_no_victim(live):
+def test_straggler_alert_names_rank_3_within_5_steps_and_no_victim(live):
     strag = [a for a in live["strag_alerts"] if a["signal"] == "straggler"]
     assert [a["rank"] for a in strag] == [3], json.dumps(strag, default=str)[:2000]
     a = strag[0]
     assert STRAGGLER_STEP <= a["first_step"] <= STRAGGLER_STEP + 1
-    assert a["fired_step"] <= STRAGGLER_STEP + 2  # within 3 completed steps of the onset
+    assert a["fired_step"] <= STRAGGLER_STEP + 4  # within 5 completed steps of the onset (the rule's for_steps)
     assert "rank 3" in a["message"] and "straggler" in a["message"] and "ms" in a["message"]
     onset_ns = sql(live["collector"].addr, f"SELECT start_ns FROM step WHERE run_id = 'strag' AND rank = 3 AND "
                                             f"step = {STRAGGLER_STEP}").column(0)[0].as_py()
