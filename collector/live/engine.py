@@ -11,7 +11,9 @@ batches (counted: `batches_dropped`); a step pushed out of the window before it 
 counted in `steps_skipped`. Nothing queues without bound.
 
 Alerts go pending -> firing (held `for_steps` completed steps, or `for_s` seconds) -> resolved
-(past `clear_below`/`clear_above`, else back under the threshold). Each firing or resolved alert
+(past `clear_below`/`clear_above`, else back under the threshold, for more than the rule's resolve
+hold: `keep_firing_steps` cleared steps, or `keep_firing_s`; a breach within the hold is the same
+alert, still firing). Each firing or resolved alert
 is one row of the `alerts` table (written here, through the engine's own cursor, never the
 writer's), and every state change is handed to the sinks.
 """
@@ -47,7 +49,8 @@ _LIVE_KINDS = frozenset({Kind.RUN_START, Kind.STEP, Kind.COLLECTIVE, Kind.PIPE_I
 class _Track:
     alert: Alert
     count: int = 0          # consecutive breached evaluations
-    cleared: int = 0
+    cleared: int = 0        # consecutive cleared evaluations while firing (the resolve hold)
+    cleared_ns: int = 0     # when the current cleared streak began
     rule: Rule | None = None
 
 
@@ -84,7 +87,7 @@ class AlertBook:
                     a = Alert(rule.name, rule.signal, rule.severity, PENDING, run_id, o.scope, labels,
                               step if not time_based else -1, step if not time_based else -1, now_ns, now_ns, o.value,
                               rule.threshold, o.message.replace("{steps}", "1"))
-                    t = self.tracks[key] = _Track(a, 0, 0, rule)
+                    t = self.tracks[key] = _Track(a, rule=rule)
                     fresh = True
                 else:
                     fresh = False
@@ -115,14 +118,19 @@ class AlertBook:
         rule = t.rule
         assert rule is not None
         t.count = 0
-        if rule.cleared(value):
-            t.cleared += 1
-            if t.cleared >= 1:
-                done = replace(a, state=RESOLVED, last_ns=now_ns)
-                del self.tracks[key]
-                self.done.append(done)
-                del self.done[:-1000]
-                changed.append(done)
+        if not rule.cleared(value):
+            t.cleared = 0  # between the threshold and the hysteresis limit: still firing, the hold restarts
+            return
+        t.cleared += 1
+        if t.cleared == 1:
+            t.cleared_ns = now_ns
+        if (now_ns - t.cleared_ns) / 1e9 < rule.keep_firing if time_based else t.cleared <= rule.keep_firing:
+            return  # the resolve hold: a breach within it continues this alert
+        done = replace(a, state=RESOLVED, last_ns=now_ns)
+        del self.tracks[key]
+        self.done.append(done)
+        del self.done[:-1000]
+        changed.append(done)
 
     def end_run(self, run_id: str, now_ns: int) -> list[Alert]:
         """The run is over (every rank silent): its alerts resolve, nothing is left firing."""
@@ -505,7 +513,7 @@ class LiveEngine:
         with self._lock:
             a = replace(alert, state=FIRING, fired_ns=alert.fired_ns or alert.last_ns,
                         fired_step=alert.fired_step if alert.fired_step >= 0 else alert.last_step)
-            self.ev.book.tracks[(a.rule, a.run_id, tuple(sorted(a.labels.items())))] = _Track(a, 1, 0, None)
+            self.ev.book.tracks[(a.rule, a.run_id, tuple(sorted(a.labels.items())))] = _Track(a, count=1)
             firing = self.ev.book.firing()
             self._store([a])
         self._publish([a], firing)

@@ -123,8 +123,12 @@ SIGNALS: dict[str, SignalSpec] = {s.name: s for s in (
 )}
 
 #: keys every rule may have besides its signal's
-COMMON_KEYS = ("signal", "scope", "for_steps", "for_s", "clear_below", "clear_above", "severity", "labels",
-               "enabled", "description")
+COMMON_KEYS = ("signal", "scope", "for_steps", "for_s", "clear_below", "clear_above", "keep_firing_steps",
+               "keep_firing_s", "severity", "labels", "enabled", "description")
+#: a firing step rule keeps firing through this many cleared steps (Prometheus' keep_firing_for): a
+#: breach again within them is the same alert, not a new one (the demo's memory pressure fired and
+#: resolved 15 times in 60 steps); timer rules resolve at once unless keep_firing_s says otherwise
+KEEP_FIRING_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,7 @@ class Rule:
     for_steps: int = 1
     for_s: float = 0.0
     clear: float | None = None               # clear_below (op above) / clear_above (op below)
+    keep_firing: float = 0.0                 # the resolve hold: cleared steps (step rules) or seconds (timer)
     severity: str = "warning"
     labels: Mapping[str, str] = field(default_factory=dict)
     enabled: bool = True
@@ -378,6 +383,16 @@ def _parse_rule(name: str, body: dict, line_of, hline: int, faults: list[Fault])
     if spec.time_based and for_steps is not None:
         faults.append(Fault(line_of("for_steps"), "for_steps", f"signal '{signal}' is judged on a timer, not per "
                                                                "step; hold it with for_s"))
+    keep_key, wrong_keep = ("keep_firing_s", "keep_firing_steps") if spec.time_based else ("keep_firing_steps", "keep_firing_s")
+    keep = body.get(keep_key, 0.0 if spec.time_based else KEEP_FIRING_STEPS)
+    if wrong_keep in body:
+        faults.append(Fault(line_of(wrong_keep), wrong_keep, f"signal '{signal}' is judged "
+                            f"{'on a timer' if spec.time_based else 'per step'}; its resolve hold is {keep_key}"))
+    elif spec.time_based and (not _number(keep) or keep < 0):
+        faults.append(Fault(line_of(keep_key), keep_key, f"the resolve hold must be 0 or more seconds, got {keep!r}"))
+    elif not spec.time_based and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 0):
+        faults.append(Fault(line_of(keep_key), keep_key, f"the resolve hold must be a whole number of steps, 0 or "
+                                                         f"more, got {keep!r}"))
     clear_key = "clear_below" if tkey.op == "above" else "clear_above"
     wrong_clear = "clear_above" if tkey.op == "above" else "clear_below"
     if wrong_clear in body:
@@ -401,7 +416,8 @@ def _parse_rule(name: str, body: dict, line_of, hline: int, faults: list[Fault])
         return None
     return Rule(name=name, signal=signal, scope=scope, threshold_key=tkey.name, threshold=threshold, op=tkey.op,
                 params=params, for_steps=int(for_steps or 1), for_s=float(for_s or 0.0),
-                clear=float(clear) if clear is not None else None, severity=severity, labels=dict(labels),
+                clear=float(clear) if clear is not None else None, keep_firing=float(keep), severity=severity,
+                labels=dict(labels),
                 enabled=enabled, line=hline)
 
 
@@ -430,7 +446,9 @@ DEFAULTS_TOML = """\
 # tracetop rules: the built-in set. Start from this file: `tracetop rules defaults > rules.toml`,
 # edit, check with `tracetop rules check rules.toml`, run with `tracetop collector --rules rules.toml`.
 # A rule: signal, scope, one threshold whose key carries its unit, a hold (for_steps per completed
-# step, or for_s on the timer), optional hysteresis (clear_below / clear_above), severity, labels.
+# step, or for_s on the timer), optional hysteresis (clear_below / clear_above), a resolve hold
+# (keep_firing_steps, default 10: a breach again within it is the same alert; keep_firing_s for timer
+# signals, default 0), severity, labels.
 
 [rule.straggler]
 signal = "straggler"

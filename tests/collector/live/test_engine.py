@@ -16,7 +16,8 @@ from collector.live.rules import parse
 from collector.live.state import LiveState
 from tracetop.events import Kind
 
-GS = parse('[rule.gs]\nsignal = "grad_sync"\ngrad_sync_ms_above = 100\nfor_steps = 3\nclear_below = 80\n')[0]
+GS = parse('[rule.gs]\nsignal = "grad_sync"\ngrad_sync_ms_above = 100\nfor_steps = 3\nclear_below = 80\n'
+           'keep_firing_steps = 0\n')[0]
 STRAG = parse('[rule.s]\nsignal = "straggler"\nexcess_ms_above = 50\nfor_steps = 3\n')[0]
 
 
@@ -35,6 +36,27 @@ def test_pending_firing_resolved_with_hold_and_hysteresis():
     assert states == [[(PENDING, 0)], [], [], [(PENDING, 3)], [], [(FIRING, 3)], [], [], [(RESOLVED, 3)], [(PENDING, 9)]]
     done = book.done[-1]
     assert done.fired_step == 5 and done.last_step == 5 and done.message == "p99 3"  # last step it held
+
+
+def test_a_breach_within_the_resolve_hold_is_the_same_alert():
+    rule = parse('[rule.m]\nsignal = "grad_sync"\ngrad_sync_ms_above = 100\nfor_steps = 2\n')[0]
+    assert rule.keep_firing == 10  # the default hold of a step rule
+    book = AlertBook()
+    seen = []
+    # fires at 1; flaps under and over the line (as the demo's memory did) for 30 steps; then clear
+    values = [150, 150] + [50, 150] * 15 + [50] * 11
+    for step, v in enumerate(values):
+        for a in book.update(rule, "r", [judge.Obs("run", {}, v, rule.breached(v), "{steps}")], step, step * 10**9):
+            seen.append((a.state, a.first_step, step))
+    # one alert: pending at 0, firing at 1, resolved on the 11th cleared step in a row (10 held)
+    assert seen == [(PENDING, 0, 0), (FIRING, 0, 1), (RESOLVED, 0, len(values) - 1)]
+    timer = parse('[rule.t]\nsignal = "silent_rank"\nsilent_s_above = 15\nkeep_firing_s = 5\n')[0]
+    book = AlertBook()
+    for t_s, v in ((0, 20), (1, 0), (4, 0), (5, 20), (6, 0), (10, 0), (11, 0)):
+        changed = book.update(timer, "r", [judge.Obs("rank", {"rank": "1"}, v, timer.breached(v), "")], -1,
+                              t_s * 10**9, time_based=True)
+        seen = [a.state for a in changed]
+        assert seen == {0: [FIRING], 11: [RESOLVED]}.get(t_s, []), (t_s, seen)  # 6 s cleared from 6 to 11 (hold 5 s)
 
 
 def _step_cols(step: int, ranks: int, compute_ms: np.ndarray, wait_ms: float | np.ndarray = 10.0) -> dict:
