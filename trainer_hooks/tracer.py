@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tracetop import env as tenv
 from tracetop.events import Kind
 from trainer_hooks import commands as cmds
+from trainer_hooks import shutdown
 from trainer_hooks.device_clock import CudaClock, DeviceClock
 from trainer_hooks.emitter import Emitter
 from trainer_hooks.identity import Identity, SetupError, resolve
@@ -172,6 +173,9 @@ class Tracer:
     ) -> None:
         self.enabled = (not tenv.disabled()) if enabled is None else bool(enabled)
         self._closed = False
+        self._final_beat = False  # the exit path sent the closed heartbeat
+        self._handover_s = 0.0  # local endpoints: seconds between handovers at step ends
+        self._next_handover = 0.0
         self.recorder = Recorder(clock_ns=clock_ns, flops_per_token=float(flops_per_token) if flops_per_token else _NAN,
                                  peak_flops=float(peak_flops) if peak_flops else _NAN, model_share=model_share)
         self._step_ctx = _StepCtx(self)
@@ -216,6 +220,8 @@ class Tracer:
             self.shipper = _make_shipper(self.run_id, self.rank, endpoint, transport, flush_interval_s,
                                          max_unacked_bytes)
         self.endpoint = getattr(self.shipper, "endpoint", None)
+        # a local endpoint (the node agent): hand each finished step over (trainer_hooks/emitter.py)
+        self._handover_s = _handover_s(self.endpoint)
         self.recorder.record = self.shipper.record
         own_clock = device_clock is None
         if device_clock is None:
@@ -232,6 +238,7 @@ class Tracer:
         if wrap_collectives:
             self._wrapped = self._install_collectives()
         self.emitter.start()
+        shutdown.register(self)  # flush at SIGTERM/SIGINT and at exit, chained to the handlers there
 
     # ------------------------------------------------------------------ user API
     @property
@@ -368,24 +375,36 @@ class Tracer:
             rec.hook_error("offload", e)
 
     def close(self) -> None:
-        """Restore the collectives, stop the emitter, flush (up to close_timeout_s). Idempotent."""
+        """Restore the collectives, stop the emitter, flush (up to close_timeout_s). Idempotent.
+
+        Not calling it loses nothing either: at interpreter exit and on SIGTERM/SIGINT the hooks
+        flush within TRACETOP_EXIT_FLUSH_S (trainer_hooks/shutdown.py)."""
+        self._close_within(None)
+
+    def _close_within(self, deadline: float | None) -> None:
+        """close(); with ``deadline`` (monotonic), all of it bounded by it (the exit path)."""
         if self._closed:
             return
         self._closed = True
         if not self.enabled:
             return
+        shutdown.unregister(self)
         rec, emitter = self.recorder, self.emitter
         assert emitter is not None and self.commands is not None and self.step_peak is not None
+
+        def left(cap: float) -> float:
+            return cap if deadline is None else max(0.0, min(cap, deadline - time.monotonic()))
+
         try:
             colls.uninstall(rec)
             ddp.uninstall(rec)
             self.commands.close()
-            emitter.stop(timeout_s=max(2.0, self.close_timeout_s))
+            emitter.stop(timeout_s=left(max(2.0, self.close_timeout_s)))
             emitter.heartbeat(closed=True)  # the clean close: collector/ingest/source_ends.py watches for it
         except Exception as e:
             rec.hook_error("close", e)
         finally:
-            timeout_s = self.close_timeout_s
+            timeout_s = left(self.close_timeout_s)
             st = self.shipper.stats()
             if st and st.get("last_error") and not st.get("connected") and not st.get("batches_acked"):
                 # never reached the endpoint: do not hold the trainer's exit for long
@@ -397,6 +416,25 @@ class Tracer:
             self.step_peak.close()
             if rec.errors:
                 log.warning("trainer_hooks: %d hook errors were counted and skipped on rank %d", rec.errors, self.rank)
+
+    def _exit_flush(self, deadline: float, final: bool) -> None:
+        """The process is ending (a signal; trainer_hooks/shutdown.py): the rows the training thread
+        recorded go to the shipper and out, acked by ``deadline`` (monotonic) or left. ``final``:
+        the process dies after this, so once all is acked a last heartbeat says ``closed``. Called
+        from the main thread's handler or the watcher thread; never raises."""
+        emitter = self.emitter
+        if self._closed or not self.enabled or emitter is None:
+            return
+        try:
+            emitter.resolve()
+            emitter.drain()
+            ok = self.shipper.flush(max(0.0, deadline - time.monotonic()))
+            if ok and final and not self._final_beat:
+                self._final_beat = True
+                emitter.heartbeat(closed=True)
+                self.shipper.flush(max(0.0, deadline - time.monotonic()))
+        except Exception as e:
+            self.recorder.hook_error("exit-flush", e)
 
     def __enter__(self) -> Tracer:
         return self
@@ -422,6 +460,11 @@ class Tracer:
         shape = (self._loss, self.micro_batch, self.micro_batches, peak)
         self._loss = _NAN
         self.recorder.end_step(tokens, samples, shape)
+        if self._handover_s:
+            now = time.monotonic()
+            if now >= self._next_handover:
+                self._next_handover = now + self._handover_s
+                self.emitter.handover()  # type: ignore[union-attr]
 
     def _install_collectives(self) -> list[str]:
         try:
@@ -447,6 +490,30 @@ def _make_shipper(run_id: str, rank: int, endpoint: str | None, transport: Trans
     if transport is None:
         kw.update(client_auth())  # TRACETOP_TOKEN_FILE / TRACETOP_TLS_*: a closed collector
     return Shipper(target, run_id=run_id, rank=rank, transport=transport, **kw)
+
+
+def is_local(endpoint: str | None) -> bool:
+    """A unix socket or a loopback address: handing rows over there is local and cheap."""
+    if not endpoint:
+        return False
+    if endpoint.startswith("unix:"):
+        return True
+    host = endpoint.rpartition(":")[0].strip("[]") if ":" in endpoint else endpoint
+    if host == "localhost" or host == "::1":
+        return True
+    parts = host.split(".")
+    return len(parts) == 4 and parts[0] == "127" and all(p.isdigit() for p in parts)
+
+
+def _handover_s(endpoint: str | None) -> float:
+    """Seconds between handovers at step ends: TRACETOP_HANDOVER_S for a local endpoint, else 0 (off)."""
+    if not is_local(endpoint):
+        return 0.0
+    raw = tenv.get(tenv.TRACETOP_HANDOVER_S)
+    try:
+        return max(0.0, float(raw)) if raw else tenv.DEFAULT_HANDOVER_S
+    except ValueError as e:
+        raise SetupError(f"trainer_hooks: {tenv.TRACETOP_HANDOVER_S}={raw!r} is not a number of seconds") from e
 
 
 def _buffer_bytes() -> int | None:

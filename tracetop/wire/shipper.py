@@ -262,6 +262,7 @@ class Shipper:
         """Flush for up to timeout_s, then stop. Unacked batches without a spool are reported lost."""
         if self._closing:
             return
+        deadline = time.monotonic() + timeout_s
         ok = self.flush(timeout_s)
         self._closing = True
         self._stop.set()
@@ -269,8 +270,9 @@ class Shipper:
         with self._cv:
             self._outbox.interrupt()
             self._cv.notify_all()
-        self._flusher.join(timeout=2.0)
-        self._sender.join(timeout=2.0)
+        # bounded by the caller's timeout too (the hooks' exit path: trainer_hooks/shutdown.py)
+        self._flusher.join(timeout=min(2.0, max(0.05, deadline - time.monotonic())))
+        self._sender.join(timeout=min(2.0, max(0.05, deadline - time.monotonic())))
         if not ok and self._spool is None:
             with self._cv:
                 rows = self._outbox.rows()

@@ -1,0 +1,122 @@
+"""The end of a process is part of the path (trainer_hooks/shutdown.py): a plain user DDP loop
+under torchrun, one rank SIGKILLed mid-run, torchrun then ends the others with SIGTERM. Real
+torchrun, real gloo, a real collector and its DuckDB file; the ground truth is each rank's own log
+of the steps it completed (tests/trainer_hooks/user_loop.py) and the kill the test injects."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from tests.support import ROOT
+from tests.support.services import start_collector
+from tests.support.torchrun import launch
+
+pytestmark = pytest.mark.slow
+
+LOOP = str(ROOT / "tests" / "trainer_hooks" / "user_loop.py")
+
+
+def _completed(log_dir: Path, rank: int) -> list[int]:
+    p = log_dir / f"rank{rank}.log"
+    return [int(x) for x in p.read_text().split()] if p.exists() else []
+
+
+def _stored(db: Path, run_id: str, table: str = "step") -> dict[int, list[int]]:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        out: dict[int, list[int]] = {}
+        for rank, step in con.execute(f"SELECT rank, step FROM {table} WHERE run_id = ? ORDER BY rank, step",
+                                      [run_id]).fetchall():
+            out.setdefault(rank, []).append(step)
+        return out
+    finally:
+        con.close()
+
+
+def _run_loop(tmp_path: Path, endpoint: str, run_id: str, *, nproc: int, steps: int, kill: str,
+              extra_env: dict[str, str]) -> tuple[int, str, Path]:
+    log_dir = tmp_path / "steps"
+    env = dict(os.environ, TRACETOP_ENDPOINT=endpoint, TRACETOP_RUN_ID=run_id, PYTHONPATH=str(ROOT), **extra_env)
+    env.pop("TRACETOP_DISABLE", None)
+    job = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                  LOOP, "--steps", str(steps), "--kill", kill, "--log-dir", str(log_dir)], env=env, timeout_s=300)
+    return job.rc, job.output, log_dir
+
+
+def test_sigterm_from_torchrun_flushes_every_survivor_of_a_plain_ddp_loop(tmp_path: Path) -> None:
+    """Handover off (TRACETOP_HANDOVER_S=0) and the default 5 s shipment: every step the survivors
+    completed since their last shipment is in the file only if they flushed at torchrun's SIGTERM
+    (or at their exit, when gloo failed them first). Before: every rank lost all its steps."""
+    c = start_collector(tmp_path, listen="unix")
+    try:
+        rc, out, log_dir = _run_loop(tmp_path, c.addr, "teardown-plain", nproc=4, steps=200, kill="3@40",
+                                     extra_env={"TRACETOP_HANDOVER_S": "0", "TRACETOP_EXIT_FLUSH_S": "10"})
+        time.sleep(1.0)
+    finally:
+        assert c.stop() == 0
+    assert rc != 0, out[-2000:]  # the job failed: one rank was killed
+    stored = _stored(c.db, "teardown-plain")
+    done = {r: _completed(log_dir, r) for r in range(4)}
+    assert done[3] == list(range(40)), out[-2000:]  # rank 3 ran steps 0-39, then died in step 40
+    for r in range(3):
+        assert done[r] and done[r] == list(range(len(done[r]))), out[-2000:]
+        missing = sorted(set(done[r]) - set(stored.get(r, [])))
+        assert not missing, f"survivor rank {r} lost steps {missing[:5]}…{missing[-5:]} ({len(missing)})\n{out[-3000:]}"
+    # what a rank stored is what it ran: no step twice, none it did not complete (a survivor may also
+    # store the step its collective failed in, which its own log never reached)
+    for r in range(4):
+        steps = stored.get(r, [])
+        assert len(steps) == len(set(steps))
+        assert set(steps) <= set(done[r]) | {len(done[r])}
+
+
+def test_a_killed_rank_loses_at_most_about_a_step_handing_over_to_a_local_endpoint(tmp_path: Path) -> None:
+    """A local endpoint (a unix socket: here the collector's; on a cluster the node agent's): each
+    finished step is handed over at its end (at most every TRACETOP_HANDOVER_S), so the rank that is
+    SIGKILLed loses at most about a step (before: everything since its last 5 s shipment, here all 40)."""
+    c = start_collector(tmp_path, listen="unix")
+    try:
+        rc, out, log_dir = _run_loop(tmp_path, c.addr, "teardown-handover", nproc=2, steps=200, kill="1@40",
+                                     extra_env={"TRACETOP_EXIT_FLUSH_S": "10"})
+        time.sleep(1.0)
+    finally:
+        assert c.stop() == 0
+    done = _completed(log_dir, 1)
+    assert done == list(range(40)), out[-2000:]
+    stored = _stored(c.db, "teardown-handover").get(1, [])
+    assert stored == list(range(len(stored)))  # a prefix: it ships in order
+    # the step in which it died never completed; of the 40 it completed at most 2 are missing (the
+    # last handover may still have been on its way when the kill came)
+    assert len(stored) >= 38, (stored[-5:], out[-2000:])
+
+
+def test_first_heartbeat_at_start(tmp_path: Path) -> None:
+    """A rank's first heartbeat leaves at once, not one heartbeat interval later: the collector
+    knows the rank exists before it has run a step (here the interval is 60 s)."""
+    c = start_collector(tmp_path, listen="unix")
+    code = ("import time, trainer_hooks\n"
+            "t = trainer_hooks.Tracer(rank=0, world_size=1, heartbeat_s=60, device='cpu')\n"
+            "time.sleep(8)\n"
+            "import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n")
+    env = dict(os.environ, TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID="first-beat", PYTHONPATH=str(ROOT))
+    env.pop("TRACETOP_DISABLE", None)
+    try:
+        p = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        time.sleep(1.0)
+    finally:
+        assert c.stop() == 0
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        n = con.execute("SELECT count(*) FROM heartbeat WHERE run_id = 'first-beat'").fetchone()[0]
+    finally:
+        con.close()
+    assert n >= 1, p.stderr
