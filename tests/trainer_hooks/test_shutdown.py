@@ -42,12 +42,13 @@ def _stored(db: Path, run_id: str, table: str = "step") -> dict[int, list[int]]:
 
 
 def _run_loop(tmp_path: Path, endpoint: str, run_id: str, *, nproc: int, steps: int, kill: str,
-              extra_env: dict[str, str]) -> tuple[int, str, Path]:
+              extra_env: dict[str, str], sleep_ms: float = 20.0) -> tuple[int, str, Path]:
     log_dir = tmp_path / "steps"
     env = dict(os.environ, TRACETOP_ENDPOINT=endpoint, TRACETOP_RUN_ID=run_id, PYTHONPATH=str(ROOT), **extra_env)
     env.pop("TRACETOP_DISABLE", None)
     job = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                  LOOP, "--steps", str(steps), "--kill", kill, "--log-dir", str(log_dir)], env=env, timeout_s=300)
+                  LOOP, "--steps", str(steps), "--kill", kill, "--log-dir", str(log_dir),
+                  "--sleep-ms", str(sleep_ms)], env=env, timeout_s=300)
     return job.rc, job.output, log_dir
 
 
@@ -81,11 +82,14 @@ def test_sigterm_from_torchrun_flushes_every_survivor_of_a_plain_ddp_loop(tmp_pa
 def test_a_killed_rank_loses_at_most_about_a_step_handing_over_to_a_local_endpoint(tmp_path: Path) -> None:
     """A local endpoint (a unix socket: here the collector's; on a cluster the node agent's): each
     finished step is handed over at its end (at most every TRACETOP_HANDOVER_S), so the rank that is
-    SIGKILLed loses at most about a step (before: everything since its last 5 s shipment, here all 40)."""
+    SIGKILLed loses at most about a step (before: everything since its last 5 s shipment, here all 40).
+    The bound is a step or TRACETOP_HANDOVER_S of steps, whichever is more: the test sets the
+    interval below its step time (each forward sleeps 50 ms), so every step is handed over."""
     c = start_collector(tmp_path, listen="unix")
     try:
         rc, out, log_dir = _run_loop(tmp_path, c.addr, "teardown-handover", nproc=2, steps=200, kill="1@40",
-                                     extra_env={"TRACETOP_EXIT_FLUSH_S": "10"})
+                                     extra_env={"TRACETOP_EXIT_FLUSH_S": "10", "TRACETOP_HANDOVER_S": "0.01"},
+                                     sleep_ms=50)
         time.sleep(1.0)
     finally:
         assert c.stop() == 0
