@@ -124,3 +124,63 @@ def test_first_heartbeat_at_start(tmp_path: Path) -> None:
     finally:
         con.close()
     assert n >= 1, p.stderr
+
+
+PROBE = str(ROOT / "tests" / "trainer_hooks" / "exit_probe.py")
+
+
+def _probe(tmp_path: Path, mode: str, addr: str, run_id: str, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, TRACETOP_ENDPOINT=addr, TRACETOP_RUN_ID=run_id, PYTHONPATH=str(ROOT),
+               TRACETOP_HANDOVER_S="0", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("TRACETOP_DISABLE", None)
+    return subprocess.Popen([sys.executable, PROBE, mode, str(tmp_path / f"{run_id}.steps"), *args], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _until_ready(p: subprocess.Popen) -> list[str]:
+    seen = []
+    for line in p.stdout:  # type: ignore[union-attr]
+        seen.append(line)
+        if line.strip() == "ready":
+            return seen
+    raise AssertionError("".join(seen))
+
+
+@pytest.mark.parametrize("mode", ["default", "handler", "stuck"])
+def test_sigterm_flushes_then_ends_the_process_as_it_would_have(tmp_path: Path, mode: str) -> None:
+    """SIGTERM to a rank that never calls close(): every step it completed is stored, and the
+    process then ends exactly as without the hooks: by SIGTERM (default action), through the
+    handler that was there before the Tracer (which exits 7), or, with its main thread stuck in a
+    gloo barrier (C++: no Python handler can run), by SIGTERM all the same, long before the
+    barrier's 300 s timeout (the watcher thread flushes and takes the default action)."""
+    c = start_collector(tmp_path, listen="unix")
+    peer = None
+    run_id = f"exit-{mode}"
+    try:
+        if mode == "stuck":
+            store = str(tmp_path / "store")
+            peer = _probe(tmp_path, "peer", c.addr, "peer", store)
+            p = _probe(tmp_path, mode, c.addr, run_id, store)
+        else:
+            p = _probe(tmp_path, mode, c.addr, run_id)
+        _until_ready(p)
+        time.sleep(0.5)  # in the barrier, or a few steps further
+        p.send_signal(signal.SIGTERM)
+        try:
+            rest, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"{mode}: the process did not end within 60 s of SIGTERM") from None
+        time.sleep(0.5)
+    finally:
+        if peer is not None:
+            peer.kill()
+            peer.wait()
+        assert c.stop() == 0
+    if mode == "handler":
+        assert p.returncode == 7 and "previous handler" in rest, rest
+    else:
+        assert p.returncode == -signal.SIGTERM, rest
+    done = [int(x) for x in (tmp_path / f"{run_id}.steps").read_text().split()]
+    stored = _stored(c.db, run_id).get(0, [])
+    assert len(done) >= 20 and sorted(set(done) - set(stored)) == [], (len(done), stored[-3:], rest)
