@@ -1,0 +1,34 @@
+"""`tracetop bench chaos --scenario launcher-teardown` (collector/bench/launcher_teardown.py): the
+reference trainer, 4 ranks (PP2 x DP2) under a real torchrun, rank 3 SIGKILLs itself in step 20's
+first forward, torchrun SIGTERMs the rest; a real collector and its DuckDB file. Ground truth: the
+trainer's own per-rank step logs and the injected kill."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from collector.bench.launcher_teardown import launcher_teardown, table
+
+pytestmark = pytest.mark.slow
+
+
+def test_launcher_teardown_every_rank_stored_up_to_its_end(tmp_path: Path) -> None:
+    r = launcher_teardown(tmp_path, steps=60, kill_step=20)
+    print(table(r))
+    assert r["ok"], (r["held"], r["per_rank"], r["torchrun_tail"])
+    assert r["per_rank"][3]["steps_run"] == 20 and r["per_rank"][3]["missing"] <= 2
+
+
+def test_survivors_flush_at_the_launchers_sigterm_without_handover(tmp_path: Path) -> None:
+    """Handover off (TRACETOP_HANDOVER_S=0: every rank ships only every 5 s, as to a remote
+    collector): the survivors' steps since their last shipment reach the file only through their
+    flush at torchrun's SIGTERM (or at their own exit). The killed rank's loss is then larger, and
+    marked by its unclosed row."""
+    r = launcher_teardown(tmp_path, steps=60, kill_step=20, env={"TRACETOP_HANDOVER_S": "0"})
+    print(table(r))
+    held = r["held"]
+    assert held["survivors_stored_or_counted"] and held["killed_loss_marked"] and held["no_duplicates"], \
+        (r["per_rank"], r["torchrun_tail"])
+    assert all(r["per_rank"][k]["missing"] == 0 and r["per_rank"][k]["steps_run"] >= 20 for k in (0, 1, 2)), r["per_rank"]
