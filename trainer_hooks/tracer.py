@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tracetop import env as tenv
 from tracetop.events import Kind
 from trainer_hooks import commands as cmds
-from trainer_hooks import shutdown
+from trainer_hooks import progress, shutdown
 from trainer_hooks.device_clock import CudaClock, DeviceClock
 from trainer_hooks.emitter import Emitter
 from trainer_hooks.identity import Identity, SetupError, resolve
@@ -175,6 +175,7 @@ class Tracer:
         self._closed = False
         self._final_beat = False  # the exit path sent the closed heartbeat
         self._handover_s = 0.0  # local endpoints: seconds between handovers at step ends
+        self.progress = None
         self._next_handover = 0.0
         self.recorder = Recorder(clock_ns=clock_ns, flops_per_token=float(flops_per_token) if flops_per_token else _NAN,
                                  peak_flops=float(peak_flops) if peak_flops else _NAN, model_share=model_share)
@@ -220,9 +221,15 @@ class Tracer:
             self.shipper = _make_shipper(self.run_id, self.rank, endpoint, transport, flush_interval_s,
                                          max_unacked_bytes)
         self.endpoint = getattr(self.shipper, "endpoint", None)
-        # a local endpoint (the node agent): hand each finished step over (trainer_hooks/emitter.py)
+        # a unix-socket endpoint (the node agent): hand each finished step over (trainer_hooks/emitter.py)
         self._handover_s = _handover_s(self.endpoint)
         self.recorder.record = self.shipper.record
+        # steps completed vs STEP rows acked, where a neighbour reads them after a SIGKILL (progress.py)
+        self.progress: progress.Progress | None = None
+        if hasattr(self.shipper, "on_acked"):
+            self.progress = progress.Progress(self.run_id, self.rank, self.shipper.source_id)
+            self.shipper.on_acked(self.progress.on_acked)  # type: ignore[attr-defined]
+            progress.claim_dead(self.shipper, self.run_id)  # a predecessor of this run killed on this node
         own_clock = device_clock is None
         if device_clock is None:
             if device is None:
@@ -411,7 +418,11 @@ class Tracer:
                 timeout_s = min(timeout_s, 1.0)
                 log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
                             self.rank, self.endpoint, st.get("unacked_batches", 0))
+            if self.progress is not None and deadline is not None:
+                progress.claim_dead(self.shipper, self.run_id)  # the exit path: as at a signal
             self.shipper.close(timeout_s)
+            if self.progress is not None and not self.shipper.stats().get("unacked_batches"):
+                self.progress.remove()  # all handed over; else a neighbour counts what was not
             emitter.close()
             self.step_peak.close()
             if rec.errors:
@@ -429,10 +440,14 @@ class Tracer:
             emitter.resolve()
             emitter.drain()
             ok = self.shipper.flush(max(0.0, deadline - time.monotonic()))
+            # a rank of this run killed on this node (torchrun ends the rest right after): count its loss
+            if progress.claim_dead(self.shipper, self.run_id):
+                ok = self.shipper.flush(max(0.0, deadline - time.monotonic())) and ok
             if ok and final and not self._final_beat:
                 self._final_beat = True
                 emitter.heartbeat(closed=True)
-                self.shipper.flush(max(0.0, deadline - time.monotonic()))
+                if self.shipper.flush(max(0.0, deadline - time.monotonic())) and self.progress is not None:
+                    self.progress.remove()  # all handed over
         except Exception as e:
             self.recorder.hook_error("exit-flush", e)
 
@@ -460,6 +475,8 @@ class Tracer:
         shape = (self._loss, self.micro_batch, self.micro_batches, peak)
         self._loss = _NAN
         self.recorder.end_step(tokens, samples, shape)
+        if self.progress is not None:
+            self.progress.step_done(self.recorder.step_n)
         if self._handover_s:
             now = time.monotonic()
             if now >= self._next_handover:
@@ -492,22 +509,11 @@ def _make_shipper(run_id: str, rank: int, endpoint: str | None, transport: Trans
     return Shipper(target, run_id=run_id, rank=rank, transport=transport, **kw)
 
 
-def is_local(endpoint: str | None) -> bool:
-    """A unix socket or a loopback address: handing rows over there is local and cheap."""
-    if not endpoint:
-        return False
-    if endpoint.startswith("unix:"):
-        return True
-    host = endpoint.rpartition(":")[0].strip("[]") if ":" in endpoint else endpoint
-    if host == "localhost" or host == "::1":
-        return True
-    parts = host.split(".")
-    return len(parts) == 4 and parts[0] == "127" and all(p.isdigit() for p in parts)
-
-
 def _handover_s(endpoint: str | None) -> float:
-    """Seconds between handovers at step ends: TRACETOP_HANDOVER_S for a local endpoint, else 0 (off)."""
-    if not is_local(endpoint):
+    """Seconds between handovers at step ends: TRACETOP_HANDOVER_S for a unix-socket endpoint (the
+    node agent's, or a collector on this host), else 0 (off: a remote collector gets a shipment
+    every TRACETOP_FLUSH_S, each of which costs the rank ~2-4 ms of CPU)."""
+    if not endpoint or not endpoint.startswith("unix:"):
         return 0.0
     raw = tenv.get(tenv.TRACETOP_HANDOVER_S)
     try:

@@ -77,6 +77,17 @@ def test_sigterm_from_torchrun_flushes_every_survivor_of_a_plain_ddp_loop(tmp_pa
         steps = stored.get(r, [])
         assert len(steps) == len(set(steps))
         assert set(steps) <= set(done[r]) | {len(done[r])}
+    # what rank 3 lost is counted: a survivor read its progress record (trainer_hooks/progress.py)
+    lost3 = len(set(done[3]) - set(stored.get(3, [])))
+    assert lost3 > 0  # handover off: all since its start (its first 5 s shipment never came)
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        counted = con.execute("SELECT coalesce(sum(dropped), 0), max(step) FROM gap WHERE run_id = ? AND rank = 3 "
+                              "AND kind = 'step' AND reason = 'killed:steps_not_handed_over'",
+                              ["teardown-plain"]).fetchone()
+    finally:
+        con.close()
+    assert counted[0] >= lost3 and counted[1] == 39, (counted, lost3)  # >=: a batch stored just before the kill, unacked
 
 
 def test_a_killed_rank_loses_at_most_about_a_step_handing_over_to_a_local_endpoint(tmp_path: Path) -> None:

@@ -203,6 +203,7 @@ class Shipper:
                               next_seq=self._next_seq, enqueue=lambda b: self._enqueue(b, own=True),
                               warn_once=self._warn_once, budget_bytes=max_unacked_bytes // 8, clock_ns=clock_ns)
 
+        self._ack_listeners: list[Callable[[int, int], None]] = []
         self._ship_now = False  # ship_soon(): the flusher's next pass seals everything
         self._closing = False
 
@@ -346,12 +347,24 @@ class Shipper:
                 self._cv.notify_all()
         return True
 
+    def on_acked(self, fn: Callable[[int, int], None]) -> None:
+        """Call ``fn(kind, rows)`` (from the sender thread; it must not block) for each of this
+        source's own batches acked: the hooks count their acked STEP rows (trainer_hooks/progress.py)."""
+        self._ack_listeners.append(fn)
+
     def _on_ack(self, source_id: str, seq: int) -> None:
         with self._cv:
             done = self._outbox.ack(source_id, seq)
             self._stats.batches_acked += len(done)
             self._stats.rows_acked += sum(e.n for e in done)
             self._cv.notify_all()
+        for fn in self._ack_listeners:
+            for e in done:
+                if e.own:
+                    try:
+                        fn(e.kind, e.n)
+                    except Exception as ex:  # a listener never stops the sender
+                        self._warn_once("ack-listener", f"tracetop: ack listener failed: {ex!r}")
         if self._spool is not None:
             for e in done:
                 if e.spool_path is not None:
