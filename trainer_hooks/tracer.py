@@ -418,8 +418,8 @@ class Tracer:
                 timeout_s = min(timeout_s, 1.0)
                 log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
                             self.rank, self.endpoint, st.get("unacked_batches", 0))
-            if self.progress is not None and deadline is not None:
-                progress.claim_dead(self.shipper, self.run_id)  # the exit path: as at a signal
+            if self.progress is not None:  # a rank of this run killed on this node: count its loss
+                progress.claim_dead(self.shipper, self.run_id)
             self.shipper.close(timeout_s)
             if self.progress is not None and not self.shipper.stats().get("unacked_batches"):
                 self.progress.remove()  # all handed over; else a neighbour counts what was not
