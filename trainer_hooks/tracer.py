@@ -175,7 +175,7 @@ class Tracer:
         self._closed = False
         self._final_beat = False  # the exit path sent the closed heartbeat
         self._handover_s = 0.0  # local endpoints: seconds between handovers at step ends
-        self.progress = None
+        self.progress: progress.Progress | None = None  # the progress record (enabled tracers)
         self._next_handover = 0.0
         self.recorder = Recorder(clock_ns=clock_ns, flops_per_token=float(flops_per_token) if flops_per_token else _NAN,
                                  peak_flops=float(peak_flops) if peak_flops else _NAN, model_share=model_share)
@@ -225,10 +225,9 @@ class Tracer:
         self._handover_s = _handover_s(self.endpoint)
         self.recorder.record = self.shipper.record
         # steps completed vs STEP rows acked, where a neighbour reads them after a SIGKILL (progress.py)
-        self.progress: progress.Progress | None = None
         if hasattr(self.shipper, "on_acked"):
             self.progress = progress.Progress(self.run_id, self.rank, self.shipper.source_id)
-            self.shipper.on_acked(self.progress.on_acked)  # type: ignore[attr-defined]
+            self.shipper.on_acked(self.progress.on_acked)
             progress.claim_dead(self.shipper, self.run_id)  # a predecessor of this run killed on this node
         own_clock = device_clock is None
         if device_clock is None:
