@@ -65,6 +65,7 @@ _previous: dict[int, Any] = {}  # signum -> the handler ours replaced
 _pending: list[int] = []  # signals that arrived on the main thread while it was flushing
 _chained = threading.Event()  # the main thread handed a signal on
 _pid = -1  # the process that installed (a forked child does nothing)
+_signals_pid = -1  # the process whose main thread installed the signal handlers
 _atexit_done = False
 _watcher: threading.Thread | None = None
 
@@ -80,15 +81,16 @@ def exit_flush_s() -> float:
 
 def register(tracer: Tracer) -> None:
     """Flush ``tracer`` at the end of the process (installs the handlers once). Never raises."""
-    global _pid
+    global _pid, _signals_pid
     try:
         with _lock:
             _tracers.add(tracer)
-            if _pid == os.getpid():
-                return
-            _pid = os.getpid()
-            atexit.register(_at_exit)
-            if threading.current_thread() is threading.main_thread():
+            if _pid != os.getpid():
+                _pid = os.getpid()
+                atexit.register(_at_exit)
+            # from the main thread only (Python's rule); a first Tracer elsewhere leaves it to a later one
+            if _signals_pid != os.getpid() and threading.current_thread() is threading.main_thread():
+                _signals_pid = os.getpid()
                 _install_signals()
     except Exception as e:  # the hooks never stop the training
         log.warning("trainer_hooks: cannot flush at process end (%r); telemetry of the last seconds may be lost", e)

@@ -436,7 +436,7 @@ class Tracer:
         if self._closed or not self.enabled or emitter is None:
             return
         try:
-            emitter.resolve()
+            # (device-clock pairs are resolved by the emitter thread alone, every 50 ms: not here)
             emitter.drain()
             ok = self.shipper.flush(max(0.0, deadline - time.monotonic()))
             # a rank of this run killed on this node (torchrun ends the rest right after): count its loss
