@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_launcher_teardown_every_rank_stored_up_to_its_end(tmp_path: Path) -> None:
-    r = launcher_teardown(tmp_path, steps=60, kill_step=20)
+    # a deadline the test sets generously: the promise is what a flush that completes keeps
+    r = launcher_teardown(tmp_path, steps=60, kill_step=20, env={"TRACETOP_EXIT_FLUSH_S": "10"})
     print(table(r))
     assert r["ok"], (r["held"], r["per_rank"], r["torchrun_tail"])
     k = r["per_rank"][3]
@@ -27,7 +28,7 @@ def test_survivors_flush_at_the_launchers_sigterm_without_handover(tmp_path: Pat
     collector): the survivors' steps since their last shipment reach the file only through their
     flush at torchrun's SIGTERM (or at their own exit). The killed rank's loss is then larger (all
     20 steps): counted all the same, by a survivor reading its progress record."""
-    r = launcher_teardown(tmp_path, steps=60, kill_step=20, env={"TRACETOP_HANDOVER_S": "0"})
+    r = launcher_teardown(tmp_path, steps=60, kill_step=20, env={"TRACETOP_HANDOVER_S": "0", "TRACETOP_EXIT_FLUSH_S": "10"})
     print(table(r))
     held = r["held"]
     assert held["survivors_stored_or_counted"] and held["killed_loss_marked"] and held["no_duplicates"] \
