@@ -225,7 +225,9 @@ class Tracer:
         self._handover_s = _handover_s(self.endpoint)
         self.recorder.record = self.shipper.record
         # steps completed vs STEP rows acked, where a neighbour reads them after a SIGKILL (progress.py)
-        if hasattr(self.shipper, "on_acked"):
+        # (only for the shipper the Tracer made to a real endpoint: not an injected transport or
+        # sink, whose runs are tests and in-process tools)
+        if shipper is None and transport is None and hasattr(self.shipper, "on_acked"):
             self.progress = progress.Progress(self.run_id, self.rank, self.shipper.source_id)
             self.shipper.on_acked(self.progress.on_acked)
             progress.claim_dead(self.shipper, self.run_id)  # a predecessor of this run killed on this node
