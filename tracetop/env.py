@@ -40,7 +40,7 @@ Default: 5."""
 TRACETOP_EXIT_FLUSH_S = "TRACETOP_EXIT_FLUSH_S"
 """Seconds a rank's hooks may hold the end of its process (SIGTERM, SIGINT, interpreter exit) to
 ship what they hold and wait for the acks, before the process ends as it would have
-(trainer_hooks/shutdown.py). Default: 1.5."""
+(trainer_hooks/shutdown.py). Default: 2."""
 
 TRACETOP_HANDOVER_S = "TRACETOP_HANDOVER_S"
 """Where the hooks ship to a unix socket (the node agent's, or a collector on the same host), they

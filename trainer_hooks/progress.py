@@ -14,8 +14,11 @@ user on that node to look (a surviving rank at its SIGTERM or exit flush: torchr
 ranks of the node right after one dies; or the next job's ranks at their start) claims it (an
 atomic rename: exactly one claimer) and ships one GAP row for it: ``rank`` and ``run_id`` of the
 dead rank, ``step`` its last completed step, ``kind 'step'``, ``dropped`` = completed − acked,
-``reason 'killed:steps_not_handed_over'``, ``origin_source`` its source id (as its own source
-``<source_id>:lost``, seq 1). Not counted: ranks whose whole node died, or whose node never runs
+``reason 'died_unacked:steps=A-B'`` (the steps, for the completed steps are numbered in order),
+``origin_source`` its source id (as its own source ``<source_id>:lost``, seq 1). The count is of
+steps not *acked*: a shipment the endpoint stored but had not acked when the process died is
+counted too (so it can exceed the loss; the steps named tell a reader which to look for); it never
+falls short. Not counted: ranks whose whole node died, or whose node never runs
 tracetop again (the collector's ``unclosed`` row still marks them); STEP rows the dead rank had
 itself dropped and counted (its buffer bound) would be counted twice.
 """
@@ -40,7 +43,13 @@ _HEAD = struct.Struct("<4sqqqqi")
 _COMPLETED, _ACKED = 12, 28  # completed and last step: one pack at 12
 _PAIR = struct.Struct("<qq")
 SIZE = 4096
-REASON = "killed:steps_not_handed_over"
+#: the reason's prefix; the reason names the steps: ``died_unacked:steps=A-B``
+REASON = "died_unacked"
+
+
+def reason(first: int, last: int) -> str:
+    """The GAP row's reason for steps ``first``..``last`` completed and not acked at the death."""
+    return f"{REASON}:steps={first}-{last}"
 
 
 def folder() -> Path:
@@ -177,7 +186,8 @@ def claim_dead(sink: Any, run_id: str, clock_ns: Any = time.time_ns) -> int:
                 lost = rec["completed"] - rec["acked"]
                 now = clock_ns()
                 row = {"rank": [int(rec["rank"])], "step": [rec["last_step"]], "start_ns": [now],
-                       "duration_ns": [0], "kind": ["step"], "dropped": [lost], "reason": [REASON],
+                       "duration_ns": [0], "kind": ["step"], "dropped": [lost],
+                       "reason": [reason(rec["last_step"] - lost + 1, rec["last_step"])],
                        "origin_source": [str(rec["source_id"])]}
                 batch = encode_batch(Kind.GAP, row, source_id=f"{rec['source_id']}:lost", seq=1,
                                      run_id=str(rec["run_id"]), first_record_ns=now)

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainer_hooks")
 
 #: Seconds the hooks may hold the end of a process (signal or exit) to ship what they hold.
-DEFAULT_EXIT_FLUSH_S = 1.5
+DEFAULT_EXIT_FLUSH_S = 2.0
 #: The signals the hooks flush on.
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: After its flush, how long the watcher lets the main thread take the signal before it takes the

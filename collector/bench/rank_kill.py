@@ -13,7 +13,7 @@ What is promised, and checked:
   its steps (its batches go out in order), with no duplicate;
 - what the killed rank held only in memory is lost, and counted: a surviving rank of the run on
   the node reads its progress record at its close (trainer_hooks/progress.py) and ships a GAP row
-  ``kind = step, reason = killed:steps_not_handed_over`` (``gaps_recorded``); and never silently: the
+  ``kind = step, reason = died_unacked:steps=A-B`` (``gaps_recorded``); and never silently: the
   collector writes a GAP row ``reason = unclosed:last_seq=N`` for its source (collector/ingest/source_ends.py:
   silent for ``--unclosed-after-s`` without the clean close, N = the last seq stored), and the live
   engine's silent_rank alert names the rank (its peers closed cleanly, so it is the one singled out);

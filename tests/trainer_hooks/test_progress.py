@@ -70,7 +70,7 @@ def test_a_killed_rank_is_counted_once_by_a_neighbour_of_its_run(shippers) -> No
     assert progress.claim_dead(b, "prog-a") == 0  # claimed already: one count
     assert a.flush(10) and b.flush(10)
     # rank 5, its last completed step (10..16), the steps completed and not acked
-    assert _gaps(mem_a) == [(5, 16, "step", 4, progress.REASON, "src-5")]
+    assert _gaps(mem_a) == [(5, 16, "step", 4, "died_unacked:steps=13-16", "src-5")]
     assert _gaps(mem_b) == []
 
 
