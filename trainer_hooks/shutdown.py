@@ -64,6 +64,9 @@ _flush_owner = 0  # thread ident holding _flush_lock
 _previous: dict[int, Any] = {}  # signum -> the handler ours replaced
 _pending: list[int] = []  # signals that arrived on the main thread while it was flushing
 _chained = threading.Event()  # the main thread handed a signal on
+_closing = 0  # thread ident of a Tracer.close() in progress (0: none)
+_close_done = threading.Event()  # set when no close() is in progress
+_close_done.set()
 _pid = -1  # the process that installed (a forked child does nothing)
 _signals_pid = -1  # the process whose main thread installed the signal handlers
 _atexit_done = False
@@ -130,6 +133,24 @@ def _install_signals() -> None:
     _watcher.start()
 
 
+def closing(begin: bool) -> None:
+    """A Tracer.close() begins or ends. A signal that comes meanwhile lets it finish (its flush is
+    the one that matters: torchrun's SIGTERM often lands while a rank closes after a peer's death),
+    then is handed on at its end; the watcher still ends the process at the deadline."""
+    global _closing
+    if begin:
+        _close_done.clear()
+        _closing = threading.get_ident()
+        return
+    _closing = 0
+    _close_done.set()
+    if _pending and threading.current_thread() is threading.main_thread():
+        pending = list(_pending)
+        _pending.clear()
+        for signum in pending:
+            _chain(signum, None)
+
+
 def _live() -> list[Tracer]:
     with _lock:
         return [t for t in list(_tracers) if not t._closed]
@@ -158,8 +179,8 @@ def _dies_of(sig: int) -> bool:
 def _on_signal(signum: int, frame: Any) -> None:
     """The handler over the previous one: flush within the deadline, then hand the signal on."""
     if os.getpid() == _pid:
-        if _flush_owner == threading.get_ident():
-            _pending.append(signum)  # arrived inside our own flush (at exit): handed on after it
+        if threading.get_ident() in (_flush_owner, _closing):
+            _pending.append(signum)  # arrived inside our own flush or a close: handed on after it
             return
         try:
             flush_all(time.monotonic() + exit_flush_s(), final=_dies_of(signum))
@@ -193,10 +214,12 @@ def _watch(r: socket.socket, w: socket.socket) -> None:
         for signum in set(data):
             if signum not in _previous or os.getpid() != _pid:
                 continue
+            deadline = time.monotonic() + exit_flush_s()
             try:
-                flush_all(time.monotonic() + exit_flush_s(), final=_dies_of(signum))
+                flush_all(deadline, final=_dies_of(signum))
             except Exception:
                 pass
+            _close_done.wait(max(0.0, deadline - time.monotonic()))  # a close in progress: let it finish
             if _dies_of(signum) and signal.getsignal(signum) is _on_signal:
                 if not _chained.wait(MAIN_THREAD_GRACE_S):
                     _default_action(signum)
@@ -236,5 +259,7 @@ def _at_exit() -> None:
         finally:
             _flush_owner = 0
             _flush_lock.release()
-    for signum in _pending:
+    pending = list(_pending)
+    _pending.clear()
+    for signum in pending:
         _chain(signum, None)

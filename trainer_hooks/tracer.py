@@ -397,6 +397,13 @@ class Tracer:
         if not self.enabled:
             return
         shutdown.unregister(self)
+        shutdown.closing(True)  # a SIGTERM meanwhile waits for this close (up to its deadline)
+        try:
+            self._close_body(deadline)
+        finally:
+            shutdown.closing(False)  # hands on a signal that came meanwhile
+
+    def _close_body(self, deadline: float | None) -> None:
         rec, emitter = self.recorder, self.emitter
         assert emitter is not None and self.commands is not None and self.step_peak is not None
 
