@@ -205,8 +205,13 @@ def gather_gaps(con, run_id: str) -> list[tuple]:
 
 
 def _figure(w: float = 9.0, h: float = 3.4):
+    import matplotlib
     from matplotlib.figure import Figure
 
+    # what ranks send is data: a '$' in an op, a role, a rule or a message is a dollar sign, never
+    # mathtext (one '$\\x$' made matplotlib raise and aborted the whole report). Text objects read
+    # it when made, so it is set before any is.
+    matplotlib.rcParams["text.parse_math"] = False
     return Figure(figsize=(w, h), layout="constrained")
 
 

@@ -37,6 +37,19 @@ hooks' threads' share of step time read 1.22% against 0.27% at 5 s, 0.81% at 2 s
 docs/benchmarks.md, "The hooks' cost"; against the 1% overhead bar, too much to be the default).
 Default: 5."""
 
+TRACETOP_EXIT_FLUSH_S = "TRACETOP_EXIT_FLUSH_S"
+"""Seconds a rank's hooks may hold the end of its process (SIGTERM, SIGINT, interpreter exit) to
+ship what they hold and wait for the acks, before the process ends as it would have
+(trainer_hooks/shutdown.py). Default: 2."""
+
+TRACETOP_HANDOVER_S = "TRACETOP_HANDOVER_S"
+"""Where the hooks ship to a unix socket (the node agent's, or a collector on the same host), they
+hand a finished step's rows over at its end, at most this often, instead of every
+TRACETOP_FLUSH_S: a rank killed outright (SIGKILL, OOM) then loses at most about a step, or this
+long of steps when steps are shorter (and a neighbour counts them: trainer_hooks/progress.py).
+Each handover costs the rank one shipment (~2-4 ms of CPU: docs/benchmarks.md). 0 turns it off.
+Default: 0.5."""
+
 TRACETOP_FRESH_SHIP_S = "TRACETOP_FRESH_SHIP_S"
 """Collector: while a Query.Watch stream (the TUI) watches a run, the seconds between that run's
 shipments the collector asks for in its Ingest.Push replies (the shippers go back to their own
@@ -111,6 +124,7 @@ DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
 DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"
 DEFAULT_HEARTBEAT_S = 5.0
+DEFAULT_HANDOVER_S = 0.5
 DEFAULT_FRESH_SHIP_S = 1.0
 
 # Three shipping intervals, one per kind of producer; each is that producer's own default.

@@ -69,6 +69,7 @@ class Emitter:
         if self.follows_sink and hasattr(sink, "on_interval_change"):
             sink.on_interval_change(self.rewake.set)
         self._ship_soon = getattr(sink, "ship_soon", lambda: None)
+        self._handover = False  # the training thread asked for a drain now (handover())
         self._thread = threading.Thread(target=self.run, name="tracetop-emitter", daemon=True)
 
     def start(self) -> None:
@@ -85,6 +86,13 @@ class Emitter:
             os.close(self._statm_fd)
             self._statm_fd = -1
 
+    def handover(self) -> None:
+        """A step ended and the endpoint is local (a node agent): drain and ship now, so a rank
+        killed later loses at most the rows since (the Tracer calls it at most every
+        TRACETOP_HANDOVER_S)."""
+        self._handover = True
+        self.rewake.set()
+
     def drain_every(self) -> float:
         """The drain interval: the sink's interval now (shorter while the collector asks for fresh
         rows because someone watches the run), unless one was given."""
@@ -96,7 +104,7 @@ class Emitter:
         # device clock: resolve events every 50 ms (they are few and must be released); CPU: wake
         # only to drain or beat
         rec = self.rec
-        next_hb = time.monotonic() + self.heartbeat_s
+        next_hb = time.monotonic()  # the first heartbeat at once: the collector knows this rank exists
         next_drain = time.monotonic() + self.drain_interval_s
 
         def wait() -> float:
@@ -109,6 +117,9 @@ class Emitter:
                 self.rewake.clear()
                 # a new interval (the collector asks for fresh rows while the run is watched)
                 next_drain = min(next_drain, last_drain + self.drain_every())
+                if self._handover:
+                    self._handover = False
+                    next_drain = time.monotonic()
             if self._stop.is_set():
                 break
             try:

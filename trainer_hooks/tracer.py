@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tracetop import env as tenv
 from tracetop.events import Kind
 from trainer_hooks import commands as cmds
+from trainer_hooks import progress, shutdown
 from trainer_hooks.device_clock import CudaClock, DeviceClock
 from trainer_hooks.emitter import Emitter
 from trainer_hooks.identity import Identity, SetupError, resolve
@@ -172,6 +173,10 @@ class Tracer:
     ) -> None:
         self.enabled = (not tenv.disabled()) if enabled is None else bool(enabled)
         self._closed = False
+        self._final_beat = False  # the exit path sent the closed heartbeat
+        self._handover_s = 0.0  # local endpoints: seconds between handovers at step ends
+        self.progress: progress.Progress | None = None  # the progress record (enabled tracers)
+        self._next_handover = 0.0
         self.recorder = Recorder(clock_ns=clock_ns, flops_per_token=float(flops_per_token) if flops_per_token else _NAN,
                                  peak_flops=float(peak_flops) if peak_flops else _NAN, model_share=model_share)
         self._step_ctx = _StepCtx(self)
@@ -216,7 +221,16 @@ class Tracer:
             self.shipper = _make_shipper(self.run_id, self.rank, endpoint, transport, flush_interval_s,
                                          max_unacked_bytes)
         self.endpoint = getattr(self.shipper, "endpoint", None)
+        # a unix-socket endpoint (the node agent): hand each finished step over (trainer_hooks/emitter.py)
+        self._handover_s = _handover_s(self.endpoint)
         self.recorder.record = self.shipper.record
+        # steps completed vs STEP rows acked, where a neighbour reads them after a SIGKILL (progress.py)
+        # (only for the shipper the Tracer made to a real endpoint: not an injected transport or
+        # sink, whose runs are tests and in-process tools)
+        if shipper is None and transport is None and hasattr(self.shipper, "on_acked"):
+            self.progress = progress.Progress(self.run_id, self.rank, self.shipper.source_id)
+            self.shipper.on_acked(self.progress.on_acked)
+            progress.claim_dead(self.shipper, self.run_id)  # a predecessor of this run killed on this node
         own_clock = device_clock is None
         if device_clock is None:
             if device is None:
@@ -232,6 +246,7 @@ class Tracer:
         if wrap_collectives:
             self._wrapped = self._install_collectives()
         self.emitter.start()
+        shutdown.register(self)  # flush at SIGTERM/SIGINT and at exit, chained to the handlers there
 
     # ------------------------------------------------------------------ user API
     @property
@@ -368,35 +383,81 @@ class Tracer:
             rec.hook_error("offload", e)
 
     def close(self) -> None:
-        """Restore the collectives, stop the emitter, flush (up to close_timeout_s). Idempotent."""
+        """Restore the collectives, stop the emitter, flush (up to close_timeout_s). Idempotent.
+
+        Not calling it loses nothing either: at interpreter exit and on SIGTERM/SIGINT the hooks
+        flush within TRACETOP_EXIT_FLUSH_S (trainer_hooks/shutdown.py)."""
+        self._close_within(None)
+
+    def _close_within(self, deadline: float | None) -> None:
+        """close(); with ``deadline`` (monotonic), all of it bounded by it (the exit path)."""
         if self._closed:
             return
         self._closed = True
         if not self.enabled:
             return
+        shutdown.unregister(self)
+        shutdown.closing(True)  # a SIGTERM meanwhile waits for this close (up to its deadline)
+        try:
+            self._close_body(deadline)
+        finally:
+            shutdown.closing(False)  # hands on a signal that came meanwhile
+
+    def _close_body(self, deadline: float | None) -> None:
         rec, emitter = self.recorder, self.emitter
         assert emitter is not None and self.commands is not None and self.step_peak is not None
+
+        def left(cap: float) -> float:
+            return cap if deadline is None else max(0.0, min(cap, deadline - time.monotonic()))
+
         try:
             colls.uninstall(rec)
             ddp.uninstall(rec)
             self.commands.close()
-            emitter.stop(timeout_s=max(2.0, self.close_timeout_s))
+            emitter.stop(timeout_s=left(max(2.0, self.close_timeout_s)))
             emitter.heartbeat(closed=True)  # the clean close: collector/ingest/source_ends.py watches for it
         except Exception as e:
             rec.hook_error("close", e)
         finally:
-            timeout_s = self.close_timeout_s
+            timeout_s = left(self.close_timeout_s)
             st = self.shipper.stats()
             if st and st.get("last_error") and not st.get("connected") and not st.get("batches_acked"):
                 # never reached the endpoint: do not hold the trainer's exit for long
                 timeout_s = min(timeout_s, 1.0)
                 log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
                             self.rank, self.endpoint, st.get("unacked_batches", 0))
+            if self.progress is not None:  # a rank of this run killed on this node: count its loss
+                progress.claim_dead(self.shipper, self.run_id)
             self.shipper.close(timeout_s)
+            if self.progress is not None and not self.shipper.stats().get("unacked_batches"):
+                self.progress.remove()  # all handed over; else a neighbour counts what was not
             emitter.close()
             self.step_peak.close()
             if rec.errors:
                 log.warning("trainer_hooks: %d hook errors were counted and skipped on rank %d", rec.errors, self.rank)
+
+    def _exit_flush(self, deadline: float, final: bool) -> None:
+        """The process is ending (a signal; trainer_hooks/shutdown.py): the rows the training thread
+        recorded go to the shipper and out, acked by ``deadline`` (monotonic) or left. ``final``:
+        the process dies after this, so once all is acked a last heartbeat says ``closed``. Called
+        from the main thread's handler or the watcher thread; never raises."""
+        emitter = self.emitter
+        if self._closed or not self.enabled or emitter is None:
+            return
+        try:
+            # (device-clock pairs are resolved by the emitter thread alone, every 50 ms: not here)
+            emitter.drain()
+            ok = self.shipper.flush(max(0.0, deadline - time.monotonic()))
+            # a rank of this run killed on this node (torchrun ends the rest right after): count its loss
+            if progress.claim_dead(self.shipper, self.run_id):
+                ok = self.shipper.flush(max(0.0, deadline - time.monotonic())) and ok
+            if ok and final and not self._final_beat:
+                self._final_beat = True
+                emitter.heartbeat(closed=True)
+                if self.shipper.flush(max(0.0, deadline - time.monotonic())) and self.progress is not None:
+                    self.progress.remove()  # all handed over
+        except Exception as e:
+            self.recorder.hook_error("exit-flush", e)
 
     def __enter__(self) -> Tracer:
         return self
@@ -422,6 +483,13 @@ class Tracer:
         shape = (self._loss, self.micro_batch, self.micro_batches, peak)
         self._loss = _NAN
         self.recorder.end_step(tokens, samples, shape)
+        if self.progress is not None:
+            self.progress.step_done(self.recorder.step_n)
+        if self._handover_s:
+            now = time.monotonic()
+            if now >= self._next_handover:
+                self._next_handover = now + self._handover_s
+                self.emitter.handover()  # type: ignore[union-attr]
 
     def _install_collectives(self) -> list[str]:
         try:
@@ -447,6 +515,19 @@ def _make_shipper(run_id: str, rank: int, endpoint: str | None, transport: Trans
     if transport is None:
         kw.update(client_auth())  # TRACETOP_TOKEN_FILE / TRACETOP_TLS_*: a closed collector
     return Shipper(target, run_id=run_id, rank=rank, transport=transport, **kw)
+
+
+def _handover_s(endpoint: str | None) -> float:
+    """Seconds between handovers at step ends: TRACETOP_HANDOVER_S for a unix-socket endpoint (the
+    node agent's, or a collector on this host), else 0 (off: a remote collector gets a shipment
+    every TRACETOP_FLUSH_S, each of which costs the rank ~2-4 ms of CPU)."""
+    if not endpoint or not endpoint.startswith("unix:"):
+        return 0.0
+    raw = tenv.get(tenv.TRACETOP_HANDOVER_S)
+    try:
+        return max(0.0, float(raw)) if raw else tenv.DEFAULT_HANDOVER_S
+    except ValueError as e:
+        raise SetupError(f"trainer_hooks: {tenv.TRACETOP_HANDOVER_S}={raw!r} is not a number of seconds") from e
 
 
 def _buffer_bytes() -> int | None:

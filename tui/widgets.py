@@ -18,6 +18,7 @@ from textual.geometry import Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+from textual.widgets import DataTable as _DataTable
 from textual.widgets import Input, Static
 
 from collector.query import snapshot as snapmod
@@ -237,3 +238,11 @@ class FilterBox(Input):
         self.remove_class("on")
         if clear:
             self.value = ""
+
+
+class DataTable(_DataTable):
+    """Textual's DataTable, with every ``str`` cell shown as plain text (``core.plain``): its own
+    formatter reads a ``str`` as Rich markup, and the cells hold what ranks sent."""
+
+    def add_row(self, *cells: Any, **kw: Any) -> Any:  # type: ignore[override]
+        return super().add_row(*[core.plain(c) if isinstance(c, str) else c for c in cells], **kw)

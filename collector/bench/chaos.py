@@ -27,6 +27,9 @@ SCENARIOS = {
     "full-spool": "through an agent whose spool is tiny, with the collector down for --fault-s",
     "rank-kill": "a real 2-rank training run (gloo); one rank SIGKILLs itself mid-step; hooks ship directly and "
                  "through an agent (--via); see collector/bench/rank_kill.py",
+    "launcher-teardown": "a real 4-rank torchrun job (reference trainer, PP2 x DP2); rank 3 SIGKILLs itself in "
+                         "--kill-step, torchrun SIGTERMs the rest; per rank: steps run, stored, counted in gaps "
+                         "(--via direct or agent); see collector/bench/launcher_teardown.py",
     "none": "no fault: the baseline for the sources' per-step telemetry cost",
 }
 
@@ -46,8 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--via", choices=("direct", "agent", "mixed", "both"), default="both",
                         help="rank-kill: the hooks ship to the collector, through an agent, odd ranks through the "
                              "agent (mixed), or one direct and one agent run (both, the default)")
-    parser.add_argument("--steps", type=int, default=40, help="rank-kill: training steps (default 40)")
-    parser.add_argument("--kill-step", type=int, default=25, help="rank-kill: the step rank 1 is killed in (default 25)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="rank-kill / launcher-teardown: training steps (default 40 / 80)")
+    parser.add_argument("--kill-step", type=int, default=None,
+                        help="rank-kill / launcher-teardown: the step rank 1 / rank 3 is killed in (default 25 / 40)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -89,6 +94,8 @@ def chaos(sources: int, events: int, kills: int, kill_every_s: float, workdir: P
         raise ValueError(f"unknown chaos scenario {scenario!r}; choose one of {', '.join(sorted(SCENARIOS))}")
     if scenario == "rank-kill":
         raise ValueError("rank-kill runs a real training: collector.bench.rank_kill.rank_kill")
+    if scenario == "launcher-teardown":
+        raise ValueError("launcher-teardown runs a real torchrun job: collector.bench.launcher_teardown.launcher_teardown")
     db = workdir / "chaos.duckdb"
     if scenario == "partition":
         listen = f"127.0.0.1:{_free_port()}"
@@ -236,8 +243,25 @@ def _run_rank_kill(args: argparse.Namespace, workdir: Path) -> int:
     return 0 if all(rank_kill_held(r) for r in results) else 1
 
 
+def _run_launcher_teardown(args: argparse.Namespace, workdir: Path) -> int:
+    from collector.bench.launcher_teardown import launcher_teardown, table
+
+    via = "direct" if args.via in ("both", "mixed") else args.via
+    r = launcher_teardown(workdir, steps=args.steps or 80, kill_step=args.kill_step or 40, via=via)
+    print(json.dumps(r) if args.json else table(r))
+    return 0 if r["ok"] else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.scenario == "launcher-teardown":
+        if args.dir is not None:
+            args.dir.mkdir(parents=True, exist_ok=True)
+            return _run_launcher_teardown(args, args.dir)
+        with tempfile.TemporaryDirectory(prefix="tracetop-chaos-") as d:
+            return _run_launcher_teardown(args, Path(d))
     if args.scenario == "rank-kill":
+        args.steps = args.steps or 40
+        args.kill_step = args.kill_step or 25
         if args.dir is not None:
             args.dir.mkdir(parents=True, exist_ok=True)
             return _run_rank_kill(args, args.dir)

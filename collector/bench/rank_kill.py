@@ -11,7 +11,9 @@ What is promised, and checked:
 - every row a rank handed on (acked by the collector, or taken onto an agent's spool, which acks
   only once the batch is on disk) is stored exactly once; for the killed rank that is a prefix of
   its steps (its batches go out in order), with no duplicate;
-- what the killed rank held only in memory is lost, and cannot be counted, but never silently: the
+- what the killed rank held only in memory is lost, and counted: a surviving rank of the run on
+  the node reads its progress record at its close (trainer_hooks/progress.py) and ships a GAP row
+  ``kind = step, reason = died_unacked:steps=A-B`` (``gaps_recorded``); and never silently: the
   collector writes a GAP row ``reason = unclosed:last_seq=N`` for its source (collector/ingest/source_ends.py:
   silent for ``--unclosed-after-s`` without the clean close, N = the last seq stored), and the live
   engine's silent_rank alert names the rank (its peers closed cleanly, so it is the one singled out);

@@ -31,12 +31,14 @@ def test_ranks_killed_mid_step_direct_and_through_the_agent(tmp_path: Path) -> N
         # what it handed on is stored once, and that is a prefix of its steps (it ships in order)
         assert kr["stored_is_prefix"] and kr["stored"] + kr["lost"] == KILL_STEP, r
     assert r["duplicates"] == 0 and r["lost_survivors"] == 0, r
-    # what was only in a killed rank's memory is lost and not counted (no gap row claims a number) ...
-    assert r["lost"] == sum(r["killed"][k]["lost"] for k in KILLED) and r["gaps_recorded"] == 0, r
+    # what was only in a killed rank's memory is lost, and counted: a survivor on the node read the
+    # killed rank's progress record at its close (trainer_hooks/progress.py; >=: a shipment stored
+    # just before the kill, not yet acked, is counted too) ...
+    assert r["lost"] == sum(r["killed"][k]["lost"] for k in KILLED) and r["gaps_recorded"] >= r["lost"], r
     # ... but never silently: one unclosed row per killed source, with the exact last seq stored, and
     # the silent-rank alert names each; the survivors closed cleanly, so they get neither
     assert r["unclosed_ranks"] == list(KILLED) and r["unclosed_last_seq_exact"], r
-    assert [u["dropped"] for u in r["unclosed_rows"]] == [0, 0]
+    assert [u["dropped"] for u in r["unclosed_rows"]] == [0, 0]  # the collector's own row claims no number
     assert {a["rank"] for a in r["silent_rank_alerts"]} == set(KILLED), r
     assert all("without its clean close" in a["message"] for a in r["silent_rank_alerts"])
     assert r["lost_unmarked"] == 0 and rank_kill_held(r), r

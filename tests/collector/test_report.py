@@ -173,3 +173,19 @@ def test_lost_section_charges_the_injected_straggler_and_prices_it(tmp_path: Pat
     assert re.search(r"<tbody><tr><td>3</td>", ranks_table)  # the injected straggler first
     bad = _report(FIXTURE, "-o", tmp_path / "bad.html", "--price-per-gpu-hour", "0")
     assert bad.returncode == 2 and "positive number" in bad.stderr and not (tmp_path / "bad.html").exists()
+
+
+def test_dollar_signs_from_ranks_are_text_not_mathtext(tmp_path: Path) -> None:
+    """An op and a role a rank sent with '$…$' in them (mathtext that matplotlib cannot parse): the
+    report is still made, and shows them as they were sent. Before: the report aborted."""
+    db = tmp_path / "dollars.duckdb"
+    shutil.copy(FIXTURE, db)
+    con = duckdb.connect(str(db))
+    run_id = pick_run(con, None)
+    con.execute("UPDATE collective SET op = 'all_reduce$\\bogus{$', role = '$x^$' WHERE op = 'all_reduce'")
+    con.close()
+    out = tmp_path / "r.html"
+    r = _report(db, "-o", out, "--run", run_id)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sections = _sections(out.read_text())
+    assert "<svg" in sections["collectives"] and "all_reduce$\\bogus{$" in sections["collectives"]

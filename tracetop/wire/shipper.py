@@ -203,6 +203,7 @@ class Shipper:
                               next_seq=self._next_seq, enqueue=lambda b: self._enqueue(b, own=True),
                               warn_once=self._warn_once, budget_bytes=max_unacked_bytes // 8, clock_ns=clock_ns)
 
+        self._ack_listeners: list[Callable[[int, int], None]] = []
         self._ship_now = False  # ship_soon(): the flusher's next pass seals everything
         self._closing = False
 
@@ -262,6 +263,7 @@ class Shipper:
         """Flush for up to timeout_s, then stop. Unacked batches without a spool are reported lost."""
         if self._closing:
             return
+        deadline = time.monotonic() + timeout_s
         ok = self.flush(timeout_s)
         self._closing = True
         self._stop.set()
@@ -269,8 +271,9 @@ class Shipper:
         with self._cv:
             self._outbox.interrupt()
             self._cv.notify_all()
-        self._flusher.join(timeout=2.0)
-        self._sender.join(timeout=2.0)
+        # bounded by the caller's timeout too (the hooks' exit path: trainer_hooks/shutdown.py)
+        self._flusher.join(timeout=min(2.0, max(0.05, deadline - time.monotonic())))
+        self._sender.join(timeout=min(2.0, max(0.05, deadline - time.monotonic())))
         if not ok and self._spool is None:
             with self._cv:
                 rows = self._outbox.rows()
@@ -344,12 +347,24 @@ class Shipper:
                 self._cv.notify_all()
         return True
 
+    def on_acked(self, fn: Callable[[int, int], None]) -> None:
+        """Call ``fn(kind, rows)`` (from the sender thread; it must not block) for each of this
+        source's own batches acked: the hooks count their acked STEP rows (trainer_hooks/progress.py)."""
+        self._ack_listeners.append(fn)
+
     def _on_ack(self, source_id: str, seq: int) -> None:
         with self._cv:
             done = self._outbox.ack(source_id, seq)
             self._stats.batches_acked += len(done)
             self._stats.rows_acked += sum(e.n for e in done)
             self._cv.notify_all()
+        for fn in self._ack_listeners:
+            for e in done:
+                if e.own:
+                    try:
+                        fn(e.kind, e.n)
+                    except Exception as ex:  # a listener never stops the sender
+                        self._warn_once("ack-listener", f"tracetop: ack listener failed: {ex!r}")
         if self._spool is not None:
             for e in done:
                 if e.spool_path is not None:

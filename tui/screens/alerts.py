@@ -6,10 +6,11 @@ from __future__ import annotations
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 from tui import core
 from tui.screens import View
+from tui.widgets import DataTable
 
 
 class AlertsPane(VerticalScroll):

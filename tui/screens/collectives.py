@@ -7,10 +7,11 @@ import math
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 from tui import core
 from tui.screens import View
+from tui.widgets import DataTable
 
 
 class CollectivesPane(VerticalScroll):

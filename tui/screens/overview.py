@@ -56,13 +56,14 @@ class OverviewPane(VerticalScroll):
         if not s.header.get("has_alerts"):
             al.append("none known (no alerts table: this collector or file predates live judgments)\n", style="dim")
         else:
-            al.append(("\n  ".join([""] + firing) if firing else "none") + "\n")
+            al.append_text(core.plain(("\n  ".join([""] + firing) if firing else "none") + "\n"))
         al.append("latest actions: ", style="bold")
         acts = core.action_rows(s)[:5]
         if not s.header.get("has_actions"):
             al.append("none known (no actions table: this collector or file predates the controller)", style="dim")
         else:
-            al.append("\n  ".join([""] + [f"{a['id']} {a['state']} {a['what']} ({a['why']})" for a in acts]) if acts else "none")
+            al.append_text(core.plain("\n  ".join([""] + [f"{a['id']} {a['state']} {a['what']} ({a['why']})" for a in acts])
+                                      if acts else "none"))
             prop = newest_proposal(s)
             if prop is not None and view.live:
                 al.append(f"\n  y approves / n rejects proposal {prop['id']} ({prop['what']})", style="bold")

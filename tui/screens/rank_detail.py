@@ -37,7 +37,7 @@ class RankDetailPane(VerticalScroll):
             k = int(i[0])
             where = f"stage {rt.stage[k]} · replica {rt.replica[k]} · tp {rt.tp_rank[k]} · node {rt.node[k]}"
         out = Table.grid()
-        out.add_row(Text(f"rank {r} · {where} · steps to {view.snap.step} (esc back)\n", style="bold"))
+        out.add_row(core.plain(f"rank {r} · {where} · steps to {view.snap.step} (esc back)\n", style="bold"))
         d = view.detail
         if d is None:
             out.add_row(Text("loading…", style="dim"))
@@ -54,7 +54,7 @@ class RankDetailPane(VerticalScroll):
             for c in ("op", "role", "calls", "bytes", "total ms", "p99 ms"):
                 ct.add_column(c, justify="right")
             for row in d["collectives"].to_pylist():
-                ct.add_row(row["op"], row["role"], str(row["calls"]), core.fmt_num(row["bytes"], "B"),
+                ct.add_row(core.plain(row["op"]), core.plain(row["role"]), str(row["calls"]), core.fmt_num(row["bytes"], "B"),
                            core.fmt_num(row["total_ms"], "", 1), core.fmt_num(row["duration_ms_p99"], "", 2))
             out.add_row(ct)
             gpu = view.snap.table("ranks")

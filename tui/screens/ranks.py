@@ -11,12 +11,12 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 from collector.query import snapshot as snapmod
 from tui import core
 from tui.screens import View
-from tui.widgets import HeatmapView
+from tui.widgets import DataTable, HeatmapView
 
 SORTS = ("z", "rank", "value")
 
