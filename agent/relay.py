@@ -17,7 +17,11 @@ must drop it later (its unacked budget, its row buffers) its own ledger records 
 counted it twice when the hook then dropped it.)
 
 A batch resent after it was spooled (seq <= the highest seq spooled for its source) is acked
-without spooling it again.
+without spooling it again. A source here is one start of a hook's shipper (``codec.source_key``:
+its id and epoch); a seq more than ``codec.MAX_SEQ_AHEAD`` past its source's mark is refused
+(INVALID_ARGUMENT, fault ``seq_ahead``), not believed: believing it would turn every later batch
+of the source into a "duplicate". A spool write the disk refuses (full, a size limit) is refused
+like a full spool (RESOURCE_EXHAUSTED, the hook keeps the batch), and leaves nothing counted.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import grpc
 
 from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2 as pb
-from tracetop.wire.codec import Rejection, parse_batch, receive
+from tracetop.wire.codec import Rejection, parse_batch, receive, seq_ahead
 from tracetop.wire.shipper import Sink
 
 log = logging.getLogger("tracetop.agent.relay")
@@ -117,7 +121,7 @@ class Relay:
         self.clock_ns = clock_ns
         self._max_workers = max_workers
         self._lock = threading.Lock()
-        self._high: dict[str, int] = dict(high_water or {})  # source -> highest seq spooled
+        self._high: dict[str, int] = dict(high_water or {})  # source key -> highest seq spooled
         self._source_locks: dict[str, threading.Lock] = {}
         self._refused: set[tuple[str, int]] = set()
         self._counts = {
@@ -269,26 +273,32 @@ class Relay:
         """Acks for the batches taken, in order; an _End last when one is refused."""
         for raw in request_iterator:
             batch = receive(raw)
+            if not isinstance(batch, Rejection):
+                with self._lock:
+                    high = self._high.get(batch.key, 0)
+                batch = seq_ahead(batch.source_id, batch.epoch, batch.seq, high) or batch
             if isinstance(batch, Rejection):
                 self._count("relay_rejected")
                 log.warning("agent relay: rejected batch: %s: %s", batch.fault, batch.message)
                 yield _End(grpc.StatusCode.INVALID_ARGUMENT, f"{batch.fault}: {batch.message}", batch.metadata)
                 return
-            source, seq = batch.source_id, batch.seq
+            source, seq, epoch, key = batch.source_id, batch.seq, batch.epoch, batch.key
             # One source is one shipper: its batches are forwarded in order, even across a reconnect
             # that briefly overlaps the old stream.
-            with self._source_lock(source):
-                if seq <= self._high.get(source, 0):
+            with self._source_lock(key):
+                if seq <= self._high.get(key, 0):
                     self._count("relay_duplicates")
-                    yield pb.Ack(source_id=source, seq=self._high[source])
+                    yield pb.Ack(source_id=source, seq=self._high[key], epoch=epoch)
                     continue
                 if not self.shipper.forward(raw):
+                    why = getattr(self.shipper, "last_spool_error", "") or "agent spool is full"
                     self._spool_full(batch)
                     yield _End(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"agent spool is full: batch {source}/{seq} not taken; keep it and resend "
-                               "(raise --spool-max-mb or bring the collector back)")
+                               f"{why}: batch {source}/{seq} not taken; keep it and resend "
+                               "(raise --spool-max-mb, free disk, or bring the collector back)")
                     return
-                self._high[source] = seq
+                with self._lock:
+                    self._high[key] = seq
             with self._lock:
                 self._counts["relay_batches"] += 1
                 self._counts["relay_rows"] += batch.n
@@ -297,7 +307,7 @@ class Relay:
                     self.on_batch(batch)
                 except Exception:
                     log.exception("agent relay: on_batch hook failed (continuing)")
-            yield pb.Ack(source_id=source, seq=seq)
+            yield pb.Ack(source_id=source, seq=seq, epoch=epoch)
 
     def _push(self, request: pb.PushRequest, context: Any) -> pb.PushReply:
         """Ingest.Push: a burst in one call, taken exactly as a stream takes it."""

@@ -170,7 +170,8 @@ async def start(
     gauges_fn / alerts_fn (default: the live engine's gauges() / alerts()). Closed at shutdown, bounded."""
     db_path, listen = config.db_path, config.listen
     auth = config.auth or ServerAuth()
-    bind = check_listen(listen, closed=auth.closed)
+    bind = check_listen(listen, closed=auth.authenticates_clients,
+                        token_in_clear=auth.token_required and auth.tls_cert is None)
     if bind.startswith("unix:"):
         clear_stale_socket(unix_path(bind))
     con = open_store(db_path, memory_limit_mb=config.memory_limit_mb)
@@ -209,7 +210,7 @@ async def start(
             ("grpc.max_send_message_length", 512 * 1024 * 1024),
             ("grpc.so_reuseport", 0),
         ],
-        interceptors=[server_interceptor(auth)] if auth.token_required else None,
+        interceptors=[server_interceptor(auth)] if auth.closed else None,  # TLS alone: commands refused
     )
     server.add_generic_rpc_handlers(service.handlers())
     from collector.control import loop as control_loop

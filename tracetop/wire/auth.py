@@ -137,14 +137,24 @@ class ServerAuth:
 
     @property
     def closed(self) -> bool:
-        """True when callers must prove who they are (TLS or a token)."""
+        """True when callers must present something (TLS or a token): /metrics is then guarded."""
         return self.token_required or self.tls_cert is not None
+
+    @property
+    def authenticates_clients(self) -> bool:
+        """True when the server tells callers apart: a bearer token, or mutual TLS. TLS alone
+        encrypts but lets anyone in; only this may listen off loopback."""
+        return self.token_required or self.tls_client_ca is not None
 
     def check(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
         """None when the call may go on, else the reason (never containing a token)."""
-        if not self.token_required:
-            return None
         role = role_of(method)
+        if not self.token_required:
+            if role == CONTROL and self.tls_cert is not None:
+                # TLS (even mutual) says who may connect, not who may command: no control role
+                return (f"{method} commands a run: a TLS connection may not (TLS says who may connect, not who "
+                        "may command); give the collector --token-file and --control-token-file, and use the control token")
+            return None
         given = None
         for key, value in metadata or ():
             if key == HEADER:

@@ -32,7 +32,7 @@ import numpy as np
 from tracetop.errors import TracetopError
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
-from tracetop.wire.codec import DecodedBatch, Rejection, receive
+from tracetop.wire.codec import DecodedBatch, Rejection, receive, source_key
 
 MiB = 1 << 20
 #: gRPC message cap used by the default channel (the collector's default max is 64 MiB).
@@ -47,8 +47,10 @@ class Rejected(TransportError):
     """The receiver refused one batch: ``fault`` names why (``tracetop-fault``); ``source_id`` and
     ``seq`` name the batch when the receiver said which (``tracetop-rejected-source/-seq``)."""
 
-    def __init__(self, fault: str, message: str, source_id: str | None = None, seq: int | None = None) -> None:
+    def __init__(self, fault: str, message: str, source_id: str | None = None, seq: int | None = None,
+                 epoch: int = 0) -> None:
         super().__init__(f"{fault}: {message}")
+        self.epoch = epoch  # the batch's (tracetop-rejected-epoch; 0 when not said)
         self.fault = fault
         self.message = message
         self.source_id = source_id
@@ -191,7 +193,9 @@ def status_error(code: str, detail: str, metadata: dict, shown: str | None = Non
     if code == "INVALID_ARGUMENT":
         fault = metadata.get("tracetop-fault") or (detail.split(":", 1)[0][:40] if detail else "invalid")
         source, seq = metadata.get("tracetop-rejected-source"), metadata.get("tracetop-rejected-seq")
-        return Rejected(fault, detail, source, int(seq) if seq is not None else None)
+        epoch = metadata.get("tracetop-rejected-epoch") or "0"
+        return Rejected(fault, detail, source, int(seq) if seq is not None else None,
+                        int(epoch) if epoch.isdigit() else 0)
     return Disconnected(f"{shown or 'StatusCode.' + code}: {detail}")
 
 
@@ -212,8 +216,8 @@ class SendTransport:
             try:
                 self.target.send(batch)
             except Exception as e:
-                raise Rejected("transport", f"{type(e).__name__}: {e}", batch.source_id, batch.seq) from e
-            yield pb.Ack(source_id=batch.source_id, seq=batch.seq)
+                raise Rejected("transport", f"{type(e).__name__}: {e}", batch.source_id, batch.seq, batch.epoch) from e
+            yield pb.Ack(source_id=batch.source_id, seq=batch.seq, epoch=batch.epoch)
 
 
 _END = object()
@@ -365,7 +369,8 @@ class MemoryTransport:
                         named = dict(got.metadata).get("tracetop-rejected-seq") is not None
                         fault, message = got.fault, got.message
                     self._flush_held(st)  # a receiver acks everything before the bad batch
-                    st.put(Rejected(fault, message, batch.source_id if named else None, batch.seq if named else None))
+                    st.put(Rejected(fault, message, batch.source_id if named else None, batch.seq if named else None,
+                                    batch.epoch))
                     return
                 self._commit(batch, st, got)
             # the shipper ended the stream: answer what is held once released (or lose it on disconnect)
@@ -392,13 +397,14 @@ class MemoryTransport:
             if isinstance(decoded, Rejection):
                 return
         with self._lock:
-            high = self._high.get(batch.source_id, 0)
+            key = source_key(batch.source_id, batch.epoch)
+            high = self._high.get(key, 0)
             if batch.seq <= high:
                 self.duplicates += 1
             else:
-                self._high[batch.source_id] = high = batch.seq
+                self._high[key] = high = batch.seq
                 self.batches.append(decoded)
-        st.put(pb.Ack(source_id=batch.source_id, seq=high))
+        st.put(pb.Ack(source_id=batch.source_id, seq=high, epoch=batch.epoch))
 
     def send(self, batch: pb.ColumnBatch) -> None:
         """Store one batch outside any stream (validated: raises BatchError; no dedup, no ack)."""
