@@ -59,6 +59,8 @@ class CollectorConfig:
     flush_interval_s: float = 0.5
     #: the most rows one Query.Sql returns
     max_query_rows: int = readonly.DEFAULT_MAX_ROWS
+    #: the most bytes (Arrow) one Query.Sql builds; past it the query is refused
+    max_query_bytes: int = readonly.DEFAULT_MAX_BYTES
     #: a Query.Sql is cut off after this long
     query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S
     #: TLS and bearer tokens (tracetop.wire.auth.ServerAuth), checked on every RPC and on /metrics;
@@ -198,6 +200,7 @@ async def start(
     writer.start()
     ends = watch_source_ends(writer, config.unclosed_after_s)
     service = CollectorService(con, writer, metrics, max_query_rows=config.max_query_rows,
+                               max_query_bytes=config.max_query_bytes,
                                query_timeout_s=config.query_timeout_s, fresh_ship_s=config.fresh_ship_s)
     if live is not None:
         from collector.query.watch import LiveSnapshots

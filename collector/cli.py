@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cut off a query through the collector after this long (default 30)")
     parser.add_argument("--max-query-rows", type=int, default=100_000,
                         help="the most rows one query through the collector returns (default 100000)")
+    parser.add_argument("--max-query-mb", type=float, default=64.0,
+                        help="the most MiB of results one query through the collector builds; past it the query "
+                        "is refused (RESOURCE_EXHAUSTED) (default 64)")
     parser.add_argument("--memory-limit-mb", type=int, default=None,
                         help="cap DuckDB's memory for the file (ingest and queries together; default DuckDB's, "
                         "80%% of RAM); a query needing more is refused, the collector lives on")
@@ -113,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"tracetop collector: --fresh-ship-s / {tenv.TRACETOP_FRESH_SHIP_S} {raw_fresh!r} is not a number of "
               "seconds >= 0 (0 turns freshness on demand off; the default is 1)", file=sys.stderr)
         return 2
-    if args.query_timeout_s <= 0 or args.max_query_rows <= 0 or (args.memory_limit_mb is not None and args.memory_limit_mb < 64):
-        print("tracetop collector: --query-timeout-s and --max-query-rows must be positive, --memory-limit-mb "
+    if args.query_timeout_s <= 0 or args.max_query_rows <= 0 or not args.max_query_mb > 0 or (args.memory_limit_mb is not None and args.memory_limit_mb < 64):
+        print("tracetop collector: --query-timeout-s, --max-query-rows and --max-query-mb must be positive, --memory-limit-mb "
               "at least 64", file=sys.stderr)
         return 2
     try:
@@ -165,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         auth=auth,
         query_timeout_s=args.query_timeout_s,
         max_query_rows=args.max_query_rows,
+        max_query_bytes=int(args.max_query_mb * 2**20),
         memory_limit_mb=args.memory_limit_mb,
         flush_rows=args.flush_rows,
         flush_interval_s=args.flush_interval_s,

@@ -143,7 +143,9 @@ class CollectorService:
     """Ingest + Query handlers over one Writer and its connection."""
 
     def __init__(self, con, writer: Writer, metrics: CollectorMetrics, *, max_query_rows: int,
-                 query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S, fresh_ship_s: float = 0.0) -> None:
+                 query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S, fresh_ship_s: float = 0.0,
+                 max_query_bytes: int = readonly.DEFAULT_MAX_BYTES) -> None:
+        self.max_query_bytes = max_query_bytes
         self.con = con
         #: the shipment interval Push replies ask for while a run is watched (0: never ask)
         self.fresh_ship_s = fresh_ship_s
@@ -285,7 +287,8 @@ class CollectorService:
         with self._query_lock:
             cur = self._query_root.cursor()
         try:
-            return readonly.run_read_only(cur, sql, max_rows, timeout_s=self.query_timeout_s)
+            return readonly.run_read_only(cur, sql, max_rows, timeout_s=self.query_timeout_s,
+                                          max_bytes=self.max_query_bytes)
         finally:
             cur.close()
 
