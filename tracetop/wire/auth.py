@@ -348,22 +348,41 @@ def serve_metrics_http(port: int, addr: str, registry, auth: ServerAuth):
             return [body]
         return metrics_app(environ, start_response)
 
-    class _Server(ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-
-    class _Quiet(WSGIRequestHandler):
-        def log_message(self, format, *args):  # noqa: A002 - never log requests (headers hold tokens)
-            pass
-
-    httpd = make_server(addr, port, app, _Server, handler_class=_Quiet)
     cert, key, client_ca = auth.tls_paths
+    ctx = None
     if cert:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(cert, key)
         if client_ca:
             ctx.load_verify_locations(client_ca)
             ctx.verify_mode = ssl.CERT_REQUIRED
-        httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+
+    class _Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+        def finish_request(self, request, client_address):
+            """On the request's own thread: the TLS handshake here, bounded in time, so one
+            connection that never speaks cannot hold the accept loop (and every other scrape)."""
+            if ctx is None:
+                return super().finish_request(request, client_address)
+            request.settimeout(10.0)
+            try:
+                tls = ctx.wrap_socket(request, server_side=True)
+            except (OSError, ssl.SSLError):
+                return  # a silent, plaintext or refused client: this connection only
+            try:
+                super().finish_request(tls, client_address)
+            finally:
+                tls.close()
+
+        def handle_error(self, request, client_address):  # noqa: ARG002 - quiet: a dropped scrape
+            pass
+
+    class _Quiet(WSGIRequestHandler):
+        def log_message(self, format, *args):  # noqa: A002 - never log requests (headers hold tokens)
+            pass
+
+    httpd = make_server(addr, port, app, _Server, handler_class=_Quiet)
     thread = threading.Thread(target=httpd.serve_forever, name="tracetop-metrics", daemon=True)
     thread.start()
     return httpd, thread
