@@ -42,6 +42,7 @@ from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.codec import Rejection, parse_batch, receive, seq_ahead
 from tracetop.wire.shipper import Sink
+from tracetop.wire.transport import RECEIVER_OPTIONS
 
 log = logging.getLogger("tracetop.agent.relay")
 
@@ -142,6 +143,7 @@ class Relay:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                *RECEIVER_OPTIONS,  # the hooks' keepalive pings are welcome
             ],
             maximum_concurrent_rpcs=self._max_workers - 2,
         )

@@ -33,6 +33,7 @@ from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 from tracetop.wire.auth import ServerAuth, server_interceptor
 from tracetop.wire.codec import Rejection, receive
+from tracetop.wire.transport import RECEIVER_OPTIONS
 
 log = logging.getLogger("tracetop.collector")
 
@@ -212,6 +213,7 @@ async def start(
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", 512 * 1024 * 1024),
             ("grpc.so_reuseport", 0),
+            *RECEIVER_OPTIONS,  # the shippers' keepalive pings are welcome
         ],
         interceptors=[server_interceptor(auth)] if auth.closed else None,  # TLS alone: commands refused
     )

@@ -16,7 +16,6 @@ from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 from tracetop.wire.shipper import Shipper
 
 
-
 def _record_steps(s: Shipper, steps: range, rank: int = 0) -> None:
     from tracetop.events import SCHEMAS
 

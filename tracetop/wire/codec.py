@@ -42,7 +42,7 @@ def source_of_key(key: str) -> str:
     return key.partition("@")[0]
 
 
-def seq_ahead(source_id: str, epoch: int, seq: int, hwm: int) -> "Rejection | None":
+def seq_ahead(source_id: str, epoch: int, seq: int, hwm: int) -> Rejection | None:
     """The Rejection for a seq too far ahead of its source's mark ``hwm`` (None: within reach)."""
     if seq <= hwm + MAX_SEQ_AHEAD:
         return None

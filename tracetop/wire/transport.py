@@ -37,6 +37,21 @@ from tracetop.wire.codec import DecodedBatch, Rejection, receive, source_key
 MiB = 1 << 20
 #: gRPC message cap used by the default channel (the collector's default max is 64 MiB).
 MAX_MESSAGE_BYTES = 64 * MiB
+#: A call's peer that stops answering (a host gone silent: no RST, no FIN) is found by HTTP/2
+#: keepalive pings: one after KEEPALIVE_S without a frame, the connection dropped when it is not
+#: answered within KEEPALIVE_TIMEOUT_S; the call then fails (UNAVAILABLE) and the shipper resends
+#: on a new one. Receivers (the collector, the agent's relay) accept pings this often (RECEIVER_OPTIONS).
+KEEPALIVE_S = 10.0
+KEEPALIVE_TIMEOUT_S = 10.0
+#: Ingest.Push waits for its commit; past this it is given up and resent (a duplicate is acked).
+PUSH_TIMEOUT_S = 120.0
+#: What receivers of shippers' calls set so the keepalive pings are welcome (by default a gRPC
+#: server answers pings more often than every 5 minutes without data with GOAWAY).
+RECEIVER_OPTIONS = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000 / 2)),
+    ("grpc.http2.max_ping_strikes", 0),
+)
 
 
 class TransportError(TracetopError):
@@ -97,6 +112,10 @@ def default_channel(target: str, credentials: Any = None,
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),  # else 60 s for any ping
+        ("grpc.http2.max_pings_without_data", 0),
         *extra,
     ]
     if credentials is not None:
@@ -169,7 +188,7 @@ class GrpcTransport:
         stub = self.open()
         request = pb.PushRequest(batches=[b.SerializeToString() for b in batches])
         try:
-            return stub.Push(request, metadata=self.call_metadata)
+            return stub.Push(request, metadata=self.call_metadata, timeout=PUSH_TIMEOUT_S)
         except self._grpc.RpcError as e:
             if e.code() == self._grpc.StatusCode.UNIMPLEMENTED:
                 raise Unsupported(f"{self.endpoint} has no Ingest.Push (an older collector)") from e
