@@ -16,6 +16,11 @@ must drop it later (its unacked budget, its row buffers) its own ledger records 
 (`unacked_full`, `queue_full`), once. (A GAP row here counted every refused row as lost, and
 counted it twice when the hook then dropped it.)
 
+The relay serves at most ``max_workers - 2`` calls at once; a stream that brings no batch for
+``idle_stream_s`` is ended (cancelled: the hook's shipper opens a new one when it has a batch;
+its own streams close 0.1 s after a burst), so a local process holding idle streams cannot keep
+every slot from the hooks.
+
 A batch resent after it was spooled (seq <= the highest seq spooled for its source) is acked
 without spooling it again. A source here is one start of a hook's shipper (``codec.source_key``:
 its id and epoch); a seq more than ``codec.MAX_SEQ_AHEAD`` past its source's mark is refused
@@ -109,7 +114,13 @@ class Relay:
         high_water: dict[str, int] | None = None,
         control_target: str | None = None,
         control_auth: Any = None,
+        idle_stream_s: float = 30.0,
     ) -> None:
+        #: a stream without a batch this long is cancelled, its slot freed (see the module doc)
+        self.idle_stream_s = idle_stream_s
+        self._streams: dict[int, list] = {}  # open streams: id -> [context, monotonic of its last batch]
+        self._idle_stop = threading.Event()
+        self._idle_thread: threading.Thread | None = None
         self.shipper = shipper
         # how the forwarded Control calls prove themselves to the collector (tracetop.wire.auth.ClientAuth)
         self.control_auth = control_auth
@@ -194,7 +205,18 @@ class Relay:
             self.ports[addr] = port
         server.start()
         self.server = server
+        self._idle_thread = threading.Thread(target=self._end_idle_streams, name="tracetop-relay-idle", daemon=True)
+        self._idle_thread.start()
         return self
+
+    def _end_idle_streams(self) -> None:
+        while not self._idle_stop.wait(min(1.0, self.idle_stream_s / 4)):
+            cutoff = time.monotonic() - self.idle_stream_s
+            with self._lock:
+                idle = [ctx for ctx, last in self._streams.values() if last < cutoff]
+            for ctx in idle:
+                log.info("agent relay: a stream brought no batch for %.0f s; ending it to free its slot", self.idle_stream_s)
+                ctx.cancel()
 
     def _forward(self, name: str) -> Callable[[Any, Any], Any]:
         """A unary Control call passed to the collector; its status (UNAVAILABLE when the collector
@@ -217,6 +239,7 @@ class Relay:
         return call
 
     def stop(self, grace_s: float = 1.0) -> None:
+        self._idle_stop.set()
         if self._control_channel is not None:
             self._control_channel.close()
         if self.server is not None:
@@ -263,13 +286,28 @@ class Relay:
             return lk
 
     def _stream(self, request_iterator: Iterator[Any], context: Any) -> Iterator[pb.Ack]:
-        for item in self._take(request_iterator):
-            if isinstance(item, _End):
-                if item.metadata:
-                    context.set_trailing_metadata(item.metadata)
-                context.abort(item.code, item.message)
-                return
-            yield item
+        key = id(context)
+        entry = [context, time.monotonic()]
+        with self._lock:
+            self._streams[key] = entry
+
+        def requests() -> Iterator[Any]:
+            for raw in request_iterator:
+                entry[1] = time.monotonic()
+                yield raw
+
+        try:
+            for item in self._take(requests()):
+                if isinstance(item, _End):
+                    if item.metadata:
+                        context.set_trailing_metadata(item.metadata)
+                    context.abort(item.code, item.message)
+                    return
+                entry[1] = time.monotonic()
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(key, None)
 
     def _take(self, request_iterator: Iterator[Any]) -> Iterator[pb.Ack | _End]:
         """Acks for the batches taken, in order; an _End last when one is refused."""

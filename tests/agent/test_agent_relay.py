@@ -101,3 +101,56 @@ def test_agent_kill9_replays_spool_without_duplicates(tmp_path):
     assert not list(spool.glob("*/*.batch"))
     got = exactly_once(c.db)
     assert got == {0: (n_done, n_done), 1: (n_done, n_done), 2: (n_live, n_live), 3: (n_live, n_live)}
+
+
+def test_idle_streams_of_one_process_do_not_keep_hooks_out(tmp_path):
+    """Every call slot of the relay held by streams that never send (one local process): they are
+    ended after idle_stream_s, and a hook's batches get through to the collector."""
+    import grpc
+
+    from agent.relay import Relay
+    from tests.support.services import start_collector
+    from tracetop.events import SCHEMAS, Kind
+    from tracetop.wire import tracetop_pb2 as pb
+    from tracetop.wire.shipper import Shipper
+
+    c = start_collector(tmp_path)
+    agent = Shipper(c.addr, run_id="slots", spool_dir=tmp_path / "spool", flush_interval_s=60)
+    sock = f"unix://{tmp_path / 'relay.sock'}"
+    import inspect
+
+    idle = {"idle_stream_s": 2.0} if "idle_stream_s" in inspect.signature(Relay).parameters else {}
+    relay = Relay(agent, [sock], max_workers=8, **idle).start()  # 6 call slots
+    idle_calls = []
+    ch = grpc.insecure_channel(sock)
+    try:
+        import queue as _queue
+
+        for _ in range(6):  # hold every slot, send nothing
+            q: _queue.Queue = _queue.Queue()
+            call = ch.stream_stream("/tracetop.v1.Ingest/Stream", request_serializer=pb.ColumnBatch.SerializeToString,
+                                    response_deserializer=pb.Ack.FromString)(iter(q.get, None))
+            idle_calls.append((q, call))
+        time.sleep(0.5)
+        hook = Shipper(sock, run_id="slots", rank=3, flush_interval_s=60)
+        names = [col.name for col in SCHEMAS[Kind.STEP]]
+        for st in range(20):
+            row = dict.fromkeys(names, 0)
+            row.update(rank=3, step=st)
+            hook.record(Kind.STEP, *(row[n] for n in names))
+        assert hook.flush(30), hook.stats()
+        hook.close()
+        assert agent.flush(30)
+    finally:
+        for q, call in idle_calls:
+            q.put(None)
+            call.cancel()
+        ch.close()
+        relay.stop()
+        agent.close(5)
+        assert c.stop() == 0
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        assert con.execute("SELECT count(DISTINCT step) FROM step WHERE run_id = 'slots'").fetchone()[0] == 20
+    finally:
+        con.close()
