@@ -26,11 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1:PORT")
     parser.add_argument("--max-batch-mb", type=float, default=64, help="largest message accepted (default 64)")
-    auth = parser.add_argument_group("access (a non-loopback address needs TLS or a token)")
+    auth = parser.add_argument_group("access (a non-loopback address needs TLS with a token, or mutual TLS)")
     auth.add_argument("--token-file", metavar="FILE",
                       help="bearer tokens (one a line, mode 600) every RPC and /metrics scrape must present")
     auth.add_argument("--control-token-file", metavar="FILE",
                       help="the token that may command runs (Control); without it, commands are refused")
+    auth.add_argument("--query-token-file", metavar="FILE",
+                      help="the token that may query (Query, /metrics); with it, the --token-file tokens (the "
+                      "ranks') may only ingest")
     auth.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (with --tls-key)")
     auth.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     auth.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: accept only clients with a cert this CA signed")
@@ -123,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         auth = ServerAuth.from_files(
             token_file=args.token_file, control_token_file=args.control_token_file,
+            query_token_file=args.query_token_file,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         )
     except AuthSetupError as e:

@@ -340,3 +340,28 @@ def test_commands_need_the_control_token(tmp_path: Path) -> None:
     finally:
         assert c.stop() == 0
     assert CONTROL_TOKEN not in c.text() and TOKEN not in c.text()
+
+
+def test_a_query_token_makes_the_ranks_token_ingest_only(tmp_path: Path) -> None:
+    """With --query-token-file the ranks' --token-file token may ingest, never query."""
+    from tests.collector.util import batch
+
+    tok = _token_file(tmp_path / "token", TOKEN)
+    qtok = _token_file(tmp_path / "query", "qu3ry-t0ken-456")
+    c = start_collector(tmp_path, "unix", extra_args=["--token-file", str(tok), "--query-token-file", str(qtok)])
+    try:
+        with grpc.insecure_channel(c.addr) as ch:
+            ingest, query = pb_grpc.IngestStub(ch), pb_grpc.QueryStub(ch)
+            reply = ingest.Push(pb.PushRequest(batches=[batch("rank-0", 1, 10).SerializeToString()]),
+                                metadata=_meta(TOKEN), timeout=30)
+            assert not reply.end_code and reply.acks[0].seq == 1
+            with pytest.raises(grpc.RpcError) as e:
+                query.Sql(pb.QueryRequest(sql="SELECT 1"), metadata=_meta(TOKEN), timeout=30)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "query token" in e.value.details()
+            assert TOKEN not in e.value.details()
+            assert _code(lambda: query.Sql(pb.QueryRequest(sql="SELECT 1"), metadata=_meta("qu3ry-t0ken-456"),
+                                           timeout=30)) == grpc.StatusCode.OK
+            assert _code(lambda: ingest.Push(pb.PushRequest(), metadata=_meta("qu3ry-t0ken-456"),
+                                             timeout=30)) == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        assert c.stop() == 0

@@ -9,7 +9,8 @@ Roles, by RPC:
 - ``ingest``: Ingest.* and Control.Subscribe / Poll / Report (what trainers' hooks and agents call);
 - ``query``: Query.* (the TUI, ``tracetop query --collector``) and ``/metrics``;
 - ``control``: every other Control method (issuing, approving, rejecting commands).
-The ingest token (``--token-file``) grants ingest and query. Control needs the control token
+The ingest token (``--token-file``) grants ingest and query; with ``--query-token-file`` it grants
+ingest only (the ranks' credential), and queries need the query (or control) token. Control needs the control token
 (``--control-token-file``) where the collector has one; a collector with a token file but no control
 token file refuses commands from everyone, so an ingest token leaked from a trainer's environment can
 never change a run.
@@ -106,11 +107,14 @@ class ServerAuth:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         tls_client_ca: str | None = None,
+        query_token_file: str | None = None,
     ) -> ServerAuth:
         if bool(tls_cert) != bool(tls_key):
             raise AuthSetupError("TLS needs both --tls-cert and --tls-key (a certificate and its private key)")
         if tls_client_ca and not tls_cert:
             raise AuthSetupError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
+        if query_token_file and not token_file:
+            raise AuthSetupError("--query-token-file needs --token-file too (the ranks' token, then for ingest only)")
         if control_token_file and not token_file:
             raise AuthSetupError("--control-token-file needs --token-file too (the token for ingest and queries)")
         tokens: dict[str, frozenset[str]] = {}
@@ -126,6 +130,12 @@ class ServerAuth:
                     )
                 tokens[CONTROL] = control
                 tokens[QUERY] = ingest | control  # whoever may command may also look
+            if query_token_file:  # the ranks' token may only ingest
+                query = read_tokens(query_token_file, "--query-token-file")
+                if query & ingest:
+                    raise AuthSetupError("--query-token-file and --token-file share a token; the point of a query "
+                                         "token is that the ranks' token may not query")
+                tokens[QUERY] = query | tokens[CONTROL]
         return cls(
             tokens=tokens,
             tls_cert=read_pem(tls_cert, "--tls-cert") if tls_cert else None,
@@ -172,6 +182,8 @@ class ServerAuth:
         if not any(hmac.compare_digest(token.encode(), ok.encode()) for ok in allowed):
             if role == CONTROL and any(hmac.compare_digest(token.encode(), ok.encode()) for ok in self.tokens.get(INGEST, ())):
                 return f"{method} commands a run: the ingest token may not; use the control token"
+            if role == QUERY and any(hmac.compare_digest(token.encode(), ok.encode()) for ok in self.tokens.get(INGEST, ())):
+                return f"{method} reads the data: the ingest (ranks') token may not here; use the query token"
             return f"{method}: the bearer token is not one this collector accepts"
         return None
 
