@@ -115,7 +115,12 @@ class Relay:
         control_target: str | None = None,
         control_auth: Any = None,
         idle_stream_s: float = 30.0,
+        max_sources: int = 65_536,
     ) -> None:
+        #: the most sources whose marks (and locks) are kept; past it the least recently heard go.
+        #: Forgetting a mark is safe: a resend is then spooled again, and the collector's own mark
+        #: (per source start) answers it as a duplicate. The refused-batch log set is bounded alike.
+        self.max_sources = max_sources
         #: a stream without a batch this long is cancelled, its slot freed (see the module doc)
         self.idle_stream_s = idle_stream_s
         self._streams: dict[int, list] = {}  # open streams: id -> [context, monotonic of its last batch]
@@ -285,6 +290,17 @@ class Relay:
                 lk = self._source_locks[source] = threading.Lock()
             return lk
 
+    def _forget_oldest(self) -> None:
+        """Under self._lock: drop the least recently heard sources' marks, and their locks when free."""
+        for key in list(self._high)[: max(1, len(self._high) - self.max_sources)]:
+            del self._high[key]
+            lk = self._source_locks.get(key)
+            if lk is not None and not lk.locked():
+                del self._source_locks[key]
+        if len(self._source_locks) > 2 * self.max_sources:  # locks of sources never marked (refused)
+            for key in [k for k, lk in self._source_locks.items() if k not in self._high and not lk.locked()]:
+                del self._source_locks[key]
+
     def _stream(self, request_iterator: Iterator[Any], context: Any) -> Iterator[pb.Ack]:
         key = id(context)
         entry = [context, time.monotonic()]
@@ -338,7 +354,10 @@ class Relay:
                                "(raise --spool-max-mb, free disk, or bring the collector back)")
                     return
                 with self._lock:
-                    self._high[key] = seq
+                    self._high.pop(key, None)
+                    self._high[key] = seq  # most recently heard last
+                    if len(self._high) > self.max_sources:
+                        self._forget_oldest()
             with self._lock:
                 self._counts["relay_batches"] += 1
                 self._counts["relay_rows"] += batch.n
@@ -368,6 +387,8 @@ class Relay:
             self._counts["spool_full"] += 1
             first = key not in self._refused
             if first:
+                if len(self._refused) >= self.max_sources:
+                    self._refused.clear()  # only decides what is logged: at worst a line again
                 self._refused.add(key)
         if first:
             log.warning(

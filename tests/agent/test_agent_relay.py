@@ -154,3 +154,43 @@ def test_idle_streams_of_one_process_do_not_keep_hooks_out(tmp_path):
         assert con.execute("SELECT count(DISTINCT step) FROM step WHERE run_id = 'slots'").fetchone()[0] == 20
     finally:
         con.close()
+
+
+def test_the_relay_keeps_marks_for_a_bounded_number_of_sources(tmp_path):
+    """Many sources (hooks restarting, or one process inventing ids) cost the relay a bounded map;
+    every row still arrives once at a real collector (its own marks answer a resend)."""
+    import inspect
+
+    import grpc
+
+    from agent.relay import Relay
+    from tests.collector.util import batch
+    from tracetop.wire import tracetop_pb2 as pb
+    from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+    from tracetop.wire.shipper import Shipper
+
+    c = start_collector(tmp_path)
+    agent = Shipper(c.addr, run_id="many", spool_dir=tmp_path / "spool", flush_interval_s=60)
+    sock = f"unix://{tmp_path / 'relay.sock'}"
+    bound = {"max_sources": 16} if "max_sources" in inspect.signature(Relay).parameters else {}
+    relay = Relay(agent, [sock], **bound).start()
+    try:
+        with grpc.insecure_channel(sock) as ch:
+            push = pb_grpc.IngestStub(ch).Push
+            for i in range(100):
+                reply = push(pb.PushRequest(batches=[batch(f"hook-{i}", 1, 5, run_id="many").SerializeToString()]), timeout=30)
+                assert not reply.end_code and reply.acks[0].seq == 1
+            # a resend of a forgotten source: spooled again, stored once
+            reply = push(pb.PushRequest(batches=[batch("hook-0", 1, 5, run_id="many").SerializeToString()]), timeout=30)
+            assert not reply.end_code
+        assert len(relay._high) <= 16 and len(relay._source_locks) <= 32, (len(relay._high), len(relay._source_locks))
+        assert agent.flush(60)
+    finally:
+        relay.stop()
+        agent.close(5)
+        assert c.stop() == 0
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM step WHERE run_id = 'many'").fetchone()[0] == 100 * 5
+    finally:
+        con.close()
