@@ -194,3 +194,32 @@ def test_the_relay_keeps_marks_for_a_bounded_number_of_sources(tmp_path):
         assert con.execute("SELECT count(*) FROM step WHERE run_id = 'many'").fetchone()[0] == 100 * 5
     finally:
         con.close()
+
+
+@pytest.mark.parametrize("prepared", ["other-user", "symlink", "world-writable"])
+def test_a_spool_folder_another_user_prepared_is_refused(tmp_path, prepared):
+    """The agent replays its spool's files to the collector as data: a folder pre-created (or linked)
+    by someone else is refused at start, naming the fault and the fix."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    spool = tmp_path / "spool"
+    if prepared == "symlink":
+        (tmp_path / "elsewhere").mkdir()
+        spool.symlink_to(tmp_path / "elsewhere")
+    else:
+        spool.mkdir()
+        if prepared == "other-user":
+            if os.geteuid() != 0:
+                pytest.skip("needs root to give the folder to another user")
+            os.chown(spool, 65534, 65534)
+        else:
+            spool.chmod(0o777)
+    r = subprocess.run([sys.executable, "-m", "agent", "--collector", f"unix://{tmp_path / 'c.sock'}", "--listen",
+                        f"unix://{tmp_path / 'a.sock'}", "--spool-dir", str(spool), "--fake-gpus", "1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0, r.stdout[-500:]
+    assert "spool folder" in r.stderr and "--spool-dir" in r.stderr, r.stderr[-800:]

@@ -98,6 +98,30 @@ def scan_header(data: bytes) -> tuple[int, int]:
     return kind, n
 
 
+def check_owned(folder: Path) -> None:
+    """Refuse a spool folder another user could have prepared: a symlink, a folder owned by
+    someone else, or one others may write (its files are replayed to the collector as data)."""
+    import stat
+
+    st = os.lstat(folder)
+    if stat.S_ISLNK(st.st_mode):
+        raise SpoolOwnerError(f"tracetop: spool folder {folder} is a symbolic link (to {os.readlink(folder)}); "
+                              "give --spool-dir a real folder of this user's")
+    if not stat.S_ISDIR(st.st_mode):
+        raise SpoolOwnerError(f"tracetop: spool folder {folder} is not a folder; give --spool-dir a folder")
+    if st.st_uid != os.geteuid():
+        raise SpoolOwnerError(f"tracetop: spool folder {folder} belongs to uid {st.st_uid}, not to this user "
+                              f"(uid {os.geteuid()}); another user may have made it: remove it, or give --spool-dir "
+                              "a folder of your own")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise SpoolOwnerError(f"tracetop: spool folder {folder} may be written by other users (mode "
+                              f"{stat.S_IMODE(st.st_mode):o}); run `chmod go-w {folder}` or give --spool-dir another")
+
+
+class SpoolOwnerError(OSError):
+    """A spool folder this user does not own alone (see ``check_owned``)."""
+
+
 class Spool:
     """Writes, reads back, removes and replays spooled batches; ``bytes`` is what it holds."""
 
@@ -109,9 +133,10 @@ class Spool:
         self._lock = threading.Lock()
         self._tmp_counter = itertools.count()
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:
             raise OSError(f"tracetop: cannot create spool folder {root}: {e}; pass --spool-dir to a writable folder") from e
+        check_owned(root)
 
     def write(self, batch: pb.ColumnBatch, nbytes: int) -> Path | None:
         """The batch's file once it is on disk; None when it would not fit under max_bytes.
