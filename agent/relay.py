@@ -16,8 +16,17 @@ must drop it later (its unacked budget, its row buffers) its own ledger records 
 (`unacked_full`, `queue_full`), once. (A GAP row here counted every refused row as lost, and
 counted it twice when the hook then dropped it.)
 
+The relay serves at most ``max_workers - 2`` calls at once; a stream that brings no batch for
+``idle_stream_s`` is ended (cancelled: the hook's shipper opens a new one when it has a batch;
+its own streams close 0.1 s after a burst), so a local process holding idle streams cannot keep
+every slot from the hooks.
+
 A batch resent after it was spooled (seq <= the highest seq spooled for its source) is acked
-without spooling it again.
+without spooling it again. A source here is one start of a hook's shipper (``codec.source_key``:
+its id and epoch); a seq more than ``codec.MAX_SEQ_AHEAD`` past its source's mark is refused
+(INVALID_ARGUMENT, fault ``seq_ahead``), not believed: believing it would turn every later batch
+of the source into a "duplicate". A spool write the disk refuses (full, a size limit) is refused
+like a full spool (RESOURCE_EXHAUSTED, the hook keeps the batch), and leaves nothing counted.
 """
 
 from __future__ import annotations
@@ -36,8 +45,9 @@ import grpc
 
 from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2 as pb
-from tracetop.wire.codec import Rejection, parse_batch, receive
+from tracetop.wire.codec import Rejection, parse_batch, receive, seq_ahead
 from tracetop.wire.shipper import Sink
+from tracetop.wire.transport import RECEIVER_OPTIONS
 
 log = logging.getLogger("tracetop.agent.relay")
 
@@ -104,7 +114,18 @@ class Relay:
         high_water: dict[str, int] | None = None,
         control_target: str | None = None,
         control_auth: Any = None,
+        idle_stream_s: float = 30.0,
+        max_sources: int = 65_536,
     ) -> None:
+        #: the most sources whose marks (and locks) are kept; past it the least recently heard go.
+        #: Forgetting a mark is safe: a resend is then spooled again, and the collector's own mark
+        #: (per source start) answers it as a duplicate. The refused-batch log set is bounded alike.
+        self.max_sources = max_sources
+        #: a stream without a batch this long is cancelled, its slot freed (see the module doc)
+        self.idle_stream_s = idle_stream_s
+        self._streams: dict[int, list] = {}  # open streams: id -> [context, monotonic of its last batch]
+        self._idle_stop = threading.Event()
+        self._idle_thread: threading.Thread | None = None
         self.shipper = shipper
         # how the forwarded Control calls prove themselves to the collector (tracetop.wire.auth.ClientAuth)
         self.control_auth = control_auth
@@ -117,7 +138,7 @@ class Relay:
         self.clock_ns = clock_ns
         self._max_workers = max_workers
         self._lock = threading.Lock()
-        self._high: dict[str, int] = dict(high_water or {})  # source -> highest seq spooled
+        self._high: dict[str, int] = dict(high_water or {})  # source key -> highest seq spooled
         self._source_locks: dict[str, threading.Lock] = {}
         self._refused: set[tuple[str, int]] = set()
         self._counts = {
@@ -138,6 +159,7 @@ class Relay:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                *RECEIVER_OPTIONS,  # the hooks' keepalive pings are welcome
             ],
             maximum_concurrent_rpcs=self._max_workers - 2,
         )
@@ -188,7 +210,18 @@ class Relay:
             self.ports[addr] = port
         server.start()
         self.server = server
+        self._idle_thread = threading.Thread(target=self._end_idle_streams, name="tracetop-relay-idle", daemon=True)
+        self._idle_thread.start()
         return self
+
+    def _end_idle_streams(self) -> None:
+        while not self._idle_stop.wait(min(1.0, self.idle_stream_s / 4)):
+            cutoff = time.monotonic() - self.idle_stream_s
+            with self._lock:
+                idle = [ctx for ctx, last in self._streams.values() if last < cutoff]
+            for ctx in idle:
+                log.info("agent relay: a stream brought no batch for %.0f s; ending it to free its slot", self.idle_stream_s)
+                ctx.cancel()
 
     def _forward(self, name: str) -> Callable[[Any, Any], Any]:
         """A unary Control call passed to the collector; its status (UNAVAILABLE when the collector
@@ -211,6 +244,7 @@ class Relay:
         return call
 
     def stop(self, grace_s: float = 1.0) -> None:
+        self._idle_stop.set()
         if self._control_channel is not None:
             self._control_channel.close()
         if self.server is not None:
@@ -256,39 +290,74 @@ class Relay:
                 lk = self._source_locks[source] = threading.Lock()
             return lk
 
+    def _forget_oldest(self) -> None:
+        """Under self._lock: drop the least recently heard sources' marks, and their locks when free."""
+        for key in list(self._high)[: max(1, len(self._high) - self.max_sources)]:
+            del self._high[key]
+            lk = self._source_locks.get(key)
+            if lk is not None and not lk.locked():
+                del self._source_locks[key]
+        if len(self._source_locks) > 2 * self.max_sources:  # locks of sources never marked (refused)
+            for key in [k for k, lk in self._source_locks.items() if k not in self._high and not lk.locked()]:
+                del self._source_locks[key]
+
     def _stream(self, request_iterator: Iterator[Any], context: Any) -> Iterator[pb.Ack]:
-        for item in self._take(request_iterator):
-            if isinstance(item, _End):
-                if item.metadata:
-                    context.set_trailing_metadata(item.metadata)
-                context.abort(item.code, item.message)
-                return
-            yield item
+        key = id(context)
+        entry = [context, time.monotonic()]
+        with self._lock:
+            self._streams[key] = entry
+
+        def requests() -> Iterator[Any]:
+            for raw in request_iterator:
+                entry[1] = time.monotonic()
+                yield raw
+
+        try:
+            for item in self._take(requests()):
+                if isinstance(item, _End):
+                    if item.metadata:
+                        context.set_trailing_metadata(item.metadata)
+                    context.abort(item.code, item.message)
+                    return
+                entry[1] = time.monotonic()
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(key, None)
 
     def _take(self, request_iterator: Iterator[Any]) -> Iterator[pb.Ack | _End]:
         """Acks for the batches taken, in order; an _End last when one is refused."""
         for raw in request_iterator:
             batch = receive(raw)
+            if not isinstance(batch, Rejection):
+                with self._lock:
+                    high = self._high.get(batch.key, 0)
+                batch = seq_ahead(batch.source_id, batch.epoch, batch.seq, high) or batch
             if isinstance(batch, Rejection):
                 self._count("relay_rejected")
                 log.warning("agent relay: rejected batch: %s: %s", batch.fault, batch.message)
                 yield _End(grpc.StatusCode.INVALID_ARGUMENT, f"{batch.fault}: {batch.message}", batch.metadata)
                 return
-            source, seq = batch.source_id, batch.seq
+            source, seq, epoch, key = batch.source_id, batch.seq, batch.epoch, batch.key
             # One source is one shipper: its batches are forwarded in order, even across a reconnect
             # that briefly overlaps the old stream.
-            with self._source_lock(source):
-                if seq <= self._high.get(source, 0):
+            with self._source_lock(key):
+                if seq <= self._high.get(key, 0):
                     self._count("relay_duplicates")
-                    yield pb.Ack(source_id=source, seq=self._high[source])
+                    yield pb.Ack(source_id=source, seq=self._high[key], epoch=epoch)
                     continue
                 if not self.shipper.forward(raw):
+                    why = getattr(self.shipper, "last_spool_error", "") or "agent spool is full"
                     self._spool_full(batch)
                     yield _End(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"agent spool is full: batch {source}/{seq} not taken; keep it and resend "
-                               "(raise --spool-max-mb or bring the collector back)")
+                               f"{why}: batch {source}/{seq} not taken; keep it and resend "
+                               "(raise --spool-max-mb, free disk, or bring the collector back)")
                     return
-                self._high[source] = seq
+                with self._lock:
+                    self._high.pop(key, None)
+                    self._high[key] = seq  # most recently heard last
+                    if len(self._high) > self.max_sources:
+                        self._forget_oldest()
             with self._lock:
                 self._counts["relay_batches"] += 1
                 self._counts["relay_rows"] += batch.n
@@ -297,7 +366,7 @@ class Relay:
                     self.on_batch(batch)
                 except Exception:
                     log.exception("agent relay: on_batch hook failed (continuing)")
-            yield pb.Ack(source_id=source, seq=seq)
+            yield pb.Ack(source_id=source, seq=seq, epoch=epoch)
 
     def _push(self, request: pb.PushRequest, context: Any) -> pb.PushReply:
         """Ingest.Push: a burst in one call, taken exactly as a stream takes it."""
@@ -318,6 +387,8 @@ class Relay:
             self._counts["spool_full"] += 1
             first = key not in self._refused
             if first:
+                if len(self._refused) >= self.max_sources:
+                    self._refused.clear()  # only decides what is logged: at worst a line again
                 self._refused.add(key)
         if first:
             log.warning(

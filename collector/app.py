@@ -33,6 +33,7 @@ from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 from tracetop.wire.auth import ServerAuth, server_interceptor
 from tracetop.wire.codec import Rejection, receive
+from tracetop.wire.transport import RECEIVER_OPTIONS
 
 log = logging.getLogger("tracetop.collector")
 
@@ -59,6 +60,8 @@ class CollectorConfig:
     flush_interval_s: float = 0.5
     #: the most rows one Query.Sql returns
     max_query_rows: int = readonly.DEFAULT_MAX_ROWS
+    #: the most bytes (Arrow) one Query.Sql builds; past it the query is refused
+    max_query_bytes: int = readonly.DEFAULT_MAX_BYTES
     #: a Query.Sql is cut off after this long
     query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S
     #: TLS and bearer tokens (tracetop.wire.auth.ServerAuth), checked on every RPC and on /metrics;
@@ -170,7 +173,8 @@ async def start(
     gauges_fn / alerts_fn (default: the live engine's gauges() / alerts()). Closed at shutdown, bounded."""
     db_path, listen = config.db_path, config.listen
     auth = config.auth or ServerAuth()
-    bind = check_listen(listen, closed=auth.closed)
+    bind = check_listen(listen, closed=auth.authenticates_clients,
+                        token_in_clear=auth.token_required and auth.tls_cert is None)
     if bind.startswith("unix:"):
         clear_stale_socket(unix_path(bind))
     con = open_store(db_path, memory_limit_mb=config.memory_limit_mb)
@@ -197,6 +201,7 @@ async def start(
     writer.start()
     ends = watch_source_ends(writer, config.unclosed_after_s)
     service = CollectorService(con, writer, metrics, max_query_rows=config.max_query_rows,
+                               max_query_bytes=config.max_query_bytes,
                                query_timeout_s=config.query_timeout_s, fresh_ship_s=config.fresh_ship_s)
     if live is not None:
         from collector.query.watch import LiveSnapshots
@@ -208,8 +213,9 @@ async def start(
             ("grpc.max_receive_message_length", max_bytes),
             ("grpc.max_send_message_length", 512 * 1024 * 1024),
             ("grpc.so_reuseport", 0),
+            *RECEIVER_OPTIONS,  # the shippers' keepalive pings are welcome
         ],
-        interceptors=[server_interceptor(auth)] if auth.token_required else None,
+        interceptors=[server_interceptor(auth)] if auth.closed else None,  # TLS alone: commands refused
     )
     server.add_generic_rpc_handlers(service.handlers())
     from collector.control import loop as control_loop

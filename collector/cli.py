@@ -26,11 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1:PORT")
     parser.add_argument("--max-batch-mb", type=float, default=64, help="largest message accepted (default 64)")
-    auth = parser.add_argument_group("access (a non-loopback address needs TLS or a token)")
+    auth = parser.add_argument_group("access (a non-loopback address needs TLS with a token, or mutual TLS)")
     auth.add_argument("--token-file", metavar="FILE",
                       help="bearer tokens (one a line, mode 600) every RPC and /metrics scrape must present")
     auth.add_argument("--control-token-file", metavar="FILE",
                       help="the token that may command runs (Control); without it, commands are refused")
+    auth.add_argument("--query-token-file", metavar="FILE",
+                      help="the token that may query (Query, /metrics); with it, the --token-file tokens (the "
+                      "ranks') may only ingest")
     auth.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (with --tls-key)")
     auth.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
     auth.add_argument("--tls-client-ca", metavar="PEM", help="mutual TLS: accept only clients with a cert this CA signed")
@@ -38,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cut off a query through the collector after this long (default 30)")
     parser.add_argument("--max-query-rows", type=int, default=100_000,
                         help="the most rows one query through the collector returns (default 100000)")
+    parser.add_argument("--max-query-mb", type=float, default=64.0,
+                        help="the most MiB of results one query through the collector builds; past it the query "
+                        "is refused (RESOURCE_EXHAUSTED) (default 64)")
     parser.add_argument("--memory-limit-mb", type=int, default=None,
                         help="cap DuckDB's memory for the file (ingest and queries together; default DuckDB's, "
                         "80%% of RAM); a query needing more is refused, the collector lives on")
@@ -113,23 +119,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"tracetop collector: --fresh-ship-s / {tenv.TRACETOP_FRESH_SHIP_S} {raw_fresh!r} is not a number of "
               "seconds >= 0 (0 turns freshness on demand off; the default is 1)", file=sys.stderr)
         return 2
-    if args.query_timeout_s <= 0 or args.max_query_rows <= 0 or (args.memory_limit_mb is not None and args.memory_limit_mb < 64):
-        print("tracetop collector: --query-timeout-s and --max-query-rows must be positive, --memory-limit-mb "
+    if args.query_timeout_s <= 0 or args.max_query_rows <= 0 or not args.max_query_mb > 0 or (args.memory_limit_mb is not None and args.memory_limit_mb < 64):
+        print("tracetop collector: --query-timeout-s, --max-query-rows and --max-query-mb must be positive, --memory-limit-mb "
               "at least 64", file=sys.stderr)
         return 2
     try:
         auth = ServerAuth.from_files(
             token_file=args.token_file, control_token_file=args.control_token_file,
+            query_token_file=args.query_token_file,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
         )
     except AuthSetupError as e:
         print(f"tracetop collector: {e}", file=sys.stderr)
         return 2
 
-    if auth.token_required and auth.tls_cert is None and not args.listen.startswith("unix:") and not (
-            args.listen.startswith("127.") or args.listen.startswith("localhost:") or args.listen.startswith("[::1]")):
-        print("tracetop collector: warning: a token without TLS travels in clear text on this network; "
-              "add --tls-cert/--tls-key", file=sys.stderr)
+    # a token without TLS off loopback, TLS without client authentication: refused by check_listen
 
     try:
         exports = build(args)  # validates every output before anything starts
@@ -168,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         auth=auth,
         query_timeout_s=args.query_timeout_s,
         max_query_rows=args.max_query_rows,
+        max_query_bytes=int(args.max_query_mb * 2**20),
         memory_limit_mb=args.memory_limit_mb,
         flush_rows=args.flush_rows,
         flush_interval_s=args.flush_interval_s,

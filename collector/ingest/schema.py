@@ -32,6 +32,8 @@ def _v1() -> list[str]:
     """Tables: one per event kind, sources (high-water marks), ingest_log, and the runs/gaps views."""
     stmts = [event_table_ddl(kind) for kind in Kind]
     stmts += [
+        # sources.source_id: one start of a shipper, ``codec.source_key`` ("<id>@<epoch hex>"; a
+        # plain id for senders without epochs): the duplicate mark is kept per start
         """CREATE TABLE sources (
             source_id VARCHAR PRIMARY KEY,
             hwm UBIGINT NOT NULL,           -- highest committed seq; a batch with seq <= hwm is a duplicate

@@ -39,18 +39,28 @@ from collector.query import readonly
 from tracetop.errors import ListenError
 from tracetop.events import table_name
 from tracetop.wire import tracetop_pb2 as pb
-from tracetop.wire.codec import Rejection, parse_batch, receive
+from tracetop.wire.codec import Rejection, parse_batch, receive, seq_ahead
 
 log = logging.getLogger("tracetop.collector")
 
-LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address: parsed as an IP (``127.example.com`` is a name that
+    starts with 127., not a loopback address), or the name ``localhost``."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host[1:-1] if host.startswith("[") and host.endswith("]") else host).is_loopback
+    except ValueError:
+        return False
 
 
-
-
-def check_listen(listen: str, *, closed: bool = False) -> str:
+def check_listen(listen: str, *, closed: bool = False, token_in_clear: bool = False) -> str:
     """Validate a listen address; returns the gRPC bind string. Loopback or a unix socket, or any
-    address when ``closed`` (the collector demands TLS or a bearer token of every caller)."""
+    address when ``closed``: the collector authenticates every caller (a bearer token, or mutual
+    TLS; TLS alone encrypts but lets anyone in). ``token_in_clear``: a token without TLS, refused
+    off loopback (the token would cross the network in clear text)."""
     if listen.startswith("unix:"):
         path = unix_path(listen)
         if not path:
@@ -59,11 +69,19 @@ def check_listen(listen: str, *, closed: bool = False) -> str:
     host, sep, port = listen.rpartition(":")
     if not sep or not port.isdigit():
         raise ListenError(f"listen address {listen!r} is not HOST:PORT or unix:///PATH")
-    if host not in LOOPBACK_HOSTS and not host.startswith("127.") and not closed:
+    if is_loopback(host):
+        return listen
+    if not closed:
         raise ListenError(
-            f"refusing to listen on {listen}: not loopback, and the collector would let anyone in. "
-            "Give it TLS (--tls-cert FILE --tls-key FILE, optionally --tls-client-ca FILE for mutual TLS) "
-            "and/or a bearer token (--token-file FILE), or listen on 127.0.0.1:PORT or unix:///PATH"
+            f"refusing to listen on {listen}: not loopback, and the collector would let anyone in (TLS alone "
+            "encrypts, it does not tell callers apart). Give it TLS (--tls-cert FILE --tls-key FILE) with a bearer "
+            "token (--token-file FILE) or with mutual TLS (--tls-client-ca FILE), "
+            "or listen on 127.0.0.1:PORT or unix:///PATH"
+        )
+    if token_in_clear:
+        raise ListenError(
+            f"refusing to listen on {listen}: not loopback, and the bearer token would cross the network in "
+            "clear text; add --tls-cert FILE --tls-key FILE, or listen on 127.0.0.1:PORT or unix:///PATH"
         )
     return listen
 
@@ -125,7 +143,9 @@ class CollectorService:
     """Ingest + Query handlers over one Writer and its connection."""
 
     def __init__(self, con, writer: Writer, metrics: CollectorMetrics, *, max_query_rows: int,
-                 query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S, fresh_ship_s: float = 0.0) -> None:
+                 query_timeout_s: float = readonly.DEFAULT_TIMEOUT_S, fresh_ship_s: float = 0.0,
+                 max_query_bytes: int = readonly.DEFAULT_MAX_BYTES) -> None:
+        self.max_query_bytes = max_query_bytes
         self.con = con
         #: the shipment interval Push replies ask for while a run is watched (0: never ask)
         self.fresh_ship_s = fresh_ship_s
@@ -162,7 +182,7 @@ class CollectorService:
             while True:
                 item = await replies.queue.get()
                 if isinstance(item, Ack):
-                    await context.write(pb.Ack(source_id=item.source_id, seq=item.seq))
+                    await context.write(pb.Ack(source_id=item.source_id, seq=item.seq, epoch=item.epoch))
                     continue
                 await self._end(item, context)
                 return
@@ -182,6 +202,10 @@ class CollectorService:
         if self.closing or replies.failed:
             return False  # not taken: unacked, the shipper resends
         batch = receive(raw)
+        if not isinstance(batch, Rejection):
+            # the committed mark (a dict the writer replaces whole): a batch far ahead of it would
+            # silence its source if believed (codec.MAX_SEQ_AHEAD)
+            batch = seq_ahead(batch.source_id, batch.epoch, batch.seq, self.writer.hwm.get(batch.key, 0)) or batch
         if isinstance(batch, Rejection):
             self._reject(replies, batch)
             return False
@@ -232,7 +256,7 @@ class CollectorService:
             while True:
                 item = await replies.queue.get()
                 if isinstance(item, Ack):
-                    acks.append(pb.Ack(source_id=item.source_id, seq=item.seq))
+                    acks.append(pb.Ack(source_id=item.source_id, seq=item.seq, epoch=item.epoch))
                     continue
                 reply = pb.PushReply(acks=acks, ship_interval_s=self.ship_interval_for(runs))
                 status = _end_status(item)
@@ -263,7 +287,8 @@ class CollectorService:
         with self._query_lock:
             cur = self._query_root.cursor()
         try:
-            return readonly.run_read_only(cur, sql, max_rows, timeout_s=self.query_timeout_s)
+            return readonly.run_read_only(cur, sql, max_rows, timeout_s=self.query_timeout_s,
+                                          max_bytes=self.max_query_bytes)
         finally:
             cur.close()
 

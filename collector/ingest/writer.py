@@ -15,6 +15,10 @@ their inputs are past their watermarks, and everything pending at close.
 
 Exactly once: a batch with seq <= its source's high-water mark (committed, or accepted earlier in
 the same group) is a duplicate: acked, not stored. Seqs may skip; hwm becomes the batch's seq.
+A source here is one start of a shipper: (source_id, epoch), keyed ``source_key`` (``id@epoch``
+in the ``sources`` table; a plain id for senders without epochs), so a restarted shipper with a
+fixed source_id starts a mark of its own. The gRPC edge refuses a seq far ahead of the mark
+(codec.seq_ahead) before it gets here.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ def batch_to_arrow(batch: DecodedBatch) -> pa.Table:
 class Ack:
     source_id: str
     seq: int
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -243,16 +248,17 @@ class Writer:
         stats = FlushStats()
         hwm = dict(self.hwm)
         accepted: list[QueuedBatch] = []
-        acks: dict[StreamReplies, set[str]] = defaultdict(set)
+        acks: dict[StreamReplies, dict[str, tuple[str, int]]] = defaultdict(dict)
         for item in items:
             if isinstance(item, Barrier) or item.replies.failed:
                 continue
             b = item.batch
-            acks[item.replies].add(b.source_id)
-            if b.seq <= hwm.get(b.source_id, 0):
+            key = b.key
+            acks[item.replies][key] = (b.source_id, b.epoch)
+            if b.seq <= hwm.get(key, 0):
                 stats.duplicates += 1
                 continue
-            hwm[b.source_id] = b.seq
+            hwm[key] = b.seq
             accepted.append(item)
         if accepted:
             t0 = time.perf_counter()
@@ -272,8 +278,9 @@ class Writer:
                     stats.latencies_s.append(max(0, committed_ns - b.sealed_ns) / 1e9)
         self.flushes += 1
         for replies, sources in acks.items():
-            for source in sorted(sources):
-                replies.deliver(Ack(source, self.hwm.get(source, 0)))
+            for key in sorted(sources):
+                source, epoch = sources[key]
+                replies.deliver(Ack(source, self.hwm.get(key, 0), epoch))
         for item in items:
             if isinstance(item, Barrier) and not item.replies.failed:
                 item.replies.deliver(item.end)
@@ -332,7 +339,7 @@ class Writer:
         per_source: dict[str, list[int]] = {}
         for item in accepted:
             b = item.batch
-            agg = per_source.setdefault(b.source_id, [0, 0])
+            agg = per_source.setdefault(b.key, [0, 0])
             agg[0] += 1
             agg[1] += b.n
         con = self.con

@@ -86,7 +86,7 @@ def on_file(paths: list[str], sql: str, args: argparse.Namespace) -> int:
     try:
         if len(paths) == 1:  # connect_many locks its own configuration
             con.execute("SET lock_configuration = true")
-        table, truncated = readonly.run_read_only(con, sql, args.max_rows)
+        table, truncated = readonly.run_read_only(con, sql, args.max_rows, max_bytes=None)  # your own file, your memory
     except Exception as e:
         if readonly.is_refusal(e):
             print(_refusal_text(e), file=sys.stderr)

@@ -83,3 +83,27 @@ def test_non_loopback_metrics_without_tls_or_token_refused(tmp_path: Path) -> No
     assert r.returncode == 2, r.stderr
     assert "--metrics-tls-cert" in r.stderr and "--metrics-token-file" in r.stderr
     assert not (tmp_path / "spool").exists() or not any((tmp_path / "spool").iterdir())  # nothing half-written
+
+
+def test_an_idle_connection_does_not_block_https_scrapes(tmp_path: Path) -> None:
+    """The TLS handshake runs on the request's own thread (tracetop.wire.auth.serve_metrics_http,
+    shared by the collector and the agent): a TCP connection that never speaks holds only itself."""
+    import socket
+
+    d = tmp_path / "pki"
+    d.mkdir()
+    _ca_and_cert(d, "agent")
+    agent = _agent(tmp_path, "--metrics-tls-cert", str(d / "agent.pem"), "--metrics-tls-key", str(d / "agent.key"))
+    idle = []
+    try:
+        ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
+        for _ in range(3):  # connected, silent: no ClientHello ever
+            idle.append(socket.create_connection(("127.0.0.1", agent.metrics_port), timeout=5))
+        for _ in range(3):
+            req = urllib.request.Request(f"https://127.0.0.1:{agent.metrics_port}/metrics")
+            with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
+                assert r.status == 200 and "tracetop_gpu_temperature_c" in r.read().decode()
+    finally:
+        for s in idle:
+            s.close()
+        agent.service.stop(timeout_s=30)

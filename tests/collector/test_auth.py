@@ -195,14 +195,20 @@ def test_tls_round_trip_and_mutual_tls_refuses_an_unknown_client(tmp_path: Path)
     _ca_and_cert(d, "server")
     _ca_and_cert(d, "client")
     _ca_and_cert(d, "stranger", ca="otherca")  # a client cert from a CA the collector does not know
-    # TLS only: a non-loopback bind is allowed, a TLS client gets through, a plaintext one does not
-    c = start_collector(tmp_path, "0.0.0.0:0",
+    # TLS only (on loopback: off it, TLS without client authentication is refused): a TLS client gets
+    # through, a plaintext one does not, and nobody may command (TLS names no control role)
+    c = start_collector(tmp_path, "127.0.0.1:0",
                         extra_args=["--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server.key")])
     try:
         port = c.addr.rpartition(":")[2]
         addr = f"localhost:{port}"
-        assert _sql_over_tls(addr, ClientAuth.from_options(tls_ca=str(d / "ca.pem"))) == grpc.StatusCode.OK
+        tls = ClientAuth.from_options(tls_ca=str(d / "ca.pem"))
+        assert _sql_over_tls(addr, tls) == grpc.StatusCode.OK
         assert _sql_over_tls(addr, ClientAuth()) == grpc.StatusCode.UNAVAILABLE  # plaintext to a TLS port
+        with tls.channel(addr) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.ControlStub(ch).Submit(pb.ControlRequest(), timeout=20)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "--control-token-file" in e.value.details()
         r = subprocess.run([sys.executable, "-m", "tracetop.cli", "query", "--collector", addr, "--tls-ca",
                             str(d / "ca.pem"), "--json", "SELECT 3 AS z"], cwd=ROOT, capture_output=True, text=True,
                            timeout=120)
@@ -221,8 +227,40 @@ def test_tls_round_trip_and_mutual_tls_refuses_an_unknown_client(tmp_path: Path)
                                            tls_key=str(d / "stranger.key"))
         assert _sql_over_tls(addr, stranger) == grpc.StatusCode.UNAVAILABLE
         assert _sql_over_tls(addr, ClientAuth.from_options(tls_ca=str(d / "ca.pem"))) == grpc.StatusCode.UNAVAILABLE
+        with ok.channel(addr) as ch:  # a known client certificate is no control role either
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.ControlStub(ch).Submit(pb.ControlRequest(), timeout=20)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:
         assert c.stop() == 0
+
+
+def _refused_at_start(tmp_path: Path, listen: str, *extra: str) -> str:
+    db = tmp_path / f"refused-{abs(hash((listen, extra)))}.duckdb"
+    r = subprocess.run([sys.executable, "-m", "collector", "--db", str(db), "--listen", listen, *extra],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stderr[-500:])
+    assert "listening" not in r.stdout and not db.exists()
+    return r.stderr
+
+
+def test_off_loopback_tls_without_client_authentication_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "pki"
+    d.mkdir()
+    _ca_and_cert(d, "server")
+    err = _refused_at_start(tmp_path, "0.0.0.0:0", "--tls-cert", str(d / "server.pem"), "--tls-key", str(d / "server.key"))
+    assert "--tls-client-ca" in err and "--token-file" in err, err
+
+
+def test_a_name_starting_with_127_is_not_loopback(tmp_path: Path) -> None:
+    err = _refused_at_start(tmp_path, "127.example.com:0")
+    assert "not loopback" in err, err
+
+
+def test_a_token_over_plain_tcp_off_loopback_is_refused(tmp_path: Path) -> None:
+    tok = _token_file(tmp_path / "token", TOKEN)
+    err = _refused_at_start(tmp_path, "0.0.0.0:0", "--token-file", str(tok))
+    assert "clear text" in err and "--tls-cert" in err and TOKEN not in err, err
 
 
 def test_non_loopback_without_tls_or_token_refused_at_start(tmp_path: Path) -> None:
@@ -302,3 +340,28 @@ def test_commands_need_the_control_token(tmp_path: Path) -> None:
     finally:
         assert c.stop() == 0
     assert CONTROL_TOKEN not in c.text() and TOKEN not in c.text()
+
+
+def test_a_query_token_makes_the_ranks_token_ingest_only(tmp_path: Path) -> None:
+    """With --query-token-file the ranks' --token-file token may ingest, never query."""
+    from tests.collector.util import batch
+
+    tok = _token_file(tmp_path / "token", TOKEN)
+    qtok = _token_file(tmp_path / "query", "qu3ry-t0ken-456")
+    c = start_collector(tmp_path, "unix", extra_args=["--token-file", str(tok), "--query-token-file", str(qtok)])
+    try:
+        with grpc.insecure_channel(c.addr) as ch:
+            ingest, query = pb_grpc.IngestStub(ch), pb_grpc.QueryStub(ch)
+            reply = ingest.Push(pb.PushRequest(batches=[batch("rank-0", 1, 10).SerializeToString()]),
+                                metadata=_meta(TOKEN), timeout=30)
+            assert not reply.end_code and reply.acks[0].seq == 1
+            with pytest.raises(grpc.RpcError) as e:
+                query.Sql(pb.QueryRequest(sql="SELECT 1"), metadata=_meta(TOKEN), timeout=30)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "query token" in e.value.details()
+            assert TOKEN not in e.value.details()
+            assert _code(lambda: query.Sql(pb.QueryRequest(sql="SELECT 1"), metadata=_meta("qu3ry-t0ken-456"),
+                                           timeout=30)) == grpc.StatusCode.OK
+            assert _code(lambda: ingest.Push(pb.PushRequest(), metadata=_meta("qu3ry-t0ken-456"),
+                                             timeout=30)) == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        assert c.stop() == 0

@@ -35,6 +35,18 @@ def _probes(tmp) -> list[str]:
         "SET enable_external_access = true",
         "SELECT 1; DROP TABLE step",
         "CHECKPOINT",
+        # functions with a side effect even in a rolled-back transaction, SQL as a string, the file's path
+        "SELECT * FROM checkpoint()",
+        "SELECT * FROM force_checkpoint()",
+        "SELECT * FROM truncate_duckdb_logs()",
+        "SELECT setseed(0.5)",
+        'SELECT "setseed"(0.5)',
+        "SELECT path FROM duckdb_databases()",
+        "FROM duckdb_databases",
+        "SELECT * FROM pragma_database_list",
+        "SELECT current_setting('temp_directory')",
+        "SELECT * FROM query('SELECT * FROM checkpoint()')",
+        "SELECT * FROM step WHERE step IN (SELECT 1 FROM checkpoint())",
     ]
 
 
@@ -195,3 +207,32 @@ def test_cli_on_file_after_stop(collector, tmp_path):
         assert r.returncode == 2, (probe, r.stdout, r.stderr)
         assert "read-only" in r.stderr, (probe, r.stderr)
     assert not (tmp_path / "leak.csv").exists()
+
+
+def _peak_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_a_wide_result_is_refused_by_its_bytes_not_built(tmp_path):
+    """Rows are bounded, and bytes too: 100 rows of 4 MB each (400 MB) once took the collector from
+    ~200 MB to 2.1 GB; now it stops at --max-query-mb, says so, and lives on."""
+    from tracetop.wire import tracetop_pb2 as pb
+    from tracetop.wire import tracetop_pb2_grpc as pb_grpc
+
+    c = start_collector(tmp_path)  # the default --max-query-mb (64)
+    try:
+        with grpc.insecure_channel(c.addr) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                pb_grpc.QueryStub(ch).Sql(pb.QueryRequest(sql="SELECT repeat('x', 4000000) FROM range(100)"), timeout=120)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+        assert "--max-query-mb" in e.value.details() and "MiB" in e.value.details()
+        peak = _peak_rss_mb(c.proc.pid)
+        assert peak < 1200, f"the collector peaked at {peak:.0f} MB building a refused result"
+        assert scalar(c.addr, "SELECT 7") == 7
+        assert len(sql(c.addr, "SELECT repeat('x', 1000) AS s FROM range(1000)")) == 1000  # 1 MB: fine
+    finally:
+        assert c.stop() == 0

@@ -66,6 +66,18 @@ def test_other_binds_need_tls_or_a_token(addr):
     assert check_listen(addr, closed=True) == addr
 
 
+@pytest.mark.parametrize("addr", ["127.example.com:7000", "127.0.0.1.nip.io:7000", "localhost.evil:7000"])
+def test_names_that_look_like_loopback_are_not(addr):
+    with pytest.raises(ListenError, match="not loopback"):
+        check_listen(addr)
+
+
+def test_a_token_in_clear_text_off_loopback_is_refused():
+    with pytest.raises(ListenError, match="clear text"):
+        check_listen("0.0.0.0:7000", closed=True, token_in_clear=True)
+    assert check_listen("127.0.0.1:7000", token_in_clear=True) == "127.0.0.1:7000"
+
+
 @pytest.mark.parametrize("addr", ["7000", "host", "unix:", "127.0.0.1:port"])
 def test_malformed_listen_refused(addr):
     with pytest.raises(ListenError):

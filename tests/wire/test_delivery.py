@@ -321,3 +321,103 @@ def test_real_hooks_drain_at_the_interval_a_watched_run_asks(tmp_path: Path) -> 
             t.close()
     finally:
         assert c.stop() == 0
+
+
+class _FreezingProxy:
+    """A TCP proxy to ``upstream`` that, while ``frozen`` is set, stops moving bytes both ways and
+    keeps every socket open: a host gone silent (no RST, no FIN), as a cut-off network looks."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        import socket
+        import threading
+
+        self.upstream = upstream
+        self.frozen = threading.Event()
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        self.socks: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream)
+            except OSError:  # the receiver is gone (the test is ending)
+                client.close()
+                continue
+            self.socks += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        import time
+
+        try:
+            while True:
+                while self.frozen.is_set():
+                    time.sleep(0.05)
+                data = src.recv(65536)
+                if not data:
+                    break
+                while self.frozen.is_set():  # read before the freeze: held, not sent
+                    time.sleep(0.05)
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.lsock.close()
+        for s in self.socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def test_a_silent_receiver_is_found_and_left(tmp_path: Path) -> None:
+    """A receiver that goes silent mid-call (no RST) once blocked the shipper forever: now HTTP/2
+    keepalive finds it (tracetop.wire.transport.KEEPALIVE_S + KEEPALIVE_TIMEOUT_S), the call fails
+    and the shipper reconnects; once the path is back, everything arrives once."""
+    import time
+
+    from tracetop.wire import transport
+
+    found_within_s = getattr(transport, "KEEPALIVE_S", 10.0) + getattr(transport, "KEEPALIVE_TIMEOUT_S", 10.0)
+
+    c = start_collector(tmp_path)
+    host, port = c.addr.rsplit(":", 1)
+    proxy = _FreezingProxy((host, int(port)))
+    try:
+        s = Shipper(f"127.0.0.1:{proxy.port}", run_id="silent", flush_interval_s=60)
+        for i in range(10):
+            s.record(Kind.COLLECTIVE, *_row(i))
+        assert s.flush(30)
+        proxy.frozen.set()
+        for i in range(10, 20):
+            s.record(Kind.COLLECTIVE, *_row(i))
+        s.ship_soon()  # a call goes out into the silence
+        time.sleep(1.0)
+        before = s.stats()["reconnects"]
+        deadline = time.monotonic() + found_within_s + 20
+        while s.stats()["reconnects"] == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.stats()["reconnects"] > before, "the shipper still waits on a receiver that went silent"
+        proxy.frozen.clear()
+        assert s.flush(60)
+        s.close()
+    finally:
+        proxy.close()
+        assert c.stop() == 0
+    con = duckdb.connect(str(c.db), read_only=True)
+    steps = [r[0] for r in con.execute("SELECT step FROM collective WHERE run_id = 'silent' ORDER BY step").fetchall()]
+    con.close()
+    assert steps == list(range(20))

@@ -62,3 +62,75 @@ def test_forwarding_the_same_batch_twice_spools_it_once(tmp_path: Path) -> None:
     second = Shipper(None, run_id="sp", spool_dir=tmp_path, transport=MemoryTransport())
     assert second.replayed_high_water == {"hook": 1}
     second.close()
+
+
+def test_a_disk_that_refuses_spool_writes_loses_nothing_and_leaves_nothing(tmp_path: Path) -> None:
+    """EFBIG (RLIMIT_FSIZE; a full disk's ENOSPC takes the same path): the shipper's own batches stay
+    in memory and arrive, the relay refuses the hook's (which keeps and resends them), no tmp file
+    is left and the failed sizes are not counted, so once the disk takes writes again everything
+    flows (the relay does not answer "spool full" forever). Real collector, relay and shippers."""
+    import json
+    import subprocess
+    import sys
+
+    import duckdb
+
+    from tests.support import ROOT
+    from tests.support.services import start_collector
+
+    c = start_collector(tmp_path)
+    try:
+        r = subprocess.run([sys.executable, "-m", "tests.wire.disk_full_proc", c.addr, str(tmp_path / "spool"),
+                            str(tmp_path / "relay.sock")], cwd=ROOT, capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        assert c.stop() == 0
+    assert out["spool_write_errors"] >= 1, out
+    assert out["tmp_files"] == [], out
+    assert out["spool_bytes_while_full"] == 0, out
+    assert out["own_flushed_while_full"], out  # kept in memory, delivered
+    assert not out["hook_flushed_while_full"] and out["relay_refusals"] >= 1, out  # refused, kept by the hook
+    assert out["hook_flushed_after"] and out["hook_flushed_more"] and out["own_flushed_after"], out
+    assert out["hook_stats"]["rows_dropped"] == 0 and out["agent_stats"]["rows_dropped"] == 0, out
+    assert out["agent_stats"]["spool_bytes"] == 0 and out["batch_files_left"] == 0, out
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        got = con.execute("SELECT rank, count(DISTINCT step) FROM step WHERE run_id = 'disk' GROUP BY rank ORDER BY rank").fetchall()
+    finally:
+        con.close()
+    assert got == [(0, 100), (1, 100)], got
+
+
+def test_the_spool_folder_is_fsynced_after_a_rename(tmp_path: Path, monkeypatch) -> None:
+    import os
+
+    from tracetop.wire.spool import Spool
+
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    spool = Spool(tmp_path / "spool", 1 << 20, fsync=True)
+    path = spool.write(_batch("hook-z", 1), 100)
+    assert path is not None and path.exists()
+    assert str(path.parent) in synced, synced  # the folder, after the rename: the name is durable
+
+
+def test_ids_that_name_no_folder_or_hide_a_newline_are_refused(tmp_path: Path) -> None:
+    import pytest
+
+    from tracetop.wire.codec import BatchError, decode_batch
+
+    for bad in (".", "..", "run1\n", "a/b", ""):
+        with pytest.raises(BatchError):
+            decode_batch(encode_batch(Kind.STEP, {c.name: (["x"] if c.dtype == "str" else np.zeros(1)) for c in SCHEMAS[Kind.STEP]},
+                                      source_id="ok", seq=1, run_id=bad))
+        with pytest.raises(BatchError):
+            decode_batch(_batch(bad, 1))
+    decode_batch(_batch("...", 1))  # dots with more than two are a name
+    decode_batch(_batch("a.b", 1))

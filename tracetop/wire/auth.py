@@ -9,7 +9,8 @@ Roles, by RPC:
 - ``ingest``: Ingest.* and Control.Subscribe / Poll / Report (what trainers' hooks and agents call);
 - ``query``: Query.* (the TUI, ``tracetop query --collector``) and ``/metrics``;
 - ``control``: every other Control method (issuing, approving, rejecting commands).
-The ingest token (``--token-file``) grants ingest and query. Control needs the control token
+The ingest token (``--token-file``) grants ingest and query; with ``--query-token-file`` it grants
+ingest only (the ranks' credential), and queries need the query (or control) token. Control needs the control token
 (``--control-token-file``) where the collector has one; a collector with a token file but no control
 token file refuses commands from everyone, so an ingest token leaked from a trainer's environment can
 never change a run.
@@ -106,11 +107,14 @@ class ServerAuth:
         tls_cert: str | None = None,
         tls_key: str | None = None,
         tls_client_ca: str | None = None,
+        query_token_file: str | None = None,
     ) -> ServerAuth:
         if bool(tls_cert) != bool(tls_key):
             raise AuthSetupError("TLS needs both --tls-cert and --tls-key (a certificate and its private key)")
         if tls_client_ca and not tls_cert:
             raise AuthSetupError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key too")
+        if query_token_file and not token_file:
+            raise AuthSetupError("--query-token-file needs --token-file too (the ranks' token, then for ingest only)")
         if control_token_file and not token_file:
             raise AuthSetupError("--control-token-file needs --token-file too (the token for ingest and queries)")
         tokens: dict[str, frozenset[str]] = {}
@@ -126,6 +130,12 @@ class ServerAuth:
                     )
                 tokens[CONTROL] = control
                 tokens[QUERY] = ingest | control  # whoever may command may also look
+            if query_token_file:  # the ranks' token may only ingest
+                query = read_tokens(query_token_file, "--query-token-file")
+                if query & ingest:
+                    raise AuthSetupError("--query-token-file and --token-file share a token; the point of a query "
+                                         "token is that the ranks' token may not query")
+                tokens[QUERY] = query | tokens[CONTROL]
         return cls(
             tokens=tokens,
             tls_cert=read_pem(tls_cert, "--tls-cert") if tls_cert else None,
@@ -137,14 +147,24 @@ class ServerAuth:
 
     @property
     def closed(self) -> bool:
-        """True when callers must prove who they are (TLS or a token)."""
+        """True when callers must present something (TLS or a token): /metrics is then guarded."""
         return self.token_required or self.tls_cert is not None
+
+    @property
+    def authenticates_clients(self) -> bool:
+        """True when the server tells callers apart: a bearer token, or mutual TLS. TLS alone
+        encrypts but lets anyone in; only this may listen off loopback."""
+        return self.token_required or self.tls_client_ca is not None
 
     def check(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
         """None when the call may go on, else the reason (never containing a token)."""
-        if not self.token_required:
-            return None
         role = role_of(method)
+        if not self.token_required:
+            if role == CONTROL and self.tls_cert is not None:
+                # TLS (even mutual) says who may connect, not who may command: no control role
+                return (f"{method} commands a run: a TLS connection may not (TLS says who may connect, not who "
+                        "may command); give the collector --token-file and --control-token-file, and use the control token")
+            return None
         given = None
         for key, value in metadata or ():
             if key == HEADER:
@@ -162,6 +182,8 @@ class ServerAuth:
         if not any(hmac.compare_digest(token.encode(), ok.encode()) for ok in allowed):
             if role == CONTROL and any(hmac.compare_digest(token.encode(), ok.encode()) for ok in self.tokens.get(INGEST, ())):
                 return f"{method} commands a run: the ingest token may not; use the control token"
+            if role == QUERY and any(hmac.compare_digest(token.encode(), ok.encode()) for ok in self.tokens.get(INGEST, ())):
+                return f"{method} reads the data: the ingest (ranks') token may not here; use the query token"
             return f"{method}: the bearer token is not one this collector accepts"
         return None
 
@@ -338,22 +360,41 @@ def serve_metrics_http(port: int, addr: str, registry, auth: ServerAuth):
             return [body]
         return metrics_app(environ, start_response)
 
-    class _Server(ThreadingMixIn, WSGIServer):
-        daemon_threads = True
-
-    class _Quiet(WSGIRequestHandler):
-        def log_message(self, format, *args):  # noqa: A002 - never log requests (headers hold tokens)
-            pass
-
-    httpd = make_server(addr, port, app, _Server, handler_class=_Quiet)
     cert, key, client_ca = auth.tls_paths
+    ctx = None
     if cert:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(cert, key)
         if client_ca:
             ctx.load_verify_locations(client_ca)
             ctx.verify_mode = ssl.CERT_REQUIRED
-        httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+
+    class _Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+
+        def finish_request(self, request, client_address):
+            """On the request's own thread: the TLS handshake here, bounded in time, so one
+            connection that never speaks cannot hold the accept loop (and every other scrape)."""
+            if ctx is None:
+                return super().finish_request(request, client_address)
+            request.settimeout(10.0)
+            try:
+                tls = ctx.wrap_socket(request, server_side=True)
+            except (OSError, ssl.SSLError):
+                return  # a silent, plaintext or refused client: this connection only
+            try:
+                super().finish_request(tls, client_address)
+            finally:
+                tls.close()
+
+        def handle_error(self, request, client_address):  # noqa: ARG002 - quiet: a dropped scrape
+            pass
+
+    class _Quiet(WSGIRequestHandler):
+        def log_message(self, format, *args):  # noqa: A002 - never log requests (headers hold tokens)
+            pass
+
+    httpd = make_server(addr, port, app, _Server, handler_class=_Quiet)
     thread = threading.Thread(target=httpd.serve_forever, name="tracetop-metrics", daemon=True)
     thread.start()
     return httpd, thread

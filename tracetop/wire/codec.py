@@ -22,7 +22,39 @@ from tracetop.errors import TracetopError
 from tracetop.events import NUMPY_DTYPES, SCHEMA_VERSION, SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
 
-ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+#: run, source and node ids: 1-128 of [A-Za-z0-9._:-], not "." or ".." (they name folders: the
+#: spool's, the relay's) and nothing after the last character (``$`` would let "run1\n" through).
+ID_RE = re.compile(r"(?!\.{1,2}\Z)[A-Za-z0-9._:\-]{1,128}\Z")
+#: How far ahead of its source's high-water mark a batch's seq may be. Seqs may skip (a shipper
+#: drops batches it cannot keep), but never by millions; a seq further ahead is refused (fault
+#: ``seq_ahead``), not believed: believing it would make every later batch of the source a
+#: "duplicate", acked and dropped.
+MAX_SEQ_AHEAD = 1 << 24
+
+
+def source_key(source_id: str, epoch: int) -> str:
+    """The receiver's key for one start of a source: its id, and its epoch when it has one
+    ("@" is not in ids, so a key never equals another source's id)."""
+    return f"{source_id}@{epoch:x}" if epoch else source_id
+
+
+def source_of_key(key: str) -> str:
+    return key.partition("@")[0]
+
+
+def seq_ahead(source_id: str, epoch: int, seq: int, hwm: int) -> Rejection | None:
+    """The Rejection for a seq too far ahead of its source's mark ``hwm`` (None: within reach)."""
+    if seq <= hwm + MAX_SEQ_AHEAD:
+        return None
+    fault = "seq_ahead"
+    return Rejection(
+        fault,
+        f"batch {source_id}/{seq} (epoch {epoch:x}) is {seq - hwm} seqs ahead of what was stored of its source "
+        f"(seq {hwm}); more than {MAX_SEQ_AHEAD} ahead is refused, not believed. A shipper numbers its batches "
+        "from 1 at each start: restart it (a new epoch), and check that nothing else sends as this source",
+        (("tracetop-fault", fault), ("tracetop-rejected-source", source_id), ("tracetop-rejected-seq", str(seq)),
+         ("tracetop-rejected-epoch", str(epoch))),
+    )
 MAX_ROWS = 1 << 22  # 4M rows a batch: far above any shipper's batch size
 
 
@@ -48,6 +80,12 @@ class DecodedBatch:
     first_record_ns: int
     sealed_ns: int
     nbytes: int
+    epoch: int = 0  # the shipper start that sealed it (0: a sender without epochs)
+
+    @property
+    def key(self) -> str:
+        """The receiver's key for its source: ``source_key(source_id, epoch)``."""
+        return source_key(self.source_id, self.epoch)
 
 
 def _checksum_parts(columns: Sequence[pb.Column]) -> int:
@@ -109,6 +147,7 @@ def encode_batch(
     seq: int,
     run_id: str,
     first_record_ns: int = 0,
+    epoch: int = 0,
 ) -> pb.ColumnBatch:
     """Build a ColumnBatch from columns keyed by name (every column of the kind's schema).
 
@@ -152,6 +191,7 @@ def encode_batch(
         columns=out,
         first_record_ns=first_record_ns,
         sealed_ns=time.time_ns(),
+        epoch=epoch,
     )
     batch.crc32c = _checksum_parts(batch.columns)
     return batch
@@ -217,6 +257,7 @@ def decode_batch(batch: pb.ColumnBatch) -> DecodedBatch:
         first_record_ns=batch.first_record_ns,
         sealed_ns=batch.sealed_ns,
         nbytes=nbytes,
+        epoch=batch.epoch,
     )
 
 
@@ -262,5 +303,6 @@ def receive(raw: pb.ColumnBatch | Undecodable) -> DecodedBatch | Rejection:
     except BatchError as e:
         which: tuple[tuple[str, str], ...] = (("tracetop-fault", e.fault),)
         if ID_RE.match(raw.source_id):
-            which += (("tracetop-rejected-source", raw.source_id), ("tracetop-rejected-seq", str(raw.seq)))
+            which += (("tracetop-rejected-source", raw.source_id), ("tracetop-rejected-seq", str(raw.seq)),
+                      ("tracetop-rejected-epoch", str(raw.epoch)))
         return Rejection(e.fault, str(e), which)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tracetop.events import Kind
 from tracetop.wire import tracetop_pb2 as pb
+from tracetop.wire.codec import source_key, source_of_key
 from tracetop.wire.ledger import DropLedger
 
 Key = tuple[str, int]  # (source_id, seq)
@@ -70,11 +71,12 @@ class Outbox:
     # ---- booking ----
     def add(self, batch: pb.ColumnBatch, nbytes: int, spool_path: Path | None, own: bool) -> Entry | None:
         """Book a batch (None if it is already booked: a resend, not new data)."""
-        key = (batch.source_id, batch.seq)
+        source = source_key(batch.source_id, batch.epoch)  # one start of the source (codec.source_key)
+        key = (source, batch.seq)
         if key in self.unacked:
             return None
         self.enqueued += 1
-        e = Entry(batch.source_id, batch.seq, batch.kind, batch.n, nbytes, batch, spool_path, own, self.enqueued)
+        e = Entry(source, batch.seq, batch.kind, batch.n, nbytes, batch, spool_path, own, self.enqueued)
         if spool_path is not None and self.mem_bytes + nbytes > self.max_memory_bytes:
             e.batch = None  # the spool holds it; read back when sent
         else:
@@ -111,7 +113,7 @@ class Outbox:
             self.ledger.refold(e.batch)  # a gap batch is only counts: the next gap row carries them
             return
         # a refused GAP batch of our own is counted, not re-made: the new one would fare the same
-        self.ledger.note_batch(e.kind, reason, e.source_id, e.n, ship=not (e.kind == Kind.GAP and e.own))
+        self.ledger.note_batch(e.kind, reason, source_of_key(e.source_id), e.n, ship=not (e.kind == Kind.GAP and e.own))
 
     def _remove(self, key: Key) -> Entry | None:
         e = self.unacked.pop(key, None)
@@ -171,6 +173,16 @@ class Outbox:
         return any(e.sent_epoch == epoch for e in self.unacked.values())
 
     # ---- answers ----
+    def key_for(self, source_id: str, epoch: int) -> str:
+        """The source key an answer names. A receiver older than epochs answers with epoch 0:
+        then the one start of ``source_id`` held here, if there is just one."""
+        key = source_key(source_id, epoch)
+        if epoch or key in self._by_source or key in self.limbo:
+            return key
+        prefix = source_id + "@"
+        held = {k for k in (*self._by_source, *self.limbo) if k.startswith(prefix)}
+        return held.pop() if len(held) == 1 else key
+
     def ack(self, source_id: str, seq: int) -> list[Entry]:
         """Every batch of ``source_id`` up to ``seq`` is stored: the acked entries."""
         done: list[Entry] = []

@@ -47,10 +47,11 @@ class Sealer:
         clock_ns: the wall clock for GAP rows.
     """
 
-    def __init__(self, *, source_id: str, run_id: str, rank: int, ledger: DropLedger,
+    def __init__(self, *, source_id: str, run_id: str, rank: int, ledger: DropLedger, epoch: int = 0,
                  next_seq: Callable[[], int], enqueue: Callable[[pb.ColumnBatch], object],
                  warn_once: Callable[[str, str], None], budget_bytes: int, clock_ns: Callable[[], int]) -> None:
         self.source_id = source_id
+        self.epoch = epoch  # this shipper start's (ColumnBatch.epoch)
         self.run_id = run_id
         self.rank = rank
         self._ledger = ledger
@@ -119,7 +120,7 @@ class Sealer:
             seq = self._next_seq()
             try:
                 batch = encode_batch(kind, part, source_id=self.source_id, seq=seq, run_id=self.run_id,
-                                     first_record_ns=first_ns)
+                                     first_record_ns=first_ns, epoch=self.epoch)
             except (ValueError, TypeError, OverflowError) as e:
                 self._warn_once(f"encode-{kind}", f"tracetop: cannot encode {kind.name} rows, dropping them: {e}")
                 self._ledger.note(kind.name.lower(), "bad_row", self.source_id, min(step, n - start))
@@ -151,7 +152,7 @@ class Sealer:
             return
         self.gap_rows += len(cols["dropped"])
         batch = encode_batch(Kind.GAP, cols, source_id=self.source_id, seq=self._next_seq(), run_id=self.run_id,
-                             first_record_ns=now)
+                             first_record_ns=now, epoch=self.epoch)
         self._enqueue(batch)
 
 

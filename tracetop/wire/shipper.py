@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import secrets
 import threading
 import time
 import uuid
@@ -41,12 +42,13 @@ from typing import Any, Protocol
 from tracetop import env
 from tracetop.events import Kind
 from tracetop.wire import tracetop_pb2 as pb
+from tracetop.wire.codec import source_key
 from tracetop.wire.intake import Intake
 from tracetop.wire.ledger import DropLedger
 from tracetop.wire.outbox import Outbox
 from tracetop.wire.pacing import Pacing
 from tracetop.wire.sealer import BATCH_BYTES, MAX_BATCH_ROWS, Sealer
-from tracetop.wire.spool import Spool
+from tracetop.wire.spool import Spool, SpoolWriteError
 from tracetop.wire.transport import (
     MAX_MESSAGE_BYTES,
     Disconnected,
@@ -105,6 +107,7 @@ class ShipperStats:
     dropped_by_reason: dict[str, int] = field(default_factory=dict)
     gap_rows: int = 0
     spool_full: int = 0
+    spool_write_errors: int = 0  # spool writes the disk refused (ENOSPC, EFBIG): kept in memory or refused
     reconnects: int = 0
     unacked_batches: int = 0
     unacked_bytes: int = 0
@@ -166,6 +169,10 @@ class Shipper:
         self.endpoint = endpoint
         self.run_id = run_id
         self.source_id = source_id or f"src-{uuid.uuid4().hex[:16]}"
+        #: this start of the source: on every batch it seals, so receivers keep a high-water mark
+        #: per start (a restart with the same source_id numbers from 1 again, and is not taken for
+        #: a resend), and a sender that does not know it cannot move this start's mark
+        self.epoch = secrets.randbits(62) + 1
         self.rank = rank
         self.max_unacked_bytes = max_unacked_bytes
         self._owned: GrpcTransport | None = None  # the transport this shipper made, and closes
@@ -199,7 +206,7 @@ class Shipper:
         self._seq = 0
         self._stats = ShipperStats()
         self._seal_lock = threading.Lock()
-        self._sealer = Sealer(source_id=self.source_id, run_id=run_id, rank=rank, ledger=self._ledger,
+        self._sealer = Sealer(source_id=self.source_id, epoch=self.epoch, run_id=run_id, rank=rank, ledger=self._ledger,
                               next_seq=self._next_seq, enqueue=lambda b: self._enqueue(b, own=True),
                               warn_once=self._warn_once, budget_bytes=max_unacked_bytes // 8, clock_ns=clock_ns)
 
@@ -208,6 +215,7 @@ class Shipper:
         self._closing = False
 
         self._spool: Spool | None = None
+        self.last_spool_error = ""  # the last spool write the disk refused (the relay's refusal says it)
         #: source -> highest seq found on the spool at start (what a killed predecessor had accepted).
         self.replayed_high_water: dict[str, int] = {}
         if spool_dir is not None:
@@ -330,18 +338,29 @@ class Shipper:
     def _enqueue(self, batch: pb.ColumnBatch, own: bool) -> bool:
         nbytes = batch.ByteSize()
         spool_path = None
-        key = (batch.source_id, batch.seq)
+        key = (source_key(batch.source_id, batch.epoch), batch.seq)
         with self._cv:
             if key in self._outbox:
                 return True  # already held (and spooled): a resend, not new data
         if self._spool is not None:
-            spool_path = self._spool.write(batch, nbytes)
+            try:
+                spool_path = self._spool.write(batch, nbytes)
+                failed = None
+            except SpoolWriteError as e:  # disk full, a size limit: nothing of it is on the spool
+                spool_path, failed = None, e
             if spool_path is None:
                 with self._cv:
-                    self._stats.spool_full += 1
+                    if failed is None:
+                        self._stats.spool_full += 1
+                    else:
+                        self._stats.spool_write_errors += 1
+                        self.last_spool_error = str(failed)
                 if not own:
                     return False  # the caller keeps it (the relay: the hook resends it later)
-                self._warn_once("spool-full", f"tracetop: spool {self._spool.root} is full; keeping batches in memory only")
+                if failed is None:
+                    self._warn_once("spool-full", f"tracetop: spool {self._spool.root} is full; keeping batches in memory only")
+                else:  # kept in memory: lost only if the unacked budget drops it, and then counted
+                    self._warn_once("spool-write", f"tracetop: {failed}; keeping batches in memory only until the disk takes them")
         with self._cv:
             if self._outbox.add(batch, nbytes, spool_path, own) is not None:
                 self._cv.notify_all()
@@ -352,9 +371,9 @@ class Shipper:
         source's own batches acked: the hooks count their acked STEP rows (trainer_hooks/progress.py)."""
         self._ack_listeners.append(fn)
 
-    def _on_ack(self, source_id: str, seq: int) -> None:
+    def _on_ack(self, source_id: str, seq: int, epoch: int = 0) -> None:
         with self._cv:
-            done = self._outbox.ack(source_id, seq)
+            done = self._outbox.ack(self._outbox.key_for(source_id, epoch), seq)
             self._stats.batches_acked += len(done)
             self._stats.rows_acked += sum(e.n for e in done)
             self._cv.notify_all()
@@ -502,7 +521,7 @@ class Shipper:
                         if not self._stats.connected:
                             self._stats.connected = True
                             backoff = 0.05
-                        self._on_ack(ack.source_id, ack.seq)
+                        self._on_ack(ack.source_id, ack.seq, ack.epoch)
                     clean = True  # the receiver acked what it took and ended the stream (or we closed ours)
                 except Rejected as e:
                     self._stats.last_error = str(e)
@@ -542,7 +561,8 @@ class Shipper:
         """The receiver refused a batch: drop it for good (a gap row says so), resend the rest."""
         self._warn_once(f"rejected-{err.fault[:40]}", f"tracetop: {self.endpoint or 'the receiver'} refused a batch: {err}")
         with self._cv:
-            e = self._outbox.reject(err.fault, err.source_id, err.seq)
+            e = self._outbox.reject(err.fault, None if err.source_id is None else self._outbox.key_for(err.source_id, err.epoch),
+                                    err.seq)
         if e is not None and e.spool_path is not None and self._spool is not None:
             self._spool.remove(e.spool_path, e.nbytes)
 

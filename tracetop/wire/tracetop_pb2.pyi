@@ -84,7 +84,7 @@ class Column(_message.Message):
     def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ..., dictionary: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ColumnBatch(_message.Message):
-    __slots__ = ("schema_version", "source_id", "seq", "run_id", "kind", "n", "columns", "crc32c", "first_record_ns", "sealed_ns")
+    __slots__ = ("schema_version", "source_id", "seq", "run_id", "kind", "n", "columns", "crc32c", "first_record_ns", "sealed_ns", "epoch")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class ColumnBatch(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     FIRST_RECORD_NS_FIELD_NUMBER: _ClassVar[int]
     SEALED_NS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     source_id: str
     seq: int
@@ -105,15 +106,18 @@ class ColumnBatch(_message.Message):
     crc32c: int
     first_record_ns: int
     sealed_ns: int
-    def __init__(self, schema_version: _Optional[int] = ..., source_id: _Optional[str] = ..., seq: _Optional[int] = ..., run_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., n: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., crc32c: _Optional[int] = ..., first_record_ns: _Optional[int] = ..., sealed_ns: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, schema_version: _Optional[int] = ..., source_id: _Optional[str] = ..., seq: _Optional[int] = ..., run_id: _Optional[str] = ..., kind: _Optional[_Union[EventKind, str]] = ..., n: _Optional[int] = ..., columns: _Optional[_Iterable[_Union[Column, _Mapping]]] = ..., crc32c: _Optional[int] = ..., first_record_ns: _Optional[int] = ..., sealed_ns: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("source_id", "seq")
+    __slots__ = ("source_id", "seq", "epoch")
     SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     source_id: str
     seq: int
-    def __init__(self, source_id: _Optional[str] = ..., seq: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, source_id: _Optional[str] = ..., seq: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("batches",)

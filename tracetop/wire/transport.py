@@ -32,11 +32,26 @@ import numpy as np
 from tracetop.errors import TracetopError
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
-from tracetop.wire.codec import DecodedBatch, Rejection, receive
+from tracetop.wire.codec import DecodedBatch, Rejection, receive, source_key
 
 MiB = 1 << 20
 #: gRPC message cap used by the default channel (the collector's default max is 64 MiB).
 MAX_MESSAGE_BYTES = 64 * MiB
+#: A call's peer that stops answering (a host gone silent: no RST, no FIN) is found by HTTP/2
+#: keepalive pings: one after KEEPALIVE_S without a frame, the connection dropped when it is not
+#: answered within KEEPALIVE_TIMEOUT_S; the call then fails (UNAVAILABLE) and the shipper resends
+#: on a new one. Receivers (the collector, the agent's relay) accept pings this often (RECEIVER_OPTIONS).
+KEEPALIVE_S = 10.0
+KEEPALIVE_TIMEOUT_S = 10.0
+#: Ingest.Push waits for its commit; past this it is given up and resent (a duplicate is acked).
+PUSH_TIMEOUT_S = 120.0
+#: What receivers of shippers' calls set so the keepalive pings are welcome (by default a gRPC
+#: server answers pings more often than every 5 minutes without data with GOAWAY).
+RECEIVER_OPTIONS = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", int(KEEPALIVE_S * 1000 / 2)),
+    ("grpc.http2.max_ping_strikes", 0),
+)
 
 
 class TransportError(TracetopError):
@@ -47,8 +62,10 @@ class Rejected(TransportError):
     """The receiver refused one batch: ``fault`` names why (``tracetop-fault``); ``source_id`` and
     ``seq`` name the batch when the receiver said which (``tracetop-rejected-source/-seq``)."""
 
-    def __init__(self, fault: str, message: str, source_id: str | None = None, seq: int | None = None) -> None:
+    def __init__(self, fault: str, message: str, source_id: str | None = None, seq: int | None = None,
+                 epoch: int = 0) -> None:
         super().__init__(f"{fault}: {message}")
+        self.epoch = epoch  # the batch's (tracetop-rejected-epoch; 0 when not said)
         self.fault = fault
         self.message = message
         self.source_id = source_id
@@ -95,6 +112,10 @@ def default_channel(target: str, credentials: Any = None,
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+        ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),  # else 60 s for any ping
+        ("grpc.http2.max_pings_without_data", 0),
         *extra,
     ]
     if credentials is not None:
@@ -167,7 +188,7 @@ class GrpcTransport:
         stub = self.open()
         request = pb.PushRequest(batches=[b.SerializeToString() for b in batches])
         try:
-            return stub.Push(request, metadata=self.call_metadata)
+            return stub.Push(request, metadata=self.call_metadata, timeout=PUSH_TIMEOUT_S)
         except self._grpc.RpcError as e:
             if e.code() == self._grpc.StatusCode.UNIMPLEMENTED:
                 raise Unsupported(f"{self.endpoint} has no Ingest.Push (an older collector)") from e
@@ -191,7 +212,9 @@ def status_error(code: str, detail: str, metadata: dict, shown: str | None = Non
     if code == "INVALID_ARGUMENT":
         fault = metadata.get("tracetop-fault") or (detail.split(":", 1)[0][:40] if detail else "invalid")
         source, seq = metadata.get("tracetop-rejected-source"), metadata.get("tracetop-rejected-seq")
-        return Rejected(fault, detail, source, int(seq) if seq is not None else None)
+        epoch = metadata.get("tracetop-rejected-epoch") or "0"
+        return Rejected(fault, detail, source, int(seq) if seq is not None else None,
+                        int(epoch) if epoch.isdigit() else 0)
     return Disconnected(f"{shown or 'StatusCode.' + code}: {detail}")
 
 
@@ -212,8 +235,8 @@ class SendTransport:
             try:
                 self.target.send(batch)
             except Exception as e:
-                raise Rejected("transport", f"{type(e).__name__}: {e}", batch.source_id, batch.seq) from e
-            yield pb.Ack(source_id=batch.source_id, seq=batch.seq)
+                raise Rejected("transport", f"{type(e).__name__}: {e}", batch.source_id, batch.seq, batch.epoch) from e
+            yield pb.Ack(source_id=batch.source_id, seq=batch.seq, epoch=batch.epoch)
 
 
 _END = object()
@@ -365,7 +388,8 @@ class MemoryTransport:
                         named = dict(got.metadata).get("tracetop-rejected-seq") is not None
                         fault, message = got.fault, got.message
                     self._flush_held(st)  # a receiver acks everything before the bad batch
-                    st.put(Rejected(fault, message, batch.source_id if named else None, batch.seq if named else None))
+                    st.put(Rejected(fault, message, batch.source_id if named else None, batch.seq if named else None,
+                                    batch.epoch))
                     return
                 self._commit(batch, st, got)
             # the shipper ended the stream: answer what is held once released (or lose it on disconnect)
@@ -392,13 +416,14 @@ class MemoryTransport:
             if isinstance(decoded, Rejection):
                 return
         with self._lock:
-            high = self._high.get(batch.source_id, 0)
+            key = source_key(batch.source_id, batch.epoch)
+            high = self._high.get(key, 0)
             if batch.seq <= high:
                 self.duplicates += 1
             else:
-                self._high[batch.source_id] = high = batch.seq
+                self._high[key] = high = batch.seq
                 self.batches.append(decoded)
-        st.put(pb.Ack(source_id=batch.source_id, seq=high))
+        st.put(pb.Ack(source_id=batch.source_id, seq=high, epoch=batch.epoch))
 
     def send(self, batch: pb.ColumnBatch) -> None:
         """Store one batch outside any stream (validated: raises BatchError; no dedup, no ack)."""
