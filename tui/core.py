@@ -17,12 +17,13 @@ its alerts; this mark is one step's display.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tracetop.text import printable
 
 # ---- words and colours ---------------------------------------------------------------------
 
@@ -52,18 +53,13 @@ BUBBLE_BAD = 0.30
 GRAD_SYNC_LINE_MS = 200.0
 
 
-#: C0 and C1 control characters (ESC, BEL, CSI, OSC...), but tab and newline: what a rank sent never
-#: reaches the terminal as a control sequence (an OSC 52 clipboard write, a screen clear, a title)
-_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
 def plain(value: Any, style: str = "") -> Any:
     """What a rank sent (a hostname, an op, a role, a rule's message), shown as it is: a Rich Text,
     so no ``[...]`` in it is read as markup (``[/]`` raised, ``[@click=...]`` ran an action), with
     every control character shown as U+FFFD instead of sent to the terminal."""
     from rich.text import Text
 
-    return Text(_CONTROL.sub("\ufffd", str(value)), style=style)
+    return Text(printable(str(value)), style=style)
 
 
 def fmt_num(x: float | None, unit: str = "", digits: int = 1) -> str:

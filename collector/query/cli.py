@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tracetop.text import printable
+
 EXIT_OK, EXIT_SQL_ERROR, EXIT_REFUSED = 0, 1, 2
 #: tracetop/cli.py parses this command with parse_intermixed_args: options anywhere on the line.
 PARSE_INTERMIXED = True
@@ -154,9 +156,11 @@ def _print(table, truncated: bool, args: argparse.Namespace, out=None) -> None:
         import csv
 
         w = csv.writer(out)
-        w.writerow(names)
+        safe = _on_a_terminal(out)  # CSV into a file is data for a program: kept exact
+        w.writerow([printable(n) if safe else n for n in names])
         for r in rows:
-            w.writerow(["" if r[n] is None else r[n] for n in names])
+            w.writerow(["" if r[n] is None else printable(str(r[n])) if safe and isinstance(r[n], str) else r[n]
+                        for n in names])
     elif args.json:
         import json
 
@@ -174,16 +178,26 @@ def _json_default(v: object) -> object:
     return float(v) if isinstance(v, Decimal) else str(v)
 
 
+def _on_a_terminal(out) -> bool:
+    try:
+        return bool(out.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
 def _cell(v: object) -> str:
+    """A table cell for a person: what a rank sent never reaches the terminal as a control
+    sequence (ESC, OSC 52, a screen clear): control characters, tab and newline show as U+FFFD."""
     if v is None:
         return "NULL"
     if isinstance(v, float):
         return f"{v:.6g}"
-    return str(v)
+    return printable(str(v), one_line=True)
 
 
 def format_table(names: list[str], rows: list[list[object]]) -> str:
     """A plain aligned text table (numbers right-aligned), with a row count."""
+    names = [printable(n, one_line=True) for n in names]
     cells = [[_cell(v) for v in r] for r in rows]
     widths = [max([len(n)] + [len(r[i]) for r in cells]) for i, n in enumerate(names)]
     numeric = [all(isinstance(r[i], int | float) or r[i] is None for r in rows) for i in range(len(names))]

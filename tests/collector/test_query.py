@@ -236,3 +236,44 @@ def test_a_wide_result_is_refused_by_its_bytes_not_built(tmp_path):
         assert len(sql(c.addr, "SELECT repeat('x', 1000) AS s FROM range(1000)")) == 1000  # 1 MB: fine
     finally:
         assert c.stop() == 0
+
+
+HOSTILE = "chr(27) || '[2J' || chr(27) || ']52;c;aGk=' || chr(7) || 'node' || chr(10) || chr(155) || '1'"
+
+
+def test_what_a_rank_sent_never_reaches_the_terminal_as_escapes(collector):
+    """A screen clear, an OSC 52 clipboard write, a newline and a C1 CSI in a value: the table
+    shows each as U+FFFD; JSON escapes them; CSV into a pipe keeps the data exact, on a terminal
+    it replaces them too."""
+    import os
+    import pty
+
+    sql_text = f"SELECT {HOSTILE} AS hostname, 1 AS n"
+    table = _tt("--collector", collector.addr, sql_text)
+    assert table.returncode == 0, table.stderr
+    assert not any(ch in table.stdout for ch in "\x1b\x07\x9b") and "\ufffd[2J\ufffd]52;c;aGk=\ufffdnode\ufffd\ufffd1" in table.stdout
+    js = _tt("--collector", collector.addr, "--json", sql_text)
+    assert "\x1b" not in js.stdout and json.loads(js.stdout)[0]["hostname"].startswith("\x1b[2J")  # escaped, exact
+    exact = _tt("--collector", collector.addr, "--csv", sql_text)
+    assert "\x1b]52;c;aGk=\x07node" in exact.stdout  # a file or a pipe gets the data as it is
+    main, sub = pty.openpty()
+    try:
+        r = subprocess.run([*TT, "--collector", collector.addr, "--csv", sql_text], cwd=ROOT, stdout=sub,
+                           stderr=subprocess.PIPE, timeout=120)
+        os.close(sub)
+        sub = -1
+        out = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the pty's other end closed
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(main)
+        if sub >= 0:
+            os.close(sub)
+    assert r.returncode == 0, r.stderr
+    assert b"\x1b" not in out and "\ufffd]52;c;aGk=\ufffdnode".encode() in out
