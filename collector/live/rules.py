@@ -69,6 +69,15 @@ SIGNALS: dict[str, SignalSpec] = {s.name: s for s in (
     SignalSpec("silent_rank", ("rank",), (
         Key("silent_s_above", "above", lo=0.0, lo_open=True, doc="seconds since the rank's last heartbeat"),
     ), time_based=True, doc="no heartbeat past a deadline"),
+    SignalSpec("first_failure", ("rank",), (
+        Key("silent_s_above", "above", lo=0.0, lo_open=True,
+            doc="the run stopped: every rank closed, or silent this long; then the first to go is named"),
+    ), time_based=True, doc="when a run's ranks fall silent or end uncleanly, the rank that went first (a rank "
+                            "never heard, else the earliest last heard of those without a clean close), once"),
+    SignalSpec("unheard_rank", ("rank",), (
+        Key("unheard_s_above", "above", lo=0.0, lo_open=True,
+            doc="seconds since the run's first row with a rank of its world size not heard from"),
+    ), time_based=True, doc="a rank of the run's world size (RUN_START) never heard from while its peers are"),
     SignalSpec("stuck_collective", ("rank",), (
         Key("stuck_s_above", "above", lo=0.0, lo_open=True, doc="seconds inside one collective"),
     ), time_based=True, doc="stuck in one collective while the others moved on; the blocked ranks named as waiting"),
@@ -449,6 +458,16 @@ severity = "critical"
 [rule.stuck_collective]
 signal = "stuck_collective"
 stuck_s_above = 30
+severity = "critical"
+
+[rule.first_failure]
+signal = "first_failure"      # the run stopped (ranks killed, ended by the launcher): who went first
+silent_s_above = 15           # every rank closed or silent this long (a rank killed while its peers
+severity = "critical"         # live on is silent_rank's)
+
+[rule.unheard_rank]
+signal = "unheard_rank"       # a rank of the world size (RUN_START) never heard while its peers are
+unheard_s_above = 15
 severity = "critical"
 
 [rule.grad_sync]
