@@ -66,6 +66,12 @@ SIGNALS: dict[str, SignalSpec] = {s.name: s for s in (
         Key("compute_ratio_above", "param", lo=1.0, lo_open=True, doc="compute / the others' median"),
         Key("z_above", "param", lo=0.0, lo_open=True, doc="robust z-score of compute, with 5+ ranks a stage"),
     ), doc="per step: computes longest (excess, ratio, z) and waits less than the others of its stage"),
+    SignalSpec("data_stall", ("rank",), (
+        Key("excess_ms_above", "above", doc="data wait beyond the stage's other ranks' median, ms"),
+        Key("data_ratio_above", "param", lo=1.0, lo_open=True, doc="data wait / the others' median"),
+        Key("z_above", "param", lo=0.0, lo_open=True, doc="robust z-score of data wait, with 5+ ranks a stage"),
+    ), doc="per step: waits longest for its data loader (STEP.data_wait_ns) and less than the others in "
+           "collectives (they wait for it): cause data, not the network"),
     SignalSpec("silent_rank", ("rank",), (
         Key("silent_s_above", "above", lo=0.0, lo_open=True, doc="seconds since the rank's last heartbeat"),
     ), time_based=True, doc="no heartbeat past a deadline"),
@@ -446,6 +452,14 @@ signal = "straggler"
 scope = "rank"
 excess_ms_above = 50          # computes this much longer than its stage's other ranks' median
 compute_ratio_above = 1.5     # ... and this many times their median (z-score too, with 5+ ranks a stage)
+z_above = 3.5
+for_steps = 3
+severity = "warning"
+
+[rule.data_stall]
+signal = "data_stall"         # a rank's data loader paces the step (cause: data, not the network)
+excess_ms_above = 50          # waits this much longer for its data than its stage's other ranks' median
+data_ratio_above = 2.0        # ... and this many times their median (z-score too, with 5+ ranks a stage)
 z_above = 3.5
 for_steps = 3
 severity = "warning"

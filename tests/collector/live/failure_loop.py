@@ -6,6 +6,7 @@ as trainer_hooks/README.md shows them (``Tracer`` as a context manager, ``step``
 --kill R@S      rank R sends itself SIGKILL in its forward of step S (no clean close)
 --late R:SEC    rank R sleeps SEC seconds after the DDP model is built, before its Tracer starts
 --die-early R   rank R exits (os._exit(1)) 3 s after the DDP model is built, before its Tracer starts
+--slow-data R:MS@S  rank R's data loading takes MS ms longer (inside its data phase) from step S
 --step-ms MS    each step computes about MS ms (sleep inside forward), default 30
 --timeout-s S   the process group's timeout (a survivor blocked in a collective with the dead rank
                 errors out after S s and closes its hooks; below torchrun's 30 s SIGTERM grace)
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--die-early", type=int, default=-1)
     ap.add_argument("--step-ms", type=float, default=30.0)
     ap.add_argument("--timeout-s", type=float, default=0.0)
+    ap.add_argument("--slow-data", default="")
     a = ap.parse_args()
     import torch.distributed as dist
 
@@ -61,12 +63,19 @@ def main() -> None:
         if int(r) == rank:
             time.sleep(float(sec))
     kill_rank, kill_step = (int(x) for x in a.kill.split("@")) if a.kill else (-1, -1)
+    data_rank, data_ms, data_from = -1, 0.0, 0
+    if a.slow_data:
+        r, rest = a.slow_data.split(":")
+        ms, s = rest.split("@")
+        data_rank, data_ms, data_from = int(r), float(ms), int(s)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     gen = torch.Generator().manual_seed(rank)
     with trainer_hooks.Tracer() as tracer:
         for step in range(a.steps):
             with tracer.step(step):
                 with tracer.phase("data"):
+                    if rank == data_rank and step >= data_from:
+                        time.sleep(data_ms / 1e3)
                     x = torch.randn(8, 64, generator=gen)
                 with tracer.phase("forward"):
                     if rank == kill_rank and step == kill_step:

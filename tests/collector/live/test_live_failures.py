@@ -1,7 +1,7 @@
 """First failure and ranks never heard, on real runs: a plain DDP loop (tests/collector/live/
 failure_loop.py, gloo, 4 ranks under torchrun) into one real collector with the built-in rules.
 
-Runs: `kill` (rank 3 sends itself SIGKILL at step 25; torchrun then ends the others, whose own
+Runs: `data` (rank 2's data loading 150 ms slower from step 10), `kill` (rank 3 sends itself SIGKILL at step 25; torchrun then ends the others, whose own
 SIGTERM handler closes their hooks), `late` (rank 1 sleeps 40 s after the DDP model is built,
 before its Tracer starts: its peers block in DDP's all-reduce of step 0, a collective it has not
 joined), `early` (rank 1 exits before its Tracer starts: never heard at all; its peers fail in
@@ -29,6 +29,7 @@ pytestmark = pytest.mark.slow
 
 LOOP = str(ROOT / "tests" / "collector" / "live" / "failure_loop.py")
 KILL_RANK, KILL_STEP = 3, 25
+DATA_RANK, DATA_MS, DATA_STEP = 2, 150, 10  # 150 ms of data wait on ~30 ms steps (5x the step's compute)
 LATE_RANK, LATE_S = 1, 40
 
 
@@ -55,6 +56,7 @@ def runs(tmp_path_factory):
         out["kill_end"] = time.time_ns()
         out["late"] = _run(c, tmp, "late", ["--steps", "10", "--late", f"{LATE_RANK}:{LATE_S}"])
         out["early"] = _run(c, tmp, "early", ["--steps", "20", "--die-early", str(LATE_RANK)])
+        out["data"] = _run(c, tmp, "data", ["--steps", "30", "--slow-data", f"{DATA_RANK}:{DATA_MS}@{DATA_STEP}"])
 
         def judged(run_id: str):
             got = [a for a in _alerts(c.addr, run_id) if a["signal"] == "first_failure" and a["fired_ns"]]
@@ -67,6 +69,7 @@ def runs(tmp_path_factory):
                                        "early's first_failure", lambda: _alerts(c.addr, "early"), every_s=0.5)
         time.sleep(2.0)
         out["late_alerts"] = _alerts(c.addr, "late")
+        out["data_alerts"] = _alerts(c.addr, "data")
         out["kill_alerts"] = _alerts(c.addr, "kill")
         out["late_first_row"] = sql(c.addr, f"SELECT min(start_ns) FROM heartbeat WHERE run_id = 'late' AND "
                                             f"rank = {LATE_RANK}").column(0)[0].as_py()
@@ -114,3 +117,18 @@ def test_a_rank_that_dies_before_its_first_heartbeat_is_the_first_failure(runs):
     ff = [a for a in runs["early_alerts"] if a["signal"] == "first_failure"]
     assert [a["rank"] for a in ff] == [LATE_RANK], runs["early_alerts"]
     assert "never heard" in ff[0]["message"], ff[0]["message"]
+
+
+def test_a_slow_data_loader_is_named_with_cause_data_not_the_network(runs):
+    assert runs["data"].rc == 0, runs["data"].output[-3000:]
+    alerts = runs["data_alerts"]
+    ds = [a for a in alerts if a["signal"] == "data_stall" and a["fired_ns"]]
+    assert [a["rank"] for a in ds] == [DATA_RANK], json.dumps(alerts, default=str)[:3000]
+    a = ds[0]
+    assert json.loads(a["labels"])["cause"] == "data" and "data-loader straggler" in a["message"], a
+    assert DATA_STEP <= a["first_step"] and a["fired_step"] <= DATA_STEP + 5, a  # named within 5 steps of onset
+    assert not [x for x in alerts if x["signal"] == "straggler"], alerts  # not a compute straggler
+    # where the network rules fire, they say whose data loading the wait is
+    for x in alerts:
+        if x["signal"] in ("comm_share", "grad_sync") and x["first_step"] >= DATA_STEP + 2:
+            assert f"rank {DATA_RANK}'s data loading" in x["message"], x
