@@ -301,6 +301,8 @@ class Evaluator:
                 run.ended, run.ended_at_ns = True, now_ns
                 changed += self.book.end_run(run.run_id, now_ns)
             elif last and (now_ns - last) / 1e9 <= self.run_end_s:
+                if run.ended:  # heard again (a spool's late delivery, a resumed run): judged afresh
+                    run.first_failure, run.hang_named = None, -1
                 run.ended = False
             # its live state goes once nothing was heard of it for evict_after_s (the collector's
             # clock): an ended run's, and a run's that never beat
