@@ -171,6 +171,9 @@ def _straggler_cost(f: Figures, i: int) -> str:
             f"{lost.step_ms:.0f} ms step") if rate else ""
 
 
+DATA_PACER_MS = 20.0
+
+
 def _data_pacer(f: Figures) -> str:
     """'; the ranks wait on rank 2's data loading ...' where the rank that set the step's pace was
     late by its data wait more than by its compute (lost.py): the others' wait is not the network."""
@@ -178,10 +181,11 @@ def _data_pacer(f: Figures) -> str:
     if lost is None or lost.pacer < 0:
         return ""
     i = int(np.nonzero(f.view.rank == lost.pacer)[0][0])
-    if lost.data_gpu_ms[i] <= lost.straggler_gpu_ms[i] or lost.data_gpu_ms[i] <= 0:
+    data_ms = float(lost.data_gpu_ms[i]) / max(1, lost.gpus)
+    # its data wait made it late (more than compute did), and by a share of the step worth saying
+    if lost.data_gpu_ms[i] <= lost.straggler_gpu_ms[i] or not data_ms >= max(DATA_PACER_MS, 0.1 * f.step_ms_p50):
         return ""
-    return (f"; the wait is rank {lost.pacer}'s data loading ({lost.data_gpu_ms[i] / max(1, lost.gpus):.0f} ms a step), "
-            f"not the network")
+    return f"; the wait is rank {lost.pacer}'s data loading ({data_ms:.0f} ms a step), not the network"
 
 
 def _rank_labels(rank: int, stage: int) -> dict[str, str]:

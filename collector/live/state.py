@@ -89,6 +89,9 @@ class RunState:
     seen_step: np.ndarray = field(default_factory=lambda: np.full(0, -1, np.int64))
     rank_last: np.ndarray = field(default_factory=lambda: np.full(0, -1, np.int64))
     heard_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the collector's clock
+    rank_seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # ingest_seq of its latest row
+    ingest_seq: int = 0                 # batches ingested into this run
+    newest_seq: int = 0                 # the batch that last moved newest_step forward
     first_ns: int = 0                   # the earliest row of the run (ranks' clocks; 0: none yet)
     newest_step: int = -1
     last_evaluated: int = -1
@@ -157,6 +160,7 @@ class RunState:
         self.heard_at = np.concatenate([self.heard_at, np.zeros(extra, np.int64)])
         self.seen_step = np.concatenate([self.seen_step, np.full(extra, -1, np.int64)])
         self.rank_last = np.concatenate([self.rank_last, np.full(extra, -1, np.int64)])
+        self.rank_seq = np.concatenate([self.rank_seq, np.zeros(extra, np.int64)])
         self.ranks = n
         return True
 
@@ -179,7 +183,7 @@ class RunState:
             return np.full(0, -1, np.int64)
         top = int(steps.max())
         if top > self.newest_step:
-            self.newest_step = top
+            self.newest_step, self.newest_seq = top, self.ingest_seq
         self._reanchor()
         w = self.window
         valid = (steps >= 0) & (steps > self.newest_step - w) & (steps <= self.newest_step)
@@ -212,32 +216,28 @@ class RunState:
     REANCHOR_HEARD_S = 60.0
 
     def _reanchor(self) -> None:
-        """One outlier step number (10**12) must not blind the run: when fewer than half of the
-        ranks heard lately are at a step inside the window, the window moves back to the newest
-        step that more than half of them are within a window of (their latest rows' steps). A
-        real move (every rank resumed from an older checkpoint) re-anchors the same way."""
+        """One outlier step number (10**12) must not blind the run: when more than half of the
+        ranks heard lately have sent rows since the newest step was set, and every one of those
+        ranks' latest rows is outside the window (none followed it there), the window moves back
+        to where they are. Ranks shipping in turn (one rank's shipment moves the window, the
+        others' next ones follow it) and a laggard's backlog never do this. An honest move back
+        (every rank resumed from an older checkpoint) re-anchors the same way."""
         if self.newest_step < 0 or not self.ranks:
             return
-        recent = self.heard_at >= self.heard_at.max() - int(self.REANCHOR_HEARD_S * 1e9)
-        at = self.rank_last[recent & (self.rank_last >= 0)]
-        if not len(at):
-            return
+        recent = (self.rank_last >= 0) & (self.heard_at >= self.heard_at.max() - int(self.REANCHOR_HEARD_S * 1e9))
         lo = self.newest_step - self.window + 1
-        if 2 * int(((at >= lo) & (at <= self.newest_step)).sum()) > len(at):
+        since = recent & (self.rank_seq > self.newest_seq)
+        stale = since & ((self.rank_last < lo) | (self.rank_last > self.newest_step))
+        if 2 * int(stale.sum()) <= int(recent.sum()) or (since & ~stale).any():
             return
-        ls = np.sort(at)
-        k = len(ls) // 2  # k + 1 ranks are more than half
-        tops = ls[k:]
-        ok = np.nonzero(tops - ls[:len(ls) - k] < self.window)[0]
-        if not len(ok):
-            return
-        target = int(tops[ok[-1]])
+        at = self.rank_last[stale]
+        target = int(at[at <= np.median(at) + self.window].max())
         if target >= self.newest_step:
             return
         gone = self.slot_step > target
         self.slot_step[gone] = -1
         self.present[gone] = False
-        self.newest_step = target
+        self.newest_step, self.newest_seq = target, self.ingest_seq
         self.last_evaluated = min(self.last_evaluated, max(self.last_judged, target - self.window))
         self.reanchored += 1
 
@@ -257,6 +257,7 @@ class RunState:
         rank = self._admit(rank)
         if not (rank >= 0).any():
             return
+        self.ingest_seq += 1
         cols = {**cols, "rank": rank}
         self.last_row_ns = now_ns
         step = np.asarray(cols["step"], np.int64)
@@ -371,6 +372,7 @@ class RunState:
         np.maximum.at(self.seen_step, rank, step)
         stepped = step >= 0
         self.rank_last[rank[stepped]] = step[stepped]  # the latest row of each rank in the batch wins
+        self.rank_seq[rank[stepped]] = self.ingest_seq
         self.heard_at[rank] = now_ns
         pos = end_ns[end_ns > 0]
         if len(pos) and (self.first_ns <= 0 or int(pos.min()) < self.first_ns):

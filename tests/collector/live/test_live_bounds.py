@@ -193,3 +193,40 @@ def test_a_rank_never_heard_while_its_peers_report_is_named():
     assert fired == [(("unheard_rank", "1"), 26)]
     a = [x for x in ev.book.all() if x.signal == "unheard_rank"][0]
     assert "rank 1 of 4 was never heard from" in a.message and "ranks 0, 2, 3 wait in all_reduce" in a.message
+
+
+def _steps(rank: int, steps) -> dict:
+    steps = np.asarray(list(steps), np.int64)
+    n = len(steps)
+    z = np.zeros(n, np.int64)
+    return {"rank": np.full(n, rank, np.int32), "step": steps, "start_ns": steps * 10**7 + S, "duration_ns": z + 10**7,
+            "data_wait_ns": z, "forward_ns": z, "backward_ns": z, "optimizer_ns": z, "comm_exposed_ns": z,
+            "compute_ns": z, "tokens": z, "samples": z, "loss": np.full(n, np.nan),
+            "micro_batch": np.full(n, -1, np.int32), "micro_batches": np.full(n, -1, np.int32)}
+
+
+def test_ranks_shipping_in_turn_more_steps_than_the_window_do_not_re_anchor():
+    """Fast steps: one rank's shipment moves the window 100 steps on before the others ship theirs."""
+    st = LiveState(window=64)
+    st.ingest(Kind.RUN_START, "f", _run_start([0, 1, 2, 3], 4, S), S)
+    for base in (0, 100, 200):
+        for r in range(4):
+            st.ingest(Kind.STEP, "f", _steps(r, range(base, base + 100)), S + base)
+    run = st.runs["f"]
+    assert run.reanchored == 0 and run.newest_step == 299
+    assert run.present[[run.slot_of(s) for s in range(236, 300)]].all()
+
+
+def test_one_outlier_step_among_four_ranks_re_anchors_at_once():
+    st = LiveState(window=64)
+    st.ingest(Kind.RUN_START, "o", _run_start([0, 1, 2, 3], 4, S), S)
+    for r in range(4):
+        st.ingest(Kind.STEP, "o", _steps(r, range(0, 20)), S)
+    st.ingest(Kind.STEP, "o", _steps(2, [10**12]), S)
+    for s in range(20, 30):
+        for r in range(4):
+            st.ingest(Kind.STEP, "o", _steps(r, [s]), S)
+    run = st.runs["o"]
+    assert run.reanchored == 1 and run.newest_step == 29 and run.refused.get("step_outlier", 0) == 0
+    # from the third rank's row after the outlier on, every row is in (steps 21..29 complete)
+    assert run.present[[run.slot_of(s) for s in range(21, 30)]].all()
