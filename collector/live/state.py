@@ -174,7 +174,7 @@ class RunState:
         return self.world_size if self.world_size > 0 else self.ranks
 
     # -- slots ----------------------------------------------------------------------------
-    def _slots_for(self, steps: np.ndarray, now_ns: int) -> np.ndarray:
+    def _slots_for(self, steps: np.ndarray, now_ns: int, rank: np.ndarray | None = None) -> np.ndarray:
         """Slot index per row, or -1 for rows of steps outside the window (too old / negative /
         beyond where the ranks are, after a re-anchor). Vectorised: the window's W consecutive steps
         map to W distinct slots, so a row's slot (step % W) names its step; a slot holding an older
@@ -184,6 +184,11 @@ class RunState:
         top = int(steps.max())
         if top > self.newest_step:
             self.newest_step, self.newest_seq = top, self.ingest_seq
+            # the rank that sent it sent later rows (lower steps) in this same batch: it moved on
+            # already, so this batch's rows count as sent since (one shipment holding the outlier)
+            at = int(np.nonzero(steps == top)[0][-1])
+            if rank is not None and rank[at] >= 0 and (rank[at + 1:] == rank[at]).any():
+                self.newest_seq = self.ingest_seq - 1
         self._reanchor()
         w = self.window
         valid = (steps >= 0) & (steps > self.newest_step - w) & (steps <= self.newest_step)
@@ -270,7 +275,7 @@ class RunState:
             return
         if kind not in (Kind.STEP, Kind.COLLECTIVE, Kind.PIPE_INSTR, Kind.MEMORY, Kind.OFFLOAD, Kind.THROUGHPUT):
             return
-        slots = self._slots_for(step, now_ns)
+        slots = self._slots_for(step, now_ns, rank)
         keep = (slots >= 0) & (rank >= 0)
         self.rows_too_old += int(((slots < 0) & (rank >= 0) & (step <= self.newest_step)).sum())
         if not keep.any():

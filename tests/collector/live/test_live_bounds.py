@@ -230,3 +230,12 @@ def test_one_outlier_step_among_four_ranks_re_anchors_at_once():
     assert run.reanchored == 1 and run.newest_step == 29 and run.refused.get("step_outlier", 0) == 0
     # from the third rank's row after the outlier on, every row is in (steps 21..29 complete)
     assert run.present[[run.slot_of(s) for s in range(21, 30)]].all()
+
+
+def test_one_shipment_holding_an_outlier_step_re_anchors_within_it():
+    """One rank's one shipment (a fast plain loop): steps 0-4, 10**12, 6-33 in order."""
+    st = LiveState(window=64)
+    st.ingest(Kind.STEP, "one", _steps(0, [0, 1, 2, 3, 4, 10**12, *range(6, 34)]), S)
+    run = st.runs["one"]
+    assert run.newest_step == 33 and run.reanchored == 1 and run.refused == {"step_outlier": 1}
+    assert run.present[[run.slot_of(s) for s in (0, 4, 6, 33)], 0].all()
