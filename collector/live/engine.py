@@ -205,9 +205,13 @@ class Evaluator:
     def ready_steps(self, run: RunState, now_ns: int, *, final: bool = False) -> list[int]:
         """Steps to evaluate now, in order; counts the ones pushed out of the window unevaluated."""
         out = []
+        if run.skip_refund:  # an outlier step's jump, undone by a re-anchor: those were never steps
+            self.stats.steps_skipped = max(0, self.stats.steps_skipped - run.skip_refund)
+            run.skip_refund = 0
         lo = max(run.last_evaluated + 1, run.newest_step - run.window + 1)
         if lo > run.last_evaluated + 1 and run.last_evaluated >= 0:
             self.stats.steps_skipped += lo - run.last_evaluated - 1
+            run.skipped_recent += lo - run.last_evaluated - 1
             run.last_evaluated = lo - 1  # counted once
         expected = run.expected_ranks()
         for s in range(lo, run.newest_step + 1):

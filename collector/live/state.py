@@ -101,6 +101,8 @@ class RunState:
     rows_too_old: int = 0
     refused: dict[str, int] = field(default_factory=dict)  # rows refused, by reason
     reanchored: int = 0                 # times the window moved back to where the ranks are (an outlier step)
+    skipped_recent: int = 0             # steps the engine counted as skipped since newest_step last advanced
+    skip_refund: int = 0                # of those, the ones a re-anchor showed were never steps (the engine takes them back)
     last_row_ns: int = 0
     grow_ok: object = None              # LiveState's budget check: (extra bytes) -> bool
     # the engine's notes: the first rank a hang rule named, the first failure once named
@@ -184,6 +186,7 @@ class RunState:
         top = int(steps.max())
         if top > self.newest_step:
             self.newest_step, self.newest_seq = top, self.ingest_seq
+            self.skipped_recent = 0
             # the rank that sent it sent later rows (lower steps) in this same batch: it moved on
             # already, so this batch's rows count as sent since (one shipment holding the outlier)
             at = int(np.nonzero(steps == top)[0][-1])
@@ -243,6 +246,8 @@ class RunState:
         self.slot_step[gone] = -1
         self.present[gone] = False
         self.newest_step, self.newest_seq = target, self.ingest_seq
+        self.skip_refund += self.skipped_recent
+        self.skipped_recent = 0
         self.last_evaluated = min(self.last_evaluated, max(self.last_judged, target - self.window))
         self.reanchored += 1
 

@@ -239,3 +239,20 @@ def test_one_shipment_holding_an_outlier_step_re_anchors_within_it():
     run = st.runs["one"]
     assert run.newest_step == 33 and run.reanchored == 1 and run.refused == {"step_outlier": 1}
     assert run.present[[run.slot_of(s) for s in (0, 4, 6, 33)], 0].all()
+
+
+def test_an_outlier_step_is_not_counted_as_a_trillion_skipped_steps():
+    ev = Evaluator(parse(DEFAULTS_TOML), window=64, settle_s=0.0)
+    ev.ingest(Kind.RUN_START, "o", _run_start([0, 1, 2, 3], 4, S), S)
+    for r in range(4):
+        ev.ingest(Kind.STEP, "o", _steps(r, range(0, 20)), S)
+    ev.evaluate_ready(2 * S, 0.0, final=True)
+    ev.ingest(Kind.STEP, "o", _steps(2, [10**12]), 3 * S)
+    ev.evaluate_ready(3 * S, 0.0)  # judged while the outlier held the window: a huge skip, for now
+    for s in range(20, 30):
+        for r in range(4):
+            ev.ingest(Kind.STEP, "o", _steps(r, [s]), 4 * S)
+    ev.evaluate_ready(5 * S, 0.0, final=True)
+    run = ev.state.runs["o"]
+    assert run.reanchored == 1 and run.last_judged == 29
+    assert ev.stats.steps_skipped < 64, ev.stats.steps_skipped
