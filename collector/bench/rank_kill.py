@@ -146,7 +146,10 @@ def rank_kill(workdir: Path, *, via: str = "agent", nproc: int = 2, steps: int =
                          f"at least one survivor, and 0 < step < {steps}")
     workdir.mkdir(parents=True, exist_ok=True)
     rules = workdir / "rules.toml"
-    rules.write_text(DEFAULTS_TOML.replace("silent_s_above = 15", f"silent_s_above = {silent_s:g}"))
+    # silent_rank names every killed rank (its peers closed); first_failure, which would name only the
+    # first of ranks killed together, is off here
+    rules.write_text(DEFAULTS_TOML.replace("silent_s_above = 15", f"silent_s_above = {silent_s:g}")
+                     .replace('signal = "first_failure"', 'signal = "first_failure"\nenabled = false'))
     db = workdir / "rank-kill.duckdb"
     listen = f"unix://{workdir / 'collector.sock'}"
     collector = CollectorProcess(db, listen, extra_args=("--rules", str(rules), "--unclosed-after-s",

@@ -176,8 +176,9 @@ class Evaluator:
     def __init__(self, rules: Sequence[Rule], *, window: int = 64, baseline: str | None = None,
                  baseline_lookup: Callable[[str], judge.Baseline | None] | None = None,
                  step_deadline_s: float = 15.0, settle_s: float = 1.0, run_end_s: float = 60.0,
-                 cost: lost_mod.CostSettings | None = None) -> None:
+                 evict_after_s: float = 600.0, cost: lost_mod.CostSettings | None = None) -> None:
         self.cost = cost or lost_mod.CostSettings()
+        self.evict_after_s = evict_after_s
         self.lost_by_run: dict[str, lost_mod.RunLost] = {}
         self.settle_s = settle_s
         self.run_end_s = run_end_s
@@ -212,9 +213,13 @@ class Evaluator:
     def ready_steps(self, run: RunState, now_ns: int, *, final: bool = False) -> list[int]:
         """Steps to evaluate now, in order; counts the ones pushed out of the window unevaluated."""
         out = []
+        if run.skip_refund:  # an outlier step's jump, undone by a re-anchor: those were never steps
+            self.stats.steps_skipped = max(0, self.stats.steps_skipped - run.skip_refund)
+            run.skip_refund = 0
         lo = max(run.last_evaluated + 1, run.newest_step - run.window + 1)
         if lo > run.last_evaluated + 1 and run.last_evaluated >= 0:
             self.stats.steps_skipped += lo - run.last_evaluated - 1
+            run.skipped_recent += lo - run.last_evaluated - 1
             run.last_evaluated = lo - 1  # counted once
         expected = run.expected_ranks()
         for s in range(lo, run.newest_step + 1):
@@ -241,7 +246,7 @@ class Evaluator:
             for s in self.ready_steps(run, now_ns, final=final):
                 t0 = time.perf_counter()
                 changed += self.evaluate_step(run, s, now_ns, mono_s)
-                run.last_evaluated = s
+                run.last_evaluated = run.last_judged = s
                 self.stats.steps_evaluated += 1
                 ev = self.stats.eval_s
                 assert ev is not None
@@ -305,19 +310,134 @@ class Evaluator:
             # a run whose every rank fell silent for run_end_s has ended: resolve what it left firing
             last = int(run.hb_ns.max()) if run.ranks else 0
             if last and not run.ended and (now_ns - last) / 1e9 > self.run_end_s:
-                run.ended = True
+                run.ended, run.ended_at_ns = True, now_ns
                 changed += self.book.end_run(run.run_id, now_ns)
             elif last and (now_ns - last) / 1e9 <= self.run_end_s:
+                if run.ended:  # heard again (a spool's late delivery, a resumed run): judged afresh
+                    run.first_failure, run.hang_named = None, -1
                 run.ended = False
+            # its live state goes once nothing was heard of it for evict_after_s (the collector's
+            # clock): an ended run's, and a run's that never beat
+            if (now_ns - run.last_row_ns) / 1e9 > self.evict_after_s and (run.ended or not last):
+                changed += self.book.end_run(run.run_id, now_ns)
+                self.state.evict(run.run_id)
+                self.lost_by_run.pop(run.run_id, None)
+                self.gauges_by_run.pop(run.run_id, None)
+        has_first_failure = any(r.signal == "first_failure" for r in self.timer_rules)
         for rule in self.timer_rules:
             if rule.signal in ("silent_rank", "stuck_collective"):
                 for run in list(self.state.runs.values()):
-                    changed += self.book.update(rule, run.run_id, self._hang_obs(rule, run, now_ns), -1, now_ns, True)
+                    if run.ended:
+                        continue
+                    got = self.book.update(rule, run.run_id, self._hang_obs(rule, run, now_ns, has_first_failure),
+                                           -1, now_ns, True)
+                    for a in got:
+                        if a.state == FIRING and run.hang_named < 0 and "rank" in a.labels:
+                            run.hang_named = int(a.labels["rank"])
+                    changed += got
+            elif rule.signal in ("first_failure", "unheard_rank"):
+                for run in list(self.state.runs.values()):
+                    if run.ended:
+                        continue
+                    obs = self._first_failure_obs(rule, run, now_ns) if rule.signal == "first_failure" \
+                        else self._unheard_obs(rule, run, now_ns)
+                    changed += self.book.update(rule, run.run_id, obs, -1, now_ns, True)
             else:
                 changed += self._gpu_rule(rule, now_ns)
         return changed
 
-    def _hang_obs(self, rule: Rule, run: RunState, now_ns: int) -> list[judge.Obs]:
+    @staticmethod
+    def _ranks_text(ranks) -> str:
+        ranks = [int(r) for r in ranks]
+        shown = ", ".join(map(str, ranks[:8]))
+        return shown + (f" (and {len(ranks) - 8} more)" if len(ranks) > 8 else "")
+
+    @staticmethod
+    def _pending_text(run: RunState, r: int) -> str:
+        op = str(run.hb_op[r])
+        return f"in {op} (role {run.hb_role[r]})" if op else "in no collective"
+
+    def _first_failure_obs(self, rule: Rule, run: RunState, now_ns: int) -> list[judge.Obs]:
+        """The run stopped (every rank heard either closed cleanly, or silent past the threshold) and
+        at least one rank ended without its clean close, or a rank of its world size was never
+        heard: the rank that went first is named, once. First: a rank never heard; else the rank
+        not closed whose latest row (heartbeat, step or collective, its own clock) is the earliest.
+        Not named when a hang rule already named the run's culprit before it stopped."""
+        if run.first_failure is not None:
+            return [run.first_failure]
+        if not run.ranks or run.hang_named >= 0:
+            return []
+        last = np.maximum(run.hb_ns, run.seen_ns)
+        heard = last > 0
+        if not heard.any():
+            return []
+        closed = heard & (run.hb_phase == "closed")
+        unclosed = np.nonzero(heard & ~closed)[0]
+        world = run.world_size
+        never = [r for r in range(min(world, run.ranks)) if not heard[r]] + list(range(run.ranks, world))
+        if not len(unclosed) and not never:
+            return []  # every rank closed: the run is over
+        if len(unclosed) and (now_ns - last[unclosed]).min() / 1e9 <= rule.threshold:
+            return []  # a rank still beats: the run has not stopped (silent_rank / unheard_rank judge it)
+        if not len(unclosed) and (now_ns - last[heard]).min() / 1e9 <= rule.threshold:
+            return []  # the last ranks closed just now: wait as long for the never-heard one
+        stopped_s = float((now_ns - last[heard]).min() / 1e9)
+        after = [f"ranks {self._ranks_text(unclosed)} ended without their clean close"] if len(unclosed) else []
+        if never:
+            first = never[0]
+            what = (f"rank {first} of {world} failed first: it was never heard from (no heartbeat, no row)"
+                    + (f"; ranks {self._ranks_text(never[1:])} neither" if len(never) > 1 else ""))
+            step = -1
+        else:
+            first = int(unclosed[np.argmin(last[unclosed])])
+            rest = [r for r in unclosed.tolist() if r != first]
+            lead = (float(last[rest].min() - last[first]) / 1e9) if rest else math.nan
+            step = int(max(run.seen_step[first], run.hb_step[first]))
+            phase = str(run.hb_phase[first]) or "unknown"
+            what = (f"rank {first} failed first: ended without its clean close, last heard at step {step} "
+                    f"(phase {phase}, {self._pending_text(run, first)})"
+                    + (f", {lead:.1f} s before any other rank" if rest else ""))
+            after = [f"ranks {self._ranks_text(rest)} ended without their clean close after it"] if rest else []
+        if closed.any():
+            after.append(f"ranks {self._ranks_text(np.nonzero(closed)[0])} closed")
+        labels = {"rank": str(first)}
+        stage = int(run.stage[first]) if first < run.ranks else -1
+        if stage >= 0:
+            labels["stage"] = str(stage)
+        msg = what + (f"; then {'; '.join(after)}" if after else "") + f"; the run stopped {stopped_s:.0f} s ago"
+        if step >= 0:
+            labels["step"] = str(step)
+        run.first_failure = judge.Obs("rank", labels, stopped_s, True, msg)
+        return [run.first_failure]
+
+    def _unheard_obs(self, rule: Rule, run: RunState, now_ns: int) -> list[judge.Obs]:
+        """Ranks of the run's world size never heard from (no row of any kind) while peers are heard,
+        the threshold after the run's first row: each is named (up to 16), with the peers waiting."""
+        world = run.world_size
+        if world <= 0 or not run.first_ns:
+            return []
+        last = np.maximum(run.hb_ns, run.seen_ns)
+        heard = last > 0
+        never = [r for r in range(min(world, run.ranks)) if not heard[r]] + list(range(run.ranks, world))
+        if not never:
+            return []
+        alive = np.nonzero(heard & (run.hb_phase != "closed") & ((now_ns - last) / 1e9 <= rule.threshold))[0]
+        since_s = (now_ns - run.first_ns) / 1e9
+        if not len(alive) or since_s <= rule.threshold:
+            return []
+        waiting = [int(r) for r in alive if run.hb_op[r]]
+        ops = sorted({f"{run.hb_op[r]} (role {run.hb_role[r]})" for r in waiting})
+        wait = (f"; ranks {self._ranks_text(waiting)} wait in {', '.join(ops)}, a collective it never joined"
+                if waiting else "")
+        more = f" ({len(never)} ranks never heard)" if len(never) > 1 else ""
+        out = []
+        for r in never[:16]:
+            out.append(judge.Obs("rank", {"rank": str(r)}, since_s, True,
+                                 f"rank {r} of {world} was never heard from: no heartbeat or row in {since_s:.0f} s "
+                                 f"since the run's first, while ranks {self._ranks_text(alive)} report{more}{wait}"))
+        return out
+
+    def _hang_obs(self, rule: Rule, run: RunState, now_ns: int, defer_stopped: bool = False) -> list[judge.Obs]:
         heard = np.nonzero(run.hb_ns > 0)[0]
         # a rank whose last heartbeat is its clean close (phase "closed") ended: it is never silent, so
         # silent_rank judges the ranks that did not close alone (one killed while its peers closed is
@@ -328,10 +448,11 @@ class Evaluator:
             heard = heard[run.hb_phase[heard] != "closed"]
         if len(heard) == 0:
             return []
+        stopped = (now_ns - run.hb_ns[heard]).min() / 1e9 > rule.threshold
         # a run whose every rank fell silent without any closing has ended (or died whole): nothing
-        # to single out
-        if (now_ns - run.hb_ns[heard]).min() / 1e9 > rule.threshold and rule.signal == "silent_rank" \
-                and not len(closed):
+        # to single out here; with a first_failure rule on, a run that stopped is that rule's to
+        # judge (it names the rank that went first, once)
+        if stopped and rule.signal == "silent_rank" and (defer_stopped or not len(closed)):
             return []
         big = 1e18
         silent_s = rule.threshold if rule.signal == "silent_rank" else big
@@ -349,6 +470,8 @@ class Evaluator:
             if stage >= 0:
                 labels["stage"] = str(stage)
             if h.kind == "silent" and rule.signal == "silent_rank":
+                if defer_stopped and not self._others_beat_after(run, heard, h.rank, rule.threshold / 2):
+                    continue  # its peers went quiet with it: a run stopping, first_failure's to judge
                 others = (f"without its clean close, while rank(s) {', '.join(map(str, closed.tolist()))} closed"
                           if len(closed) else "while the others still beat")
                 out.append(judge.Obs("rank", labels, h.seconds, True,
@@ -360,6 +483,13 @@ class Evaluator:
                                      f"rank {h.rank} is stuck in {h.op} (role {h.role}) for {h.seconds:.0f} s at step "
                                      f"{h.step}{wait}"))
         return out
+
+    @staticmethod
+    def _others_beat_after(run: RunState, heard: np.ndarray, rank: int, margin_s: float) -> bool:
+        """Another rank not closed beat at least margin_s after `rank`'s last heartbeat: it lived on
+        while `rank` was silent (ranks a launcher ended a moment after it did not)."""
+        others = heard[heard != rank]
+        return bool(len(others)) and int(run.hb_ns[others].max()) >= int(run.hb_ns[rank]) + int(margin_s * 1e9)
 
     def _gpu_rule(self, rule: Rule, now_ns: int) -> list[Alert]:
         obs = []

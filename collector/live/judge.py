@@ -171,6 +171,23 @@ def _straggler_cost(f: Figures, i: int) -> str:
             f"{lost.step_ms:.0f} ms step") if rate else ""
 
 
+DATA_PACER_MS = 20.0
+
+
+def _data_pacer(f: Figures) -> str:
+    """'; the ranks wait on rank 2's data loading ...' where the rank that set the step's pace was
+    late by its data wait more than by its compute (lost.py): the others' wait is not the network."""
+    lost = f.lost
+    if lost is None or lost.pacer < 0:
+        return ""
+    i = int(np.nonzero(f.view.rank == lost.pacer)[0][0])
+    data_ms = float(lost.data_gpu_ms[i]) / max(1, lost.gpus)
+    # its data wait made it late (more than compute did), and by a share of the step worth saying
+    if lost.data_gpu_ms[i] <= lost.straggler_gpu_ms[i] or not data_ms >= max(DATA_PACER_MS, 0.1 * f.step_ms_p50):
+        return ""
+    return f"; the wait is rank {lost.pacer}'s data loading ({data_ms:.0f} ms a step), not the network"
+
+
 def _rank_labels(rank: int, stage: int) -> dict[str, str]:
     out = {"rank": str(rank)}
     if stage >= 0:
@@ -210,10 +227,25 @@ def observe(rule: Rule, f: Figures, baseline: Baseline | None = None) -> list[Ob
                    f"{_straggler_cost(f, i)}")
             out.append(Obs("rank", _rank_labels(r, st), float(sc.excess_ms[i]), True, msg))
         return out
+    if s == "data_stall":
+        data_ms = _ms(v.cols["data_wait_ns"].clip(min=0))
+        sc = sg.straggler_scores(v.stage, data_ms, f.wait_ms)
+        flags = sg.stragglers(sc, f.wait_ms, excess_ms=rule.threshold, ratio=rule.params.get("data_ratio_above", 2.0),
+                              z=rule.params.get("z_above", 3.5))
+        for i in np.nonzero(flags)[0]:
+            r, st = int(v.rank[i]), int(v.stage[i])
+            where = f"stage {st}" if st >= 0 else "the run"
+            msg = (f"rank {r} waits {data_ms[i]:.0f} ms a step for its data loader, {sc.excess_ms[i]:.0f} ms more than "
+                   f"the median of {where}'s other ranks ({sc.others_compute_ms[i]:.0f} ms) for {{steps}} steps, while "
+                   f"they wait {sc.others_wait_ms[i]:.0f} ms in collectives for it (it waits {f.wait_ms[i]:.0f} ms): "
+                   f"a data-loader straggler; the cause is data, not the network")
+            out.append(Obs("rank", {**_rank_labels(r, st), "cause": "data"}, float(sc.excess_ms[i]), True, msg))
+        return out
     if s == "grad_sync":
         val = f.grad_sync_p99_ms
         msg = (f"grad-sync p99 across ranks {val:.0f} ms (p50 {f.grad_sync_p50_ms:.0f} ms) at step {v.step}, "
-               f"above {rule.threshold:g} ms for {{steps}} steps (DP gradient reductions of {sg.GRAD_MIN_BYTES}+ bytes)")
+               f"above {rule.threshold:g} ms for {{steps}} steps (DP gradient reductions of {sg.GRAD_MIN_BYTES}+ bytes)"
+               f"{_data_pacer(f)}")
         return [Obs("run", {}, val, rule.breached(val), msg)]
     if s == "comm_share":
         if rule.scope == "rank":
@@ -224,7 +256,8 @@ def observe(rule: Rule, f: Figures, baseline: Baseline | None = None) -> list[Ob
                 out.append(Obs("rank", _rank_labels(int(v.rank[i]), int(v.stage[i])), val, rule.breached(val), msg))
             return out
         val = f.comm_share
-        msg = f"exposed communication is {val:.0%} of step time (above {rule.threshold:.0%}) for {{steps}} steps"
+        msg = (f"exposed communication is {val:.0%} of step time (above {rule.threshold:.0%}) for {{steps}} steps"
+               f"{_data_pacer(f)}")
         return [Obs("run", {}, val, rule.breached(val), msg)]
     if s == "bubble":
         imb, slow, fast = f.imbalance

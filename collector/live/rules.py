@@ -66,9 +66,24 @@ SIGNALS: dict[str, SignalSpec] = {s.name: s for s in (
         Key("compute_ratio_above", "param", lo=1.0, lo_open=True, doc="compute / the others' median"),
         Key("z_above", "param", lo=0.0, lo_open=True, doc="robust z-score of compute, with 5+ ranks a stage"),
     ), doc="per step: computes longest (excess, ratio, z) and waits less than the others of its stage"),
+    SignalSpec("data_stall", ("rank",), (
+        Key("excess_ms_above", "above", doc="data wait beyond the stage's other ranks' median, ms"),
+        Key("data_ratio_above", "param", lo=1.0, lo_open=True, doc="data wait / the others' median"),
+        Key("z_above", "param", lo=0.0, lo_open=True, doc="robust z-score of data wait, with 5+ ranks a stage"),
+    ), doc="per step: waits longest for its data loader (STEP.data_wait_ns) and less than the others in "
+           "collectives (they wait for it): cause data, not the network"),
     SignalSpec("silent_rank", ("rank",), (
         Key("silent_s_above", "above", lo=0.0, lo_open=True, doc="seconds since the rank's last heartbeat"),
     ), time_based=True, doc="no heartbeat past a deadline"),
+    SignalSpec("first_failure", ("rank",), (
+        Key("silent_s_above", "above", lo=0.0, lo_open=True,
+            doc="the run stopped: every rank closed, or silent this long; then the first to go is named"),
+    ), time_based=True, doc="when a run's ranks fall silent or end uncleanly, the rank that went first (a rank "
+                            "never heard, else the earliest last heard of those without a clean close), once"),
+    SignalSpec("unheard_rank", ("rank",), (
+        Key("unheard_s_above", "above", lo=0.0, lo_open=True,
+            doc="seconds since the run's first row with a rank of its world size not heard from"),
+    ), time_based=True, doc="a rank of the run's world size (RUN_START) never heard from while its peers are"),
     SignalSpec("stuck_collective", ("rank",), (
         Key("stuck_s_above", "above", lo=0.0, lo_open=True, doc="seconds inside one collective"),
     ), time_based=True, doc="stuck in one collective while the others moved on; the blocked ranks named as waiting"),
@@ -459,6 +474,14 @@ z_above = 3.5
 for_steps = 5                 # a rank descheduled for a few steps on a busy host is not a straggler
 severity = "warning"
 
+[rule.data_stall]
+signal = "data_stall"         # a rank's data loader paces the step (cause: data, not the network)
+excess_ms_above = 50          # waits this much longer for its data than its stage's other ranks' median
+data_ratio_above = 2.0        # ... and this many times their median (z-score too, with 5+ ranks a stage)
+z_above = 3.5
+for_steps = 3
+severity = "warning"
+
 [rule.silent_rank]
 signal = "silent_rank"
 silent_s_above = 15
@@ -467,6 +490,16 @@ severity = "critical"
 [rule.stuck_collective]
 signal = "stuck_collective"
 stuck_s_above = 30
+severity = "critical"
+
+[rule.first_failure]
+signal = "first_failure"      # the run stopped (ranks killed, ended by the launcher): who went first
+silent_s_above = 15           # every rank closed or silent this long (a rank killed while its peers
+severity = "critical"         # live on is silent_rank's)
+
+[rule.unheard_rank]
+signal = "unheard_rank"       # a rank of the world size (RUN_START) never heard while its peers are
+unheard_s_above = 15
 severity = "critical"
 
 [rule.grad_sync]

@@ -36,8 +36,13 @@ FIELDS = (
 F = {name: i for i, name in enumerate(FIELDS)}
 _STEP_COLS = FIELDS[:10]
 _REDUCE_INSTR = ("ReduceGrads", "ReduceTiedGrads")
-MAX_SIGS = 63
-MAX_RANKS = 1 << 16  # rows naming a larger rank are dropped (counted): memory stays bounded  # distinct (op, role) pairs a run may have in its signature bitmask
+MAX_SIGS = 63  # distinct (op, role) pairs a run may have in its signature bitmask
+#: The largest world size taken from a RUN_START row (larger claims are capped): with the window
+#: arrays sized by the ranks actually heard, one run's state stays under W x 14 KiB x this.
+MAX_WORLD = 1 << 15
+#: Ranks a run may grow to before any RUN_START row said its world size (the hooks send it before
+#: their first STEP row; an early heartbeat of a higher rank is refused, counted, and the next taken).
+PROVISIONAL_RANKS = 4096
 
 
 def _strings(col) -> np.ndarray:
@@ -78,11 +83,31 @@ class RunState:
     hb_op: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
     hb_role: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
     hb_phase: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
+    # heard: per rank, the latest time (its own clock) and step of any row, and the step of its
+    # latest row (where it is now, for re-anchoring the window after an outlier step)
+    seen_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    seen_step: np.ndarray = field(default_factory=lambda: np.full(0, -1, np.int64))
+    rank_last: np.ndarray = field(default_factory=lambda: np.full(0, -1, np.int64))
+    heard_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # the collector's clock
+    rank_seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # ingest_seq of its latest row
+    ingest_seq: int = 0                 # batches ingested into this run
+    newest_seq: int = 0                 # the batch that last moved newest_step forward
+    first_ns: int = 0                   # the earliest row of the run (ranks' clocks; 0: none yet)
     newest_step: int = -1
     last_evaluated: int = -1
+    last_judged: int = -1               # the newest step actually judged (last_evaluated also moves past skips)
     ended: bool = False                 # every rank silent for the engine's run_end_s
+    ended_at_ns: int = 0
     rows_too_old: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # rows refused, by reason
+    reanchored: int = 0                 # times the window moved back to where the ranks are (an outlier step)
+    skipped_recent: int = 0             # steps the engine counted as skipped since newest_step last advanced
+    skip_refund: int = 0                # of those, the ones a re-anchor showed were never steps (the engine takes them back)
     last_row_ns: int = 0
+    grow_ok: object = None              # LiveState's budget check: (extra bytes) -> bool
+    # the engine's notes: the first rank a hang rule named, the first failure once named
+    hang_named: int = -1
+    first_failure: object = None
 
     def __post_init__(self) -> None:
         w = self.window
@@ -97,11 +122,29 @@ class RunState:
         self.slot_micro_batches = np.full(w, -1, np.int64)
 
     # -- sizing ---------------------------------------------------------------------------
-    def ensure_ranks(self, n: int) -> None:
+    def rank_limit(self) -> int:
+        """Ranks this run may hold: its world size once a RUN_START said it, else PROVISIONAL_RANKS."""
+        return self.world_size if self.world_size > 0 else PROVISIONAL_RANKS
+
+    def refuse(self, reason: str, n: int) -> None:
+        if n:
+            self.refused[reason] = self.refused.get(reason, 0) + int(n)
+
+    def bytes_per_rank(self) -> int:
+        return self.window * (len(FIELDS) * 8 + 1 + 8) + 8 * 10 + 5 * 8
+
+    def ensure_ranks(self, n: int) -> bool:
+        """Grow the per-rank arrays to hold ranks < n (doubling, within rank_limit and the live
+        state's budget); False when they cannot."""
         if n <= self.ranks:
-            return
-        n = max(n, self.ranks * 2 if self.ranks else n)
+            return True
+        limit = self.rank_limit()
+        if n > limit:
+            return False
+        n = min(limit, max(n, self.ranks * 2 if self.ranks else n))
         extra = n - self.ranks
+        if callable(self.grow_ok) and not self.grow_ok(extra * self.bytes_per_rank()):
+            return False
         more = np.zeros((self.window, len(FIELDS), extra))
         more[:, F["tokens_per_s"]] = np.nan
         self.data = np.concatenate([self.data, more], axis=2)
@@ -115,28 +158,44 @@ class RunState:
         self.hb_since = np.concatenate([self.hb_since, np.full(extra, -1, np.int64)])
         for name in ("hb_op", "hb_role", "hb_phase"):
             setattr(self, name, np.concatenate([getattr(self, name), np.full(extra, "", object)]))
+        self.seen_ns = np.concatenate([self.seen_ns, np.zeros(extra, np.int64)])
+        self.heard_at = np.concatenate([self.heard_at, np.zeros(extra, np.int64)])
+        self.seen_step = np.concatenate([self.seen_step, np.full(extra, -1, np.int64)])
+        self.rank_last = np.concatenate([self.rank_last, np.full(extra, -1, np.int64)])
+        self.rank_seq = np.concatenate([self.rank_seq, np.zeros(extra, np.int64)])
         self.ranks = n
+        return True
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.data, self.present, self.sigmask, self.stage, self.hostname, self.started, self.hb_ns, self.hb_step,
-                                      self.hb_since, self.hb_op, self.hb_role, self.hb_phase))
+                                      self.hb_since, self.hb_op, self.hb_role, self.hb_phase, self.seen_ns, self.heard_at,
+                                      self.seen_step, self.rank_last))
 
     def expected_ranks(self) -> int:
         return self.world_size if self.world_size > 0 else self.ranks
 
     # -- slots ----------------------------------------------------------------------------
-    def _slots_for(self, steps: np.ndarray, now_ns: int) -> np.ndarray:
-        """Slot index per row, or -1 for rows of steps outside the window (too old / negative).
-        Vectorised: the window's W consecutive steps map to W distinct slots, so a row's slot
-        (step % W) names its step; a slot holding an older step is reset for the new one."""
+    def _slots_for(self, steps: np.ndarray, now_ns: int, rank: np.ndarray | None = None) -> np.ndarray:
+        """Slot index per row, or -1 for rows of steps outside the window (too old / negative /
+        beyond where the ranks are, after a re-anchor). Vectorised: the window's W consecutive steps
+        map to W distinct slots, so a row's slot (step % W) names its step; a slot holding an older
+        step is reset for the new one."""
         if not len(steps):
             return np.full(0, -1, np.int64)
         top = int(steps.max())
         if top > self.newest_step:
-            self.newest_step = top
+            self.newest_step, self.newest_seq = top, self.ingest_seq
+            self.skipped_recent = 0
+            # the rank that sent it sent later rows (lower steps) in this same batch: it moved on
+            # already, so this batch's rows count as sent since (one shipment holding the outlier)
+            at = int(np.nonzero(steps == top)[0][-1])
+            if rank is not None and rank[at] >= 0 and (rank[at + 1:] == rank[at]).any():
+                self.newest_seq = self.ingest_seq - 1
+        self._reanchor()
         w = self.window
-        valid = (steps >= 0) & (steps > self.newest_step - w)
+        valid = (steps >= 0) & (steps > self.newest_step - w) & (steps <= self.newest_step)
+        self.refuse("step_outlier", int((steps > self.newest_step).sum()))
         slots = np.where(valid, steps % w, -1)
         if not valid.any():
             return slots
@@ -161,6 +220,37 @@ class RunState:
         self.slot_last_ns[us] = now_ns
         return slots
 
+    #: ranks last heard longer ago than this (the collector's clock) do not say where the run is
+    REANCHOR_HEARD_S = 60.0
+
+    def _reanchor(self) -> None:
+        """One outlier step number (10**12) must not blind the run: when more than half of the
+        ranks heard lately have sent rows since the newest step was set, and every one of those
+        ranks' latest rows is outside the window (none followed it there), the window moves back
+        to where they are. Ranks shipping in turn (one rank's shipment moves the window, the
+        others' next ones follow it) and a laggard's backlog never do this. An honest move back
+        (every rank resumed from an older checkpoint) re-anchors the same way."""
+        if self.newest_step < 0 or not self.ranks:
+            return
+        recent = (self.rank_last >= 0) & (self.heard_at >= self.heard_at.max() - int(self.REANCHOR_HEARD_S * 1e9))
+        lo = self.newest_step - self.window + 1
+        since = recent & (self.rank_seq > self.newest_seq)
+        stale = since & ((self.rank_last < lo) | (self.rank_last > self.newest_step))
+        if 2 * int(stale.sum()) <= int(recent.sum()) or (since & ~stale).any():
+            return
+        at = self.rank_last[stale]
+        target = int(at[at <= np.median(at) + self.window].max())
+        if target >= self.newest_step:
+            return
+        gone = self.slot_step > target
+        self.slot_step[gone] = -1
+        self.present[gone] = False
+        self.newest_step, self.newest_seq = target, self.ingest_seq
+        self.skip_refund += self.skipped_recent
+        self.skipped_recent = 0
+        self.last_evaluated = min(self.last_evaluated, max(self.last_judged, target - self.window))
+        self.reanchored += 1
+
     def slot_of(self, step: int) -> int:
         slot = step % self.window
         return slot if int(self.slot_step[slot]) == step else -1
@@ -172,23 +262,27 @@ class RunState:
             return
         rank = np.asarray(cols["rank"], np.int64)
         if kind == Kind.RUN_START:
-            self._run_start(rank, cols)
+            self._run_start(rank, cols, now_ns)
             return
-        if rank.max() >= MAX_RANKS:
-            self.rows_too_old += int((rank >= MAX_RANKS).sum())
-            rank = np.where(rank >= MAX_RANKS, -1, rank)
-            cols = {**cols, "rank": rank}
-        if rank.max() >= 0:
-            self.ensure_ranks(int(rank.max()) + 1)
+        rank = self._admit(rank)
+        if not (rank >= 0).any():
+            return
+        self.ingest_seq += 1
+        cols = {**cols, "rank": rank}
         self.last_row_ns = now_ns
+        step = np.asarray(cols["step"], np.int64)
+        end = np.asarray(cols["start_ns"], np.int64) + np.maximum(np.asarray(cols["duration_ns"], np.int64), 0)
+        self._heard(rank, end, step, now_ns)
         if kind == Kind.HEARTBEAT:
-            self._heartbeat(rank, cols)
+            ok = rank >= 0
+            self._heartbeat(rank[ok], {k: (v[0][ok], v[1]) if isinstance(v, tuple) else np.asarray(v)[ok]
+                                       for k, v in cols.items()})
             return
         if kind not in (Kind.STEP, Kind.COLLECTIVE, Kind.PIPE_INSTR, Kind.MEMORY, Kind.OFFLOAD, Kind.THROUGHPUT):
             return
-        slots = self._slots_for(np.asarray(cols["step"], np.int64), now_ns)
+        slots = self._slots_for(step, now_ns, rank)
         keep = (slots >= 0) & (rank >= 0)
-        self.rows_too_old += int((~keep).sum())
+        self.rows_too_old += int(((slots < 0) & (rank >= 0) & (step <= self.newest_step)).sum())
         if not keep.any():
             return
         slots, rank = slots[keep], rank[keep]
@@ -262,14 +356,57 @@ class RunState:
                 ubits[j] = (1 << bit) if bit is not None else 0
             np.bitwise_or.at(self.sigmask, (slots[~p2p], rank[~p2p]), ubits[inv])
 
-    def _run_start(self, rank: np.ndarray, cols: dict) -> None:
-        ok = (rank >= 0) & (rank < MAX_RANKS)
+    def _admit(self, rank: np.ndarray) -> np.ndarray:
+        """The rows' ranks, -1 where refused (counted by reason): negative, outside the run's world
+        size (or beyond PROVISIONAL_RANKS before it is known), or beyond the live state's budget."""
+        bad = rank < 0
+        self.refuse("negative_rank", int(bad.sum()))
+        limit = self.rank_limit()
+        out = rank >= limit
+        if out.any():
+            self.refuse("rank_outside_world" if self.world_size > 0 else "rank_before_world_size", int(out.sum()))
+        rank = np.where(bad | out, -1, rank)
+        top = int(rank.max())
+        if top >= self.ranks and not self.ensure_ranks(top + 1):
+            over = rank >= self.ranks
+            self.refuse("live_state_full", int(over.sum()))
+            rank = np.where(over, -1, rank)
+        return rank
+
+    def _heard(self, rank: np.ndarray, end_ns: np.ndarray, step: np.ndarray, now_ns: int) -> None:
+        ok = rank >= 0
+        rank, end_ns, step = rank[ok], end_ns[ok], step[ok]
+        if not len(rank):
+            return
+        np.maximum.at(self.seen_ns, rank, end_ns)
+        np.maximum.at(self.seen_step, rank, step)
+        stepped = step >= 0
+        self.rank_last[rank[stepped]] = step[stepped]  # the latest row of each rank in the batch wins
+        self.rank_seq[rank[stepped]] = self.ingest_seq
+        self.heard_at[rank] = now_ns
+        pos = end_ns[end_ns > 0]
+        if len(pos) and (self.first_ns <= 0 or int(pos.min()) < self.first_ns):
+            self.first_ns = int(pos.min())
+
+    def _run_start(self, rank: np.ndarray, cols: dict, now_ns: int = 0) -> None:
+        world = np.minimum(np.asarray(cols["world_size"], np.int64), MAX_WORLD)
+        ok = (rank >= 0) & (rank < world)
+        self.refuse("rank_outside_world", int((~ok).sum()))
+        self.refuse("world_size_capped", int((np.asarray(cols["world_size"], np.int64) > MAX_WORLD).sum()))
         rank = rank[ok]
         cols = {k: (v[0][ok], v[1]) if isinstance(v, tuple) else np.asarray(v)[ok] for k, v in cols.items()}
         if not len(rank):
             return
-        self.ensure_ranks(int(min(MAX_RANKS - 1, max(rank.max(), np.max(cols["world_size"]) - 1))) + 1)
-        self.world_size = max(self.world_size, int(np.max(cols["world_size"])))
+        self.world_size = max(self.world_size, int(world[ok].max()))
+        if not self.ensure_ranks(int(rank.max()) + 1):
+            keep = rank < self.ranks
+            self.refuse("live_state_full", int((~keep).sum()))
+            rank = rank[keep]
+            cols = {k: (v[0][keep], v[1]) if isinstance(v, tuple) else np.asarray(v)[keep] for k, v in cols.items()}
+            if not len(rank):
+                return
+        start = np.asarray(cols["start_ns"], np.int64)
+        self._heard(rank, start, np.full(len(rank), -1, np.int64), now_ns)
         self.dp = int(np.max(cols["dp"])) or 1
         self.pp = int(np.max(cols["pp"])) or 1
         self.tp = int(np.max(cols["tp"])) or 1
@@ -327,6 +464,10 @@ class GpuState:
 
 #: NVML clocks-event reasons counted as thermal/power throttling: HW slowdown (0x8), SW power cap
 #: (0x4), SW thermal (0x20), HW thermal (0x40), HW power brake (0x80).
+#: The live state's memory budget over all runs: a run that would grow past it refuses the rows of
+#: its new ranks (counted `live_state_full`); 16,384 ranks x 64 steps take 235 MB.
+MAX_LIVE_BYTES = 2 << 30
+
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 MAX_XIDS = 64
 
@@ -334,18 +475,39 @@ MAX_XIDS = 64
 class LiveState:
     """All runs' state, plus the agents' GPUs (node-level rows carry the run of the agent's batch)."""
 
-    def __init__(self, window: int = 64) -> None:
+    def __init__(self, window: int = 64, max_bytes: int = MAX_LIVE_BYTES) -> None:
         if window < 2:
             raise ValueError("the live window must hold at least 2 steps")
         self.window = window
+        self.max_bytes = max_bytes
         self.runs: dict[str, RunState] = {}
         self.gpus: dict[tuple[str, int], GpuState] = {}
+        self.evicted = 0
 
     def run(self, run_id: str) -> RunState:
         r = self.runs.get(run_id)
         if r is None:
             r = self.runs[run_id] = RunState(run_id, self.window)
+            r.grow_ok = self._grow_ok
         return r
+
+    def _grow_ok(self, extra_bytes: int) -> bool:
+        return self.nbytes + extra_bytes <= self.max_bytes
+
+    def evict(self, run_id: str) -> None:
+        """Drop an ended run's state (its alerts and stored rows stay)."""
+        if self.runs.pop(run_id, None) is not None:
+            self.evicted += 1
+
+    def refused(self) -> dict[str, int]:
+        """Rows refused by reason, over the runs held (and the runs' too-old rows)."""
+        out: dict[str, int] = {}
+        for r in self.runs.values():
+            for k, v in r.refused.items():
+                out[k] = out.get(k, 0) + v
+            if r.rows_too_old:
+                out["step_too_old"] = out.get("step_too_old", 0) + r.rows_too_old
+        return out
 
     def ingest(self, kind: Kind, run_id: str, cols: dict, now_ns: int) -> None:
         if kind == Kind.GPU_SAMPLE:

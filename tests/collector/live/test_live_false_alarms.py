@@ -1,4 +1,4 @@
-"""No straggler alarm on clean runs: a clean PP2 x DP2 run of 400 steps and one where every rank
+"""No straggler (nor data stall, first failure, unheard, silent or stuck) alarm on clean runs: a clean PP2 x DP2 run of 400 steps and one where every rank
 enters its gradient reduction 100 ms late (a balanced comm delay: everyone waits, nobody
 straggles), 2,000 rank-steps in all, judged live by the built-in rules."""
 
@@ -37,6 +37,10 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
         time.sleep(2.5)  # the last steps settle and are judged
         strag = sql(c.addr, "SELECT run_id, rank, first_step, message FROM alerts WHERE signal = 'straggler'").to_pylist()
         assert strag == []
+        # nor any other fault judgment: both runs ended with every rank's clean close
+        faults = sql(c.addr, "SELECT run_id, signal, rank, message FROM alerts WHERE signal IN ('data_stall', "
+                             "'first_failure', 'unheard_rank', 'silent_rank', 'stuck_collective')").to_pylist()
+        assert faults == []
         # ...and the engine was judging: another rule fired on the clean run (exposed comm is >30% on
         # gloo CPU runs; the balanced run's delay is a sleep, not comm, so its share depends on the
         # machine's load and is not asserted), and the view names no rank of either run a straggler.
