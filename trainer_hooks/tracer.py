@@ -224,9 +224,8 @@ class Tracer:
         # a unix-socket endpoint (the node agent): hand each finished step over (trainer_hooks/emitter.py)
         self._handover_s = _handover_s(self.endpoint)
         self.recorder.record = self.shipper.record
-        # steps completed vs STEP rows acked, where a neighbour reads them after a SIGKILL (progress.py)
-        # (only for the shipper the Tracer made to a real endpoint: not an injected transport or
-        # sink, whose runs are tests and in-process tools)
+        # steps completed vs acked, read by a neighbour after a SIGKILL (progress.py); only for a
+        # shipper made here to a real endpoint (an injected transport or sink is a test or a tool)
         if shipper is None and transport is None and hasattr(self.shipper, "on_acked"):
             self.progress = progress.Progress(self.run_id, self.rank, self.shipper.source_id)
             self.shipper.on_acked(self.progress.on_acked)
@@ -383,10 +382,8 @@ class Tracer:
             rec.hook_error("offload", e)
 
     def close(self) -> None:
-        """Restore the collectives, stop the emitter, flush (up to close_timeout_s). Idempotent.
-
-        Not calling it loses nothing either: at interpreter exit and on SIGTERM/SIGINT the hooks
-        flush within TRACETOP_EXIT_FLUSH_S (trainer_hooks/shutdown.py)."""
+        """Restore the collectives, stop the emitter, flush (up to close_timeout_s). Idempotent. Not
+        calling it loses nothing either: exit and SIGTERM/SIGINT flush too (shutdown.py)."""
         self._close_within(None)
 
     def _close_within(self, deadline: float | None) -> None:

@@ -45,7 +45,7 @@ def launcher_teardown(workdir: Path, *, nproc: int = 4, pp: int = 2, steps: int 
     """Run the scenario and count (see the module doc). ``env``: more variables for the ranks (e.g.
     ``TRACETOP_HANDOVER_S=0``, to see the survivors' exit flush alone)."""
     from collector.bench.loadgen import CollectorProcess
-    from collector.bench.rank_kill import _read_jsonl, _sql
+    from collector.bench.rank_kill import read_jsonl, sql
     from collector.live.rules import DEFAULTS_TOML
     from tracetop import procs
 
@@ -104,9 +104,9 @@ def launcher_teardown(workdir: Path, *, nproc: int = 4, pp: int = 2, steps: int 
             agent = None
         deadline = time.monotonic() + max(silent_s, unclosed_after_s) + 60
         while time.monotonic() < deadline:
-            unclosed = _sql(listen, f"SELECT rank, reason, dropped FROM gap WHERE run_id = '{run_id}' AND reason "
+            unclosed = sql(listen, f"SELECT rank, reason, dropped FROM gap WHERE run_id = '{run_id}' AND reason "
                                     "LIKE 'unclosed:%' ORDER BY rank")
-            alerts = _sql(listen, f"SELECT rank, signal FROM alerts WHERE run_id = '{run_id}' ORDER BY first_ns")
+            alerts = sql(listen, f"SELECT rank, signal FROM alerts WHERE run_id = '{run_id}' ORDER BY first_ns")
             if kill_rank in {u["rank"] for u in unclosed} and kill_rank in {a["rank"] for a in alerts}:
                 break
             time.sleep(0.5)
@@ -116,7 +116,7 @@ def launcher_teardown(workdir: Path, *, nproc: int = 4, pp: int = 2, steps: int 
         time.sleep(1.0)
         collector_rc = collector.stop()
     return _count(db, run_id, rank_dir, nproc, kill_rank, kill_step, unclosed, alerts, rc=rc, output=output,
-                  via=via, elapsed=elapsed, collector_rc=collector_rc, read_jsonl=_read_jsonl)
+                  via=via, elapsed=elapsed, collector_rc=collector_rc, read_jsonl=read_jsonl)
 
 
 def _count(db: Path, run_id: str, rank_dir: Path, nproc: int, kill_rank: int, kill_step: int, unclosed: list[dict],

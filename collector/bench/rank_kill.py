@@ -53,7 +53,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
@@ -65,7 +65,7 @@ def _read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def _sql(addr: str, query: str) -> list[dict]:
+def sql(addr: str, query: str) -> list[dict]:
     from collector.query.readonly import from_ipc
     from tracetop.wire import tracetop_pb2 as pb
     from tracetop.wire import tracetop_pb2_grpc as pb_grpc
@@ -113,7 +113,7 @@ def launch_ranks(workdir: Path, endpoints: list[str], run_id: str, *, steps: int
     return {
         "rc": {r: p.returncode for r, (p, _) in enumerate(procs)},
         "exit_unix_s": exit_unix_s,
-        "steps": {r: _read_jsonl(rank_dir / f"rank{r}.jsonl") for r in range(nproc)},
+        "steps": {r: read_jsonl(rank_dir / f"rank{r}.jsonl") for r in range(nproc)},
         "output": {r: (workdir / f"rank{r}.out").read_text(errors="replace") for r in range(nproc)},
     }
 
@@ -182,9 +182,9 @@ def rank_kill(workdir: Path, *, via: str = "agent", nproc: int = 2, steps: int =
         # the collector's own judgments: the unclosed rows (after unclosed_after_s) and the silent-rank alerts
         deadline = time.monotonic() + max(silent_s, unclosed_after_s) + 60
         while time.monotonic() < deadline:
-            unclosed = _sql(listen, f"SELECT rank, step, reason, origin_source, dropped, kind FROM gap WHERE "
+            unclosed = sql(listen, f"SELECT rank, step, reason, origin_source, dropped, kind FROM gap WHERE "
                                     f"run_id = '{run_id}' AND reason LIKE 'unclosed:%' ORDER BY rank")
-            alerts = _sql(listen, f"SELECT rank, state, message FROM alerts WHERE run_id = '{run_id}' AND "
+            alerts = sql(listen, f"SELECT rank, state, message FROM alerts WHERE run_id = '{run_id}' AND "
                                   "signal = 'silent_rank' ORDER BY first_ns")
             if {u["rank"] for u in unclosed} >= set(kill_ranks) and {a["rank"] for a in alerts} >= set(kill_ranks):
                 break

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from tracetop.errors import TracetopError
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.codec import source_key, source_of_key
 from tracetop.wire.ledger import DropLedger
@@ -35,7 +36,7 @@ log = logging.getLogger("tracetop.shipper")
 UNREADABLE_SUFFIX = ".unreadable"
 
 
-class SpoolWriteError(OSError):
+class SpoolWriteError(TracetopError, OSError):
     """A batch could not be written to the spool (nothing of it is left there)."""
 
 
@@ -118,7 +119,7 @@ def check_owned(folder: Path) -> None:
                               f"{stat.S_IMODE(st.st_mode):o}); run `chmod go-w {folder}` or give --spool-dir another")
 
 
-class SpoolOwnerError(OSError):
+class SpoolOwnerError(TracetopError, OSError):
     """A spool folder this user does not own alone (see ``check_owned``)."""
 
 
