@@ -435,10 +435,23 @@ def _v10_post(con) -> None:
 _v10.post = _v10_post  # type: ignore[attr-defined]  # run by migrate() after _v10's statements
 
 
+def _v11() -> list[str]:
+    """memory_headroom's used_bytes is the step's peak where the hooks give one (peak_bytes), else
+    what is allocated, else the RSS: the pressure a budget is about (activations are freed by the
+    step's end, so an RSS sample there read 410 MiB of a step that peaked at 729 MiB of 700). The
+    live memory rule and the controller read the same."""
+    used = ("CASE WHEN peak_bytes > 0 THEN peak_bytes WHEN allocated_bytes > 0 THEN allocated_bytes "
+            "ELSE rss_bytes END")
+    return [f"""CREATE OR REPLACE VIEW memory_headroom AS
+        SELECT run_id, step, rank, {used} AS used_bytes, budget_bytes,
+               CASE WHEN budget_bytes > 0 THEN ({used}) / budget_bytes END AS used_of_budget
+        FROM memory WHERE step >= 0"""]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11]
 STORE_VERSION = len(MIGRATIONS)
 
 

@@ -113,7 +113,11 @@ def step_figures(v: StepView, *, loss_window: int = 16, cost: lost_mod.CostSetti
         budgets = sg.bubble_budget(v.stage, dur, _ms(c["forward_ns"] + c["backward_ns"]), _ms(c["p2p_ns"]),
                                    c["p2p_bytes"], v.best_p2p_bytes_per_ns * 1e6, _ms(c["reduce_ns"]),
                                    _ms(c["optimizer_ns"]))
-    used = np.where(c["allocated_bytes"] > 0, c["allocated_bytes"], c["rss_bytes"])
+    # the step's peak where the hooks give one (the pressure a budget is about: activations are
+    # freed by the step's end, so an RSS sample there read 410 MiB of a step that peaked at 729),
+    # else what is allocated, else the RSS
+    used = np.where(c["peak_bytes"] > 0, c["peak_bytes"],
+                    np.where(c["allocated_bytes"] > 0, c["allocated_bytes"], c["rss_bytes"]))
     losses = c["loss"][~np.isnan(c["loss"])]
     loss = float(losses[0]) if len(losses) else NAN
     spike, med = sg.loss_spike(v.loss_history, loss, loss_window)
@@ -313,8 +317,9 @@ def observe(rule: Rule, f: Figures, baseline: Baseline | None = None) -> list[Ob
         frac = sg.memory_used_of_budget(f.memory_used, budget)
         for i in _worth(rule, frac):
             val = float(frac[i])
+            peak = " at its step's peak" if v.cols["peak_bytes"][i] > 0 else ""
             msg = (f"rank {int(v.rank[i])} uses {f.memory_used[i] / 2**20:.0f} MiB of its {budget[i] / 2**20:.0f} MiB "
-                   f"budget ({val:.0%}, above {rule.threshold:.0%}) at step {v.step}")
+                   f"budget{peak} ({val:.0%}, above {rule.threshold:.0%}) at step {v.step}")
             out.append(Obs("rank", _rank_labels(int(v.rank[i]), int(v.stage[i])), val, rule.breached(val), msg))
         return out
     if s == "offload_bandwidth":

@@ -248,17 +248,18 @@ def test_what_a_rank_sent_never_reaches_the_terminal_as_escapes(collector):
     import os
     import pty
 
+    collector.stop()  # (the module's collector may be stopped already) the file, as after a run
     sql_text = f"SELECT {HOSTILE} AS hostname, 1 AS n"
-    table = _tt("--collector", collector.addr, sql_text)
+    table = _tt(str(collector.db), sql_text)
     assert table.returncode == 0, table.stderr
     assert not any(ch in table.stdout for ch in "\x1b\x07\x9b") and "\ufffd[2J\ufffd]52;c;aGk=\ufffdnode\ufffd\ufffd1" in table.stdout
-    js = _tt("--collector", collector.addr, "--json", sql_text)
+    js = _tt("--json", str(collector.db), sql_text)
     assert "\x1b" not in js.stdout and json.loads(js.stdout)[0]["hostname"].startswith("\x1b[2J")  # escaped, exact
-    exact = _tt("--collector", collector.addr, "--csv", sql_text)
+    exact = _tt("--csv", str(collector.db), sql_text)
     assert "\x1b]52;c;aGk=\x07node" in exact.stdout  # a file or a pipe gets the data as it is
     main, sub = pty.openpty()
     try:
-        r = subprocess.run([*TT, "--collector", collector.addr, "--csv", sql_text], cwd=ROOT, stdout=sub,
+        r = subprocess.run([*TT, "--csv", str(collector.db), sql_text], cwd=ROOT, stdout=sub,
                            stderr=subprocess.PIPE, timeout=120)
         os.close(sub)
         sub = -1

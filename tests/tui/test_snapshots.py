@@ -45,7 +45,7 @@ def test_rank_detail_of_the_straggler(snap_compare) -> None:
     async def run_before(pilot) -> None:
         await _loaded(pilot)
         await pilot.press("2")
-        pilot.app.drill(("rank", int(pilot.app.query_one("#ranks-side").get_row_at(0)[0])))
+        pilot.app.drill(("rank", int(str(pilot.app.query_one("#ranks-side").get_row_at(0)[0]))))  # a Text cell
         await wait_for(pilot, lambda: pilot.app.detail is not None, what="the rank's detail")
         await pilot.pause()
 
