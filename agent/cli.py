@@ -4,7 +4,10 @@
                    [--metrics-port N] [--spool-dir DIR --spool-max-mb N]
 
 Hooks on this node find the agent through TRACETOP_ENDPOINT, or, when that is unset, the default
-socket unix:///tmp/tracetop-agent.sock (tracetop/env.py DEFAULT_AGENT_SOCKET) if it exists.
+socket ($XDG_RUNTIME_DIR/tracetop/agent.sock, else /tmp/tracetop-<uid>/agent.sock: tracetop/env.py
+default_agent_socket) if it exists. The agent creates that folder 0700 and refuses one another user
+could control; the hooks check the folder and the listener's uid (SO_PEERCRED) before trusting it
+(tracetop/wire/local.py).
 
 `--fake-gpus N` replaces NVML with the fake backend shipped in agent/fake_nvml.py (N fake GPUs):
 a test and demo aid for machines without GPUs, never for production.
@@ -27,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--listen",
         action="append",
         default=None,
-        help=f"where hooks ship to: unix:///PATH or 127.0.0.1:PORT; repeatable (default {env.DEFAULT_AGENT_SOCKET})",
+        help=f"where hooks ship to: unix:///PATH or 127.0.0.1:PORT; repeatable (default {env.default_agent_socket()})",
     )
     p.add_argument("--interval-s", type=float, default=1.0, help="sampling interval in seconds (default 1)")
     p.add_argument(
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = AgentConfig(
         auth=auth,
         collector=env.collector(args.collector),
-        listen=args.listen or [env.DEFAULT_AGENT_SOCKET],
+        listen=args.listen or [env.default_agent_socket()],
         interval_s=args.interval_s,
         metrics_port=args.metrics_port,
         metrics_addr=args.metrics_addr,

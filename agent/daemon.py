@@ -41,7 +41,7 @@ def safe_id(text: str, limit: int = 64) -> str:
 @dataclass
 class AgentConfig:
     collector: str
-    listen: list[str] = field(default_factory=lambda: [env.DEFAULT_AGENT_SOCKET])
+    listen: list[str] = field(default_factory=lambda: [env.default_agent_socket()])
     interval_s: float = 1.0
     metrics_port: int | None = None
     metrics_addr: str = "127.0.0.1"

@@ -39,11 +39,14 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
 
+from tracetop import env
 from tracetop.errors import ListenError
+from tracetop.wire import local
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.codec import Rejection, parse_batch, receive, seq_ahead
 from tracetop.wire.shipper import Sink
@@ -75,9 +78,19 @@ def unix_path(listen: str) -> str | None:
 
 
 def _prepare_unix_socket(path: str) -> None:
-    """Remove a stale socket file (left by a killed agent); refuse if an agent still listens there."""
+    """Make the socket's folder this user's alone (created 0700; an existing one must be a real
+    folder of this user's or root's that nobody else may write: the hooks trust no other, see
+    tracetop/wire/local.py), remove a stale socket file (left by a killed agent), and refuse if an
+    agent still listens there."""
+    folder = Path(os.path.abspath(path)).parent
+    try:
+        if not folder.exists() or str(folder) == env.default_agent_dir():
+            local.ensure_private_dir(folder)
+        else:
+            local.check_folder(folder)
+    except local.LocalPeerError as e:
+        raise ListenError(f"{e} (the hooks would not trust a socket there)") from None
     if not os.path.exists(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         return
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(0.5)

@@ -10,8 +10,10 @@ import os
 
 TRACETOP_ENDPOINT = "TRACETOP_ENDPOINT"
 """Where hooks ship events: an agent socket (``unix:///run/tracetop/agent.sock``) or a collector
-address (``127.0.0.1:7000``, ``unix:///tmp/c.sock``). Default: DEFAULT_AGENT_SOCKET if that socket
-exists, else DEFAULT_COLLECTOR."""
+address (``127.0.0.1:7000``, ``unix:///tmp/c.sock``). Default: default_agent_socket() if that socket
+exists, else the collector (TRACETOP_COLLECTOR, DEFAULT_COLLECTOR). A unix socket is used only if no
+other user could control it (its folder and its listener: tracetop/wire/local.py); else the hooks
+ship to the collector, and say so."""
 
 TRACETOP_RUN_ID = "TRACETOP_RUN_ID"
 """The run every event belongs to (1-128 chars of ``[A-Za-z0-9._:-]``). Default: derived from the
@@ -24,7 +26,8 @@ TRACETOP_COLLECTOR = "TRACETOP_COLLECTOR"
 """Where the TUI and ``tracetop query --collector`` look for a collector. Default: DEFAULT_COLLECTOR."""
 
 TRACETOP_SPOOL_DIR = "TRACETOP_SPOOL_DIR"
-"""The agent's disk spool folder. Default: ``/var/tmp/tracetop-spool``."""
+"""The agent's disk spool folder. Default: ``/var/tmp/tracetop-spool-<uid>``, created 0700; a folder
+that is a symlink, another user's, or writable by others is refused."""
 
 TRACETOP_HEARTBEAT_S = "TRACETOP_HEARTBEAT_S"
 """Seconds between a rank's heartbeats. Default: 5."""
@@ -121,8 +124,9 @@ collector's and the report's ``--price-per-gpu-hour``: lost GPU-hours are then s
 The flag wins, then this variable, then the rules file's ``[cost] price_per_gpu_hour``. Default: none."""
 
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
-DEFAULT_AGENT_SOCKET = "unix:///tmp/tracetop-agent.sock"
-DEFAULT_SPOOL_DIR = "/var/tmp/tracetop-spool"
+DEFAULT_SPOOL_DIR = f"/var/tmp/tracetop-spool-{os.geteuid()}"
+"""One per user: a shared name lets one user's folder (refused: tracetop/wire/spool.py check_owned)
+stop another's agent."""
 DEFAULT_HEARTBEAT_S = 5.0
 DEFAULT_HANDOVER_S = 0.5
 DEFAULT_FRESH_SHIP_S = 1.0
@@ -157,9 +161,24 @@ def endpoint(explicit: str | None = None) -> str:
     value = get(TRACETOP_ENDPOINT)
     if value:
         return value
-    if os.path.exists(DEFAULT_AGENT_SOCKET[len("unix://") :]):
-        return DEFAULT_AGENT_SOCKET
+    agent = default_agent_socket()
+    if os.path.exists(agent[len("unix://") :]):
+        return agent
     return DEFAULT_COLLECTOR
+
+
+def default_agent_dir() -> str:
+    """The node agent's default socket folder, one per user: ``$XDG_RUNTIME_DIR/tracetop`` where
+    that is set, else ``/tmp/tracetop-<uid>`` (the agent creates it 0700; tracetop/wire/local.py)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isabs(runtime):
+        return os.path.join(runtime, "tracetop")
+    return f"/tmp/tracetop-{os.geteuid()}"
+
+
+def default_agent_socket() -> str:
+    """``unix://`` address of the agent's default socket: ``agent.sock`` in default_agent_dir()."""
+    return f"unix://{default_agent_dir()}/agent.sock"
 
 
 def collector(explicit: str | None = None) -> str:

@@ -508,10 +508,23 @@ def _make_shipper(run_id: str, rank: int, endpoint: str | None, transport: Trans
         max_unacked_bytes = _buffer_bytes()
     if max_unacked_bytes is not None:
         kw["max_unacked_bytes"] = max_unacked_bytes
-    target = None if transport is not None else tenv.endpoint(endpoint)
+    target = None if transport is not None else trusted_endpoint(tenv.endpoint(endpoint), rank)
     if transport is None:
         kw.update(client_auth())  # TRACETOP_TOKEN_FILE / TRACETOP_TLS_*: a closed collector
     return Shipper(target, run_id=run_id, rank=rank, transport=transport, **kw)
+
+
+def trusted_endpoint(endpoint: str, rank: int) -> str:
+    """``endpoint``, or the collector when it is a unix socket another user could control (its
+    folder, its listener's uid: tracetop/wire/local.py): the hooks then send it neither their token
+    nor a report, and take no command from it. Said once, counted (``local.refused()``)."""
+    from tracetop.wire import local
+
+    target, reason = local.trusted(endpoint, tenv.collector())
+    if reason is not None and local.refused() == 1:
+        log.warning("trainer_hooks: rank %d does not trust %s and ships to %s instead: %s", rank, endpoint, target,
+                    reason)
+    return target
 
 
 def _handover_s(endpoint: str | None) -> float:
