@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("collector.export.timeline", "the file as a Perfetto/chrome://tracing timeline (--perfetto) or Parquet (--parquet)"),
     "plan": ("reference_trainer.plan_cli", "parallelism planner: ranked TP x PP x DP plans, memory per GPU, launch commands"),
     "control": ("collector.control.control_cli", "send a command to a running job: set-micro-batch, offload, approve, reject, rollback"),
+    "token": ("tracetop.wire.token_cli", "the ranks' ingest-only token, derived from the operator's --token-file"),
     "actions": ("collector.control.actions_cli", "every action of the closed loop and its life (from a file or a collector)"),
 }
 

@@ -9,8 +9,12 @@ Roles, by RPC:
 - ``ingest``: Ingest.* and Control.Subscribe / Poll / Report (what trainers' hooks and agents call);
 - ``query``: Query.* (the TUI, ``tracetop query --collector``) and ``/metrics``;
 - ``control``: every other Control method (issuing, approving, rejecting commands).
-The ingest token (``--token-file``) grants ingest and query; with ``--query-token-file`` it grants
-ingest only (the ranks' credential), and queries need the query (or control) token. Control needs the control token
+The operator's token (``--token-file``) grants ingest and query; with ``--query-token-file`` it grants
+ingest only, and queries need the query (or control) token. The ranks need not hold it: each token
+T of the file has an ingest-only twin, ``ingest_token(T)`` (an HMAC-SHA256 of a fixed label keyed by
+T, printed by ``tracetop token ingest --token-file T``), which the collector accepts for ingest and
+nothing else (a query with it is PERMISSION_DENIED, naming the token to use); a rank's environment
+then leaks no right to read the data or to command the run, and the twin changes when T is rotated. Control needs the control token
 (``--control-token-file``) where the collector has one; a collector with a token file but no control
 token file refuses commands from everyone, so an ingest token leaked from a trainer's environment can
 never change a run.
@@ -20,6 +24,7 @@ Tokens never appear in logs or messages: errors name the file, never its content
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import stat
@@ -34,6 +39,17 @@ HEADER = "authorization"
 _PREFIX = "Bearer "
 #: Control methods any ingest caller may use (rank 0's hooks listen for commands and report back).
 _CONTROL_FOR_INGEST = {"Subscribe", "Poll", "Report"}
+
+
+#: what an ingest-only token is derived from (ingest_token); changing it changes every such token
+_INGEST_LABEL = b"tracetop ingest-only token v1"
+INGEST_PREFIX = "tti1-"
+
+
+def ingest_token(token: str) -> str:
+    """The ingest-only twin of an operator's token (see the module doc): ``tti1-`` and 64 hex digits.
+    One-way: it tells nothing of ``token``."""
+    return INGEST_PREFIX + hmac.new(token.encode(), _INGEST_LABEL, hashlib.sha256).hexdigest()
 
 
 class AuthSetupError(TracetopError, ValueError):
@@ -97,6 +113,7 @@ class ServerAuth:
     tls_client_ca: bytes | None = None  # set: mutual TLS, clients must present a cert it signed
     token_required: bool = False
     tls_paths: tuple[str | None, str | None, str | None] = (None, None, None)  # cert, key, client CA (for /metrics)
+    ingest_only: frozenset[str] = frozenset()  # the ranks' derived tokens (ingest_token): in tokens[INGEST] only
 
     @classmethod
     def from_files(
@@ -118,6 +135,7 @@ class ServerAuth:
         if control_token_file and not token_file:
             raise AuthSetupError("--control-token-file needs --token-file too (the token for ingest and queries)")
         tokens: dict[str, frozenset[str]] = {}
+        ingest_only: frozenset[str] = frozenset()
         if token_file:
             ingest = read_tokens(token_file, "--token-file")
             tokens = {INGEST: ingest, QUERY: ingest, CONTROL: frozenset()}
@@ -136,6 +154,8 @@ class ServerAuth:
                     raise AuthSetupError("--query-token-file and --token-file share a token; the point of a query "
                                          "token is that the ranks' token may not query")
                 tokens[QUERY] = query | tokens[CONTROL]
+            ingest_only = frozenset(ingest_token(t) for t in ingest)
+            tokens[INGEST] = tokens[INGEST] | ingest_only
         return cls(
             tokens=tokens,
             tls_cert=read_pem(tls_cert, "--tls-cert") if tls_cert else None,
@@ -143,6 +163,7 @@ class ServerAuth:
             tls_client_ca=read_pem(tls_client_ca, "--tls-client-ca") if tls_client_ca else None,
             token_required=bool(token_file),
             tls_paths=(tls_cert, tls_key, tls_client_ca),
+            ingest_only=ingest_only,
         )
 
     @property
@@ -180,6 +201,15 @@ class ServerAuth:
             return (f"{method} commands a run; this collector takes commands only with a control token, "
                     "and none is configured (--control-token-file)")
         if not any(hmac.compare_digest(token.encode(), ok.encode()) for ok in allowed):
+            if role != INGEST and any(hmac.compare_digest(token.encode(), ok.encode()) for ok in self.ingest_only):
+                what, use = "commands a run", "the control token (--control-token-file)"
+                if role == QUERY:
+                    operator = self.tokens.get(INGEST, frozenset()) - self.ingest_only
+                    what = "reads the data"
+                    use = ("the operator's token (the collector's --token-file)" if operator & self.tokens.get(QUERY, frozenset())
+                           else "the query token (--query-token-file)")
+                return (f"{method} {what}: an ingest-only token (the ranks' `tracetop token ingest`) may not; "
+                        f"use {use}")
             if role == CONTROL and any(hmac.compare_digest(token.encode(), ok.encode()) for ok in self.tokens.get(INGEST, ())):
                 return f"{method} commands a run: the ingest token may not; use the control token"
             if role == QUERY and any(hmac.compare_digest(token.encode(), ok.encode()) for ok in self.tokens.get(INGEST, ())):
