@@ -222,6 +222,14 @@ async def start(
 
     control, control_servicer = control_loop.make_service(con, config.command_ttl_s)
     pb_grpc.add_ControlServicer_to_server(control_servicer, server)
+    committed = writer.on_commit
+
+    def on_commit(batches) -> None:  # the control path learns each hooks' start's run and rank
+        control.heard(batches)
+        if committed is not None:
+            committed(batches)
+
+    writer.on_commit = on_commit
     try:
         creds = auth.server_credentials()
         port = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)

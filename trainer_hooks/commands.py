@@ -328,6 +328,15 @@ class CommandBus:
                 self._channel = self._auth.channel(trusted_endpoint(self._target(), getattr(self.t, "rank", -1)))
         return self._channel
 
+    def _source_key(self) -> str:
+        """This rank's shipper start (its source id and epoch, as the collector keys it): the
+        collector counts a report, and hands a command, only to a start it heard ship this run's rows."""
+        from tracetop.wire.codec import source_key
+
+        sh = getattr(self.t, "shipper", None)
+        sid, epoch = getattr(sh, "source_id", ""), getattr(sh, "epoch", 0)
+        return source_key(sid, int(epoch or 0)) if sid else ""
+
     def _metadata(self) -> tuple:
         auth = getattr(self, "_auth", None)
         return tuple(auth.metadata()) if auth is not None else ()
@@ -348,7 +357,8 @@ class CommandBus:
         while not self._stop.wait(wait_s):
             try:
                 stub = pb_grpc.ControlStub(self._make_channel())
-                batch = stub.Poll(pb.SubscribeRequest(run_id=self.t.run_id, rank=self.t.rank), timeout=10,
+                batch = stub.Poll(pb.SubscribeRequest(run_id=self.t.run_id, rank=self.t.rank,
+                                                      source_key=self._source_key()), timeout=10,
                                   metadata=self._metadata())
                 for cmd in batch.commands:
                     self._take(cmd)
@@ -406,6 +416,7 @@ class CommandBus:
             while self._outbox:
                 cid, applied, step, message, stage, mb, mbs = self._outbox[0]
                 status = pb.CommandStatus(command_id=cid, run_id=self.t.run_id, rank=self.t.rank, applied=applied,
+                                          source_key=self._source_key(),
                                           step=step, message=message, stage=stage, micro_batch=mb, micro_batches=mbs)
                 for attempt in range(5):
                     try:

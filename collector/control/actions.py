@@ -101,12 +101,21 @@ def report(action: Action, r: RankReport, applied: bool, now_ns: int) -> None:
         action.state, action.done_ns, action.marked_lost = "lost", now_ns, True
         action.outcome = f"rank 0: {r.message}"
         return
+    # counted incrementally (a rank's later report replaces its earlier one): summing over every
+    # final at each report made a command to 16,384 ranks cost O(n^2), ~10 s of the event loop
+    old = action.finals.get(r.rank)
+    for x, d in ((old, -1), (r, 1)):
+        if x is None:
+            continue
+        if x.stage == "applied":
+            action.ranks_applied += d
+        elif x.stage == "refused":
+            action.ranks_refused += d
+        elif x.stage in ("undone", "undo_failed"):
+            action.ranks_undone += d
     action.finals[r.rank] = r
     action.marked_lost = late
     f = action.finals.values()
-    action.ranks_applied = sum(1 for x in f if x.stage == "applied")
-    action.ranks_refused = sum(1 for x in f if x.stage == "refused")
-    action.ranks_undone = sum(1 for x in f if x.stage in ("undone", "undo_failed"))
     action.step = r.step if r.step >= 0 else action.step
     if len(action.finals) < action.ranks_expected:
         if action.state in ("approved", "sent", "lost"):

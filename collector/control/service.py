@@ -1,9 +1,21 @@
 """The collector's Control service: actions in (a person, or the controller), commands out to
 rank 0's hooks (``Poll``, or a held ``Subscribe`` stream), every rank's status back (``Report``), the `actions` table.
 
-Everything runs on the collector's event loop thread; the `actions` / `action_ranks` rows are
-written through a cursor of their own (DuckDB allows it beside the writer thread's; the tables
-are the control path's alone), at every change, so the file always shows each action's state.
+Requests run on the collector's event loop thread; the `actions` / `action_ranks` rows are written
+off it, by one thread of the control path's own with a cursor of its own (DuckDB allows it beside
+the ingest writer's; the tables are the control path's alone), in batches: every change is queued
+and the thread writes all that is queued in one transaction (a command to 16k ranks brings 32k
+reports: written on the loop, one statement each, they held ingest up for minutes). ``Submit``
+answers only once its change is written, so the file shows an action's state when the caller hears it.
+
+Who may report, and who is handed a command (the ranks hold only an ingest credential, so these are
+checked here): a report counts toward an action only when its rank is inside the run's world size
+and its ``source_key`` (the rank's shipper start) is one the collector heard ship this run's rows
+as this rank (``heard``, fed by the writer's commits; after a collector restart, until the start is
+heard again, a start the file's ``sources`` table knows); any other report is refused, counted
+(``reports_refused``) and logged once per reason. A command is handed only to a rank 0 start heard
+before it was approved: a job restarted under the same run id (a new start) does not receive its
+predecessor's commands, which are marked lost, saying so.
 
 A command is refused at once, with the reason, and nothing is stored or sent, when the run is
 unknown (no RUN_START rows), or the run cannot apply it (see ``check.refusal``).
@@ -14,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
@@ -40,19 +54,159 @@ class ControlError(TracetopError):
         self.message = message
 
 
+#: the most shipper starts whose (run, rank) is kept for the report check; past it the least
+#: recently heard go (a forgotten start falls back to the file's `sources` table)
+MAX_SOURCES = 1 << 18
+#: the most Subscribe streams one run may hold (each a queue); more are refused, counted
+MAX_SUBSCRIBERS_PER_RUN = 64
+
+
 class ControlService:
-    def __init__(self, con, *, ttl_s: float = DEFAULT_TTL_S, clock_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(self, con, *, ttl_s: float = DEFAULT_TTL_S, clock_ns: Callable[[], int] = time.time_ns,
+                 max_sources: int = MAX_SOURCES) -> None:
         self._cur = con.cursor()
+        self._wcur = con.cursor()  # the writing thread's
         self.ttl_ns = int(ttl_s * 1e9)
         self._clock_ns = clock_ns
         self.actions: dict[str, act.Action] = {}
         self.subscribers: dict[str, set[asyncio.Queue]] = defaultdict(set)
         self.listeners: list[Callable[[act.Action], None]] = []  # the controller hears of changes
         self._next_id = 1
+        # shipper start (codec.source_key) -> (run_id, rank, collector ns when first heard)
+        self.max_sources = max_sources
+        self._sources: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+        self._sources_lock = threading.Lock()
+        # writes queued for the writing thread: action_ranks rows, and the latest row of each changed action
+        self._q_lock = threading.Lock()
+        self._q_ranks: list[list] = []
+        self._q_actions: dict[str, tuple] = {}
+        self._q_future: Future | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tracetop-control-write")
+        self.counts = {"reports": 0, "reports_refused": 0, "subscribers_refused": 0, "writes": 0,
+                       "commands_withheld": 0}
+        self._warned: set[str] = set()
         self._load()
 
     def close(self) -> None:
+        self.flush()
+        self._pool.shutdown(wait=True)
         self._cur.close()
+        self._wcur.close()
+
+    # ------------------------------------------------------------------ who is who
+    def heard(self, batches: Iterable) -> None:
+        """The writer committed these batches (its thread): note each hooks' start's run and rank."""
+        now = self._clock_ns()
+        for b in batches:
+            if getattr(b.kind, "name", "") not in ("HEARTBEAT", "RUN_START"):
+                continue
+            col = b.columns.get("rank")
+            if col is None or isinstance(col, tuple) or len(col) == 0:
+                continue
+            self.note_source(b.key, b.run_id, int(col[0]), now)
+
+    def note_source(self, key: str, run_id: str, rank: int, first_ns: int) -> None:
+        with self._sources_lock:
+            known = self._sources.get(key)
+            if known is not None:
+                self._sources.move_to_end(key)
+                return
+            self._sources[key] = (run_id, rank, first_ns)
+            while len(self._sources) > self.max_sources:
+                self._sources.popitem(last=False)
+
+    def _source(self, key: str) -> tuple[str, int, int] | None:
+        """(run_id, rank, first heard ns) of a start; ("", -1, first_seen_ns) for one only the file's
+        `sources` table knows (heard before a collector restart); None for a start never heard."""
+        if not key:
+            return None
+        with self._sources_lock:
+            known = self._sources.get(key)
+        if known is not None:
+            return known
+        row = self._cur.execute("SELECT first_seen_ns FROM sources WHERE source_id = ?", [key]).fetchone()
+        return ("", -1, int(row[0])) if row else None
+
+    def _refuse_report(self, why: str, s: pb.CommandStatus) -> None:
+        self.counts["reports_refused"] += 1
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning("collector: a report for action %r of run %r as rank %d is not counted: %s (counted in "
+                        "reports_refused; logged once)", s.command_id, s.run_id, s.rank, why)
+
+    def _report_refusal(self, s: pb.CommandStatus, a: act.Action) -> str | None:
+        if not 0 <= s.rank < max(1, a.ranks_expected):
+            return f"rank outside the run's world size ({a.ranks_expected})"
+        src = self._source(s.source_key)
+        if src is None:
+            return "its source_key is not a shipper start this collector heard (a report needs the rank's own)"
+        run, rank, _ = src
+        if run and (run != s.run_id or rank != s.rank):
+            return "its source_key ships another run's or another rank's rows"
+        return None
+
+    def _for_predecessor(self, a: act.Action, source_key: str) -> bool:
+        """True when the polling rank 0 is a start first heard after ``a`` was approved: a job
+        restarted under the same run id, which must not receive it."""
+        src = self._source(source_key)
+        return bool(src is not None and a.approved_ns and src[2] > a.approved_ns)
+
+    def _withhold(self, a: act.Action) -> None:
+        self.counts["commands_withheld"] += 1
+        a.state, a.done_ns, a.marked_lost = "lost", self._clock_ns(), True
+        a.outcome = (f"{a.shown()} not sent: the job restarted under run id {a.run_id} after it was approved (rank 0 "
+                     "is a new start); a command is never handed to a later job. Nothing was applied; propose it again")
+        self._changed(a)
+
+    # ------------------------------------------------------------------ writing, off the loop
+    def _queue_write(self) -> Future:
+        with self._q_lock:
+            if self._q_future is None:
+                self._q_future = self._pool.submit(self._write_queued)
+            return self._q_future
+
+    def _write_queued(self) -> None:
+        with self._q_lock:
+            ranks, self._q_ranks = self._q_ranks, []
+            actions, self._q_actions = self._q_actions, {}
+            self._q_future = None
+        if not ranks and not actions:
+            return
+        cur = self._wcur
+        try:
+            cur.execute("BEGIN")
+            if actions:
+                cur.executemany("DELETE FROM actions WHERE action_id = ?", [[k] for k in actions])
+                cur.executemany(f"INSERT INTO actions VALUES ({', '.join('?' * len(act.Action.COLUMNS))})",
+                                [list(r) for r in actions.values()])
+            if 0 < len(ranks) < 8:
+                cur.executemany("INSERT INTO action_ranks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", ranks)
+            elif ranks:  # one Arrow insert: executemany costs ~1 ms a row (16k reports: 18 s), this ~10 ms in all
+                import pyarrow as pa
+
+                cols = list(zip(*ranks))
+                names = ["action_id", "run_id", "rank", "stage", "step", "message", "micro_batch", "micro_batches",
+                         "reported_ns"]
+                types = [pa.string(), pa.string(), pa.int32(), pa.string(), pa.int64(), pa.string(), pa.int32(),
+                         pa.int32(), pa.int64()]
+                table = pa.table([pa.array(c, t) for c, t in zip(cols, types)], names=names)
+                cur.register("_tracetop_reports", table)
+                try:
+                    cur.execute("INSERT INTO action_ranks SELECT * FROM _tracetop_reports")
+                finally:
+                    cur.unregister("_tracetop_reports")
+            cur.execute("COMMIT")
+            self.counts["writes"] += 1
+        except Exception:
+            try:
+                cur.execute("ROLLBACK")
+            except Exception:
+                pass
+            log.exception("collector: writing %d action rows and %d rank reports failed", len(actions), len(ranks))
+
+    def flush(self) -> None:
+        """Wait until every queued change is in the file (tests, close)."""
+        self._queue_write().result()
 
     # ------------------------------------------------------------------ what the file knows
     def _load(self) -> None:
@@ -202,13 +356,19 @@ class ControlService:
     def on_status(self, s: pb.CommandStatus) -> None:
         a = self.actions.get(s.command_id)
         if a is None or a.run_id != s.run_id:
-            log.warning("collector: status for unknown action %r of run %r from rank %d", s.command_id, s.run_id, s.rank)
+            self._refuse_report("no such action of that run", s)
             return
+        why = self._report_refusal(s, a)
+        if why is not None:
+            self._refuse_report(why, s)
+            return
+        self.counts["reports"] += 1
         stage = act.STAGES.get(int(s.stage)) or ("applied" if s.applied else "refused")
         now = self._clock_ns()
         r = act.RankReport(s.rank, stage, int(s.step), s.message, int(s.micro_batch), int(s.micro_batches), now)
-        self._cur.execute("INSERT INTO action_ranks VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                          [a.action_id, a.run_id, r.rank, r.stage, r.step, r.message, r.micro_batch, r.micro_batches, now])
+        with self._q_lock:
+            self._q_ranks.append([a.action_id, a.run_id, r.rank, r.stage, r.step, r.message, r.micro_batch,
+                                  r.micro_batches, now])
         before = a.state
         act.report(a, r, s.applied, now)
         if a.state == "applied" and a.rollback_of and before != "applied":
@@ -241,8 +401,9 @@ class ControlService:
 
     def _changed(self, a: act.Action) -> None:
         a.updated_ns = self._clock_ns()
-        self._cur.execute("DELETE FROM actions WHERE action_id = ?", [a.action_id])
-        self._cur.execute(f"INSERT INTO actions VALUES ({', '.join('?' * len(a.COLUMNS))})", list(a.row()))
+        with self._q_lock:
+            self._q_actions[a.action_id] = tuple(a.row())
+        self._queue_write()
         for fn in self.listeners:
             try:
                 fn(a)
@@ -253,9 +414,17 @@ class ControlService:
     async def Subscribe(self, request: pb.SubscribeRequest, context: grpc.aio.ServicerContext):
         q: asyncio.Queue = asyncio.Queue()
         run = request.run_id
+        if len(self.subscribers.get(run, ())) >= MAX_SUBSCRIBERS_PER_RUN:
+            self.counts["subscribers_refused"] += 1
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"run {run!r} already has {MAX_SUBSCRIBERS_PER_RUN} command streams open; rank 0 "
+                                "needs one (its hooks use Poll): close the others")
         # what is waiting for this run (approved while nobody listened, or sent to a stream now gone)
         for a in sorted(self.actions.values(), key=lambda a: int(a.action_id) if a.action_id.isdigit() else 0):
             if a.run_id == run and a.state in ("approved", "sent"):
+                if self._for_predecessor(a, request.source_key):
+                    self._withhold(a)
+                    continue
                 self._dispatch(a, {q})
         self.subscribers[run].add(q)
         try:
@@ -269,6 +438,9 @@ class ControlService:
         batch = pb.CommandBatch()
         for a in sorted(self.actions.values(), key=lambda a: int(a.action_id) if a.action_id.isdigit() else 0):
             if a.run_id == request.run_id and a.state in ("approved", "sent"):
+                if self._for_predecessor(a, request.source_key):
+                    self._withhold(a)
+                    continue
                 batch.commands.append(self._command(a))
                 if a.state == "approved":
                     a.state, a.sent_ns = "sent", self._clock_ns()
@@ -277,6 +449,9 @@ class ControlService:
 
     async def Report(self, request: pb.CommandStatus, context) -> pb.StatusAck:
         self.on_status(request)
+        # answered once it is in the file (the caller waits; the loop does not: one write serves
+        # every report that came meanwhile)
+        await asyncio.wrap_future(self._queue_write())
         return pb.StatusAck()
 
     async def Submit(self, request: pb.ControlRequest, context: grpc.aio.ServicerContext) -> pb.ControlReply:
@@ -298,6 +473,7 @@ class ControlService:
                 raise ControlError(grpc.StatusCode.INVALID_ARGUMENT, "op must be PROPOSE, APPROVE, REJECT or ROLLBACK")
         except ControlError as e:
             await context.abort(e.code, e.message)
+        await asyncio.wrap_future(self._queue_write())  # the file shows it when the caller hears of it
         return pb.ControlReply(action_id=a.action_id, state=a.state, message=a.outcome or a.reason)
 
 

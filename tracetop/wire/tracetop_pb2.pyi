@@ -183,15 +183,17 @@ class Command(_message.Message):
     def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., int_value: _Optional[int] = ..., reason: _Optional[str] = ..., issued_ns: _Optional[int] = ..., expires_ns: _Optional[int] = ..., rollback_of: _Optional[str] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
-    __slots__ = ("run_id", "rank")
+    __slots__ = ("run_id", "rank", "source_key")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_KEY_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    source_key: str
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., source_key: _Optional[str] = ...) -> None: ...
 
 class CommandStatus(_message.Message):
-    __slots__ = ("command_id", "run_id", "rank", "applied", "step", "message", "stage", "micro_batch", "micro_batches")
+    __slots__ = ("command_id", "run_id", "rank", "applied", "step", "message", "stage", "micro_batch", "micro_batches", "source_key")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +203,7 @@ class CommandStatus(_message.Message):
     STAGE_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_KEY_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     run_id: str
     rank: int
@@ -210,7 +213,8 @@ class CommandStatus(_message.Message):
     stage: CommandStage
     micro_batch: int
     micro_batches: int
-    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., applied: _Optional[bool] = ..., step: _Optional[int] = ..., message: _Optional[str] = ..., stage: _Optional[_Union[CommandStage, str]] = ..., micro_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ...) -> None: ...
+    source_key: str
+    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., rank: _Optional[int] = ..., applied: _Optional[bool] = ..., step: _Optional[int] = ..., message: _Optional[str] = ..., stage: _Optional[_Union[CommandStage, str]] = ..., micro_batch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., source_key: _Optional[str] = ...) -> None: ...
 
 class StatusAck(_message.Message):
     __slots__ = ()

@@ -13,6 +13,7 @@ from tests.collector.control.harness import Client, wait_for
 from tests.support import ROOT
 from tests.support.services import start_collector
 from tracetop.wire import tracetop_pb2 as pb
+from tracetop.wire.codec import source_key
 from trainer_hooks import Tracer
 
 
@@ -20,11 +21,14 @@ from trainer_hooks import Tracer
 def collector(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     c = start_collector(tmp, extra_args=["--controller", "off"])
+    keys = {}
     for run, zero in (("bad-zero1", 1), ("bad-zero0", 0)):
         t = Tracer(endpoint=c.addr, run_id=run, rank=0, world_size=1, wrap_collectives=False)
         t.describe(micro_batch=4, micro_batches=3, zero_stage=zero, dp=1)
         t.close()
+        keys[run] = source_key(t.shipper.source_id, t.shipper.epoch)  # what its reports carry
     client = Client(c.addr)
+    client.keys = keys
     wait_for(lambda: client.sql("SELECT count(*) AS n FROM run_start")[0]["n"] == 2, 60, "two runs")
     yield c, client
     client.close()
@@ -93,8 +97,8 @@ def test_the_agent_relays_poll_and_report(collector, tmp_path):
             stub = pb_grpc.ControlStub(ch)
             got = stub.Poll(pb.SubscribeRequest(run_id="bad-zero1", rank=0), timeout=30)
             assert [(x.command_id, x.int_value) for x in got.commands] == [(a.action_id, 2)]
-            stub.Report(pb.CommandStatus(command_id=a.action_id, run_id="bad-zero1", rank=0, applied=True, step=10),
-                        timeout=30)
+            stub.Report(pb.CommandStatus(command_id=a.action_id, run_id="bad-zero1", rank=0, applied=True, step=10,
+                                         source_key=client.keys["bad-zero1"]), timeout=30)
         row = client.action(a.action_id)
         assert (row["state"], row["ranks_applied"], row["step"]) == ("applied", 1, 10)
     finally:

@@ -64,6 +64,8 @@ def loop():
                     "VALUES ('r', ?, 2, 2, 1, 1, 4, 2)", [rank])
     clock = Clock()
     svc = ControlService(con, ttl_s=60, clock_ns=clock)
+    for rank in range(2):
+        svc.note_source(f"src-{rank}@1", "r", rank, 0)
     src = Inputs(svc)
     pol = Settings(cooldown_s=1, cooldown_steps=5, verify_steps=8)
     c = Controller(svc, src, ControllerSettings(mode="auto", policy=pol), clock_s=clock.s)
@@ -82,10 +84,11 @@ def tick(c: Controller, clock: Clock, step: int, src: Inputs, advance_s: float =
 def apply(svc: ControlService, action_id: str, step: int) -> None:
     """What the hooks report: rank 0 received it, then every rank applied it at one boundary."""
     a = svc.actions[action_id]
-    svc.on_status(pb.CommandStatus(command_id=action_id, run_id="r", rank=0, applied=False, step=-1, stage=1))
+    svc.on_status(pb.CommandStatus(command_id=action_id, run_id="r", rank=0, applied=False, step=-1, stage=1,
+                                   source_key="src-0@1"))
     for rank in range(2):
         svc.on_status(pb.CommandStatus(command_id=action_id, run_id="r", rank=rank, applied=True, step=step,
-                                       micro_batch=a.value, micro_batches=8 // a.value))
+                                       micro_batch=a.value, micro_batches=8 // a.value, source_key=f"src-{rank}@1"))
 
 
 def test_a_rollback_first_then_the_problem_judged_again_after_it_took_effect(loop):
