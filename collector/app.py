@@ -186,6 +186,9 @@ async def start(
 
         live = LiveEngine(config.rules, con=con.cursor(), sinks=[*alert_sinks, exports], baseline=config.baseline,
                           window=config.live_window_steps, cost=config.cost)  # type: ignore[arg-type]
+        # silence and hang checks compare heartbeat times with the collector's clock: put them on it
+        # (a rank's clock 40 s off, or stepped back, raised false silent alerts: live/state.py)
+        live.ev.state.receive_clock = True
         live.start()
         gauges_fn = gauges_fn or live.gauges
         alerts_fn = alerts_fn or live.alerts

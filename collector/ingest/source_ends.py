@@ -49,6 +49,7 @@ class _Source:
     last_seq: int = 0
     last_ns: int = 0
     reported: bool = False
+    last_mono_ns: int = 0  # the collector's monotonic clock at the latest commit (for the silence interval)
 
 
 def _last_string(col, i: int) -> str:
@@ -60,9 +61,14 @@ class SourceEnds:
     """Fed by the writer's on_commit (cheap, never blocks); ``tick(now_ns)`` returns the GAP rows due,
     per run (pure; the thread started by ``start`` writes them through ``submit``)."""
 
-    def __init__(self, *, after_s: float = DEFAULT_AFTER_S, clock_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(self, *, after_s: float = DEFAULT_AFTER_S, clock_ns: Callable[[], int] = time.time_ns,
+                 mono_ns: Callable[[], int] = time.monotonic_ns, max_sources: int = 1 << 18) -> None:
         self.after_s = after_s
-        self.clock_ns = clock_ns
+        self.clock_ns = clock_ns  # the collector's wall clock: the rows' times
+        self.mono_ns = mono_ns  # the collector's monotonic clock: how long a source has been silent
+        #: the most sources watched at once; past it the least recently heard is let go, counted
+        self.max_sources = max_sources
+        self.sources_dropped = 0
         self._lock = threading.Lock()
         self._watched: dict[str, _Source] = {}  # heartbeat sources not (yet) closed
         self._resumed: list[tuple[str, _Source]] = []
@@ -74,7 +80,7 @@ class SourceEnds:
 
     # -- the writer's side ------------------------------------------------------------------
     def on_commit(self, batches: Sequence) -> None:
-        now = self.clock_ns()
+        now, mono = self.clock_ns(), self.mono_ns()
         with self._lock:
             for b in batches:
                 if b.source_id == self.own_source:
@@ -83,6 +89,11 @@ class SourceEnds:
                 if b.kind == Kind.HEARTBEAT and b.n:
                     if s is None:
                         s = self._watched[b.source_id] = _Source(b.run_id)
+                        if len(self._watched) > self.max_sources:
+                            self._watched.pop(next(iter(self._watched)))  # the least recently heard
+                            self.sources_dropped += 1
+                    else:  # kept in order of last heard (dicts keep insertion order)
+                        self._watched[b.source_id] = self._watched.pop(b.source_id)
                     i = int(np.argmax(np.asarray(b.columns["start_ns"])))
                     if _last_string(b.columns["phase"], i) == CLOSED_PHASE:
                         del self._watched[b.source_id]  # a clean close: nothing to say
@@ -92,18 +103,20 @@ class SourceEnds:
                 if s is None:
                     continue
                 s.last_seq = max(s.last_seq, int(b.seq))
-                s.last_ns = now
+                s.last_ns, s.last_mono_ns = now, mono
                 if s.reported:
                     s.reported = False
                     self._resumed.append((b.source_id, _Source(s.run_id, s.rank, s.step, s.last_seq, now)))
 
     # -- the timer ----------------------------------------------------------------------------
-    def tick(self, now_ns: int) -> dict[str, list[tuple]]:
-        """run_id -> GAP rows (schema order) due now: sources silent for after_s, and resumed ones."""
+    def tick(self, now_ns: int, mono_now_ns: int | None = None) -> dict[str, list[tuple]]:
+        """run_id -> GAP rows (schema order) due now: sources silent for after_s, and resumed ones.
+        ``mono_now_ns`` (the monotonic clock, as the thread passes it): the silence is measured on it,
+        so a collector clock stepped forward writes no false row; None: on ``now_ns`` (tests)."""
         out: dict[str, list[tuple]] = {}
         with self._lock:
             for source_id, s in self._watched.items():
-                silent_ns = now_ns - s.last_ns
+                silent_ns = now_ns - s.last_ns if mono_now_ns is None else mono_now_ns - s.last_mono_ns
                 if not s.reported and silent_ns > self.after_s * 1e9:
                     s.reported = True
                     out.setdefault(s.run_id, []).append(
@@ -114,12 +127,12 @@ class SourceEnds:
             self._resumed.clear()
         return out
 
-    def batches(self, now_ns: int):
+    def batches(self, now_ns: int, mono_now_ns: int | None = None):
         """The rows due now as encoded batches of the collector's own source (one per run)."""
         from tracetop.events import SCHEMAS
         from tracetop.wire.codec import encode_batch
 
-        for run_id, rows in self.tick(now_ns).items():
+        for run_id, rows in self.tick(now_ns, mono_now_ns).items():
             cols = {c.name: [r[j] for r in rows] for j, c in enumerate(SCHEMAS[Kind.GAP])}  # encode casts
             self._seq += 1
             yield encode_batch(Kind.GAP, cols, source_id=self.own_source, seq=self._seq, run_id=run_id,
@@ -130,7 +143,7 @@ class SourceEnds:
         def loop() -> None:
             while not self._stop.wait(tick_s):
                 try:
-                    for batch, n in self.batches(self.clock_ns()):
+                    for batch, n in self.batches(self.clock_ns(), self.mono_ns()):
                         if submit(batch):
                             self.rows_written += n
                 except Exception:  # the watch never takes the collector down

@@ -92,10 +92,18 @@ class RunState:
     rank_seq: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # ingest_seq of its latest row
     ingest_seq: int = 0                 # batches ingested into this run
     newest_seq: int = 0                 # the batch that last moved newest_step forward
-    first_ns: int = 0                   # the earliest row of the run (ranks' clocks; 0: none yet)
+    first_ns: int = 0                   # the earliest row of the run (ranks' clocks, or see receive_clock; 0: none yet)
     newest_step: int = -1
     last_evaluated: int = -1
     last_judged: int = -1               # the newest step actually judged (last_evaluated also moves past skips)
+    #: heartbeat and "heard" times (hb_ns, hb_since, seen_ns, first_ns) on the collector's clock:
+    #: each rank's newest row of a delivery is taken as received at ``now_ns``, its other rows
+    #: placed before it by their distance on the rank's own clock (differences on one clock are
+    #: skew-free). A rank whose clock runs 40 s ahead or behind, or is stepped back, then looks
+    #: neither silent nor alive for longer than it is (its shipping delay, at most a flush
+    #: interval, is the error: late, never early). Set by the collector (collector/app.py); off,
+    #: the ranks' own clocks are used as they are (replaying a file, where "now" is their clock).
+    receive_clock: bool = False
     ended: bool = False                 # every rank silent for the engine's run_end_s
     ended_at_ns: int = 0
     rows_too_old: int = 0
@@ -272,11 +280,16 @@ class RunState:
         self.last_row_ns = now_ns
         step = np.asarray(cols["step"], np.int64)
         end = np.asarray(cols["start_ns"], np.int64) + np.maximum(np.asarray(cols["duration_ns"], np.int64), 0)
-        self._heard(rank, end, step, now_ns)
+        shift = self._receive_shift(rank, end, now_ns)
+        self._heard(rank, end + shift, step, now_ns)
         if kind == Kind.HEARTBEAT:
             ok = rank >= 0
-            self._heartbeat(rank[ok], {k: (v[0][ok], v[1]) if isinstance(v, tuple) else np.asarray(v)[ok]
-                                       for k, v in cols.items()})
+            hb = {k: (v[0][ok], v[1]) if isinstance(v, tuple) else np.asarray(v)[ok] for k, v in cols.items()}
+            if self.receive_clock:
+                since = np.asarray(hb["pending_since_ns"], np.int64)
+                hb["start_ns"] = np.asarray(hb["start_ns"], np.int64) + shift[ok]
+                hb["pending_since_ns"] = np.where(since > 0, since + shift[ok], since)
+            self._heartbeat(rank[ok], hb)
             return
         if kind not in (Kind.STEP, Kind.COLLECTIVE, Kind.PIPE_INSTR, Kind.MEMORY, Kind.OFFLOAD, Kind.THROUGHPUT):
             return
@@ -372,6 +385,16 @@ class RunState:
             self.refuse("live_state_full", int(over.sum()))
             rank = np.where(over, -1, rank)
         return rank
+
+    def _receive_shift(self, rank: np.ndarray, t_ns: np.ndarray, now_ns: int) -> np.ndarray:
+        """Per row: what to add to a rank's clock to put it on the collector's (see receive_clock);
+        zeros when that is off."""
+        if not self.receive_clock or not len(rank):
+            return np.zeros(len(rank), np.int64)
+        ok = rank >= 0
+        newest = np.full(max(self.ranks, int(rank.max()) + 1, 1), np.iinfo(np.int64).min, np.int64)
+        np.maximum.at(newest, rank[ok], t_ns[ok])
+        return np.where(ok, now_ns - newest[np.maximum(rank, 0)], 0)
 
     def _heard(self, rank: np.ndarray, end_ns: np.ndarray, step: np.ndarray, now_ns: int) -> None:
         ok = rank >= 0
@@ -483,12 +506,15 @@ class LiveState:
         self.runs: dict[str, RunState] = {}
         self.gpus: dict[tuple[str, int], GpuState] = {}
         self.evicted = 0
+        #: runs put heartbeat and "heard" times on the collector's clock (RunState.receive_clock)
+        self.receive_clock = False
 
     def run(self, run_id: str) -> RunState:
         r = self.runs.get(run_id)
         if r is None:
             r = self.runs[run_id] = RunState(run_id, self.window)
             r.grow_ok = self._grow_ok
+            r.receive_clock = self.receive_clock
         return r
 
     def _grow_ok(self, extra_bytes: int) -> bool:

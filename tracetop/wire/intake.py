@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -33,15 +34,20 @@ class Intake:
     Args:
         flush_rows: a kind is due at this many rows (and ``wake()`` is called once when it gets there).
         max_pending_rows: each kind's deque bound; past it the oldest rows are dropped and counted.
-        clock_ns: the wall clock stamping a kind's first pending row.
+        clock_ns: the wall clock stamping a kind's first pending row (the batch's first_record_ns).
         wake: called (outside no lock of the caller's) when a seal should run now.
+        mono_s: the monotonic clock that says when a kind is due: a wall clock stepped back an hour
+            once held every row back for that hour (its age read negative).
     """
 
     def __init__(self, flush_rows: int, max_pending_rows: int, clock_ns: Callable[[], int],
-                 wake: Callable[[], None]) -> None:
+                 wake: Callable[[], None], mono_s: Callable[[], float] = time.monotonic) -> None:
         self.flush_rows = flush_rows
         self._max_pending = max_pending_rows
         self._clock_ns = clock_ns
+        self._mono_s = mono_s
+        self._first_mono: dict[Kind, float] = {}
+        self._columns_mono = 0.0  # when the oldest recorded columns came
         self._wake = wake
         self._lock = threading.Lock()
         self._rows: dict[Kind, collections.deque] = {k: collections.deque(maxlen=max_pending_rows) for k in Kind}
@@ -57,6 +63,7 @@ class Intake:
                 self._overflow[kind] += 1
             elif not q:
                 self._first_ns[kind] = self._clock_ns()
+                self._first_mono[kind] = self._mono_s()
             q.append(row)
             if len(q) == self.flush_rows:
                 self._wake()  # once per batch: seal it now rather than at the next tick
@@ -66,6 +73,8 @@ class Intake:
         if n == 0:
             return
         with self._lock:
+            if not self._columns:
+                self._columns_mono = self._mono_s()
             self._columns.append((kind, columns, self._clock_ns()))
             self._column_rows += n
             full = self._column_rows >= self.flush_rows
@@ -77,16 +86,18 @@ class Intake:
         one ``interval_s`` old), the recorded columns when due likewise, and the overflow counts."""
         rows: list[tuple[Kind, list[tuple], int]] = []
         columns: list[Columns] = []
+        mono = self._mono_s()
         with self._lock:
             for kind, q in self._rows.items():
                 if not q:
                     continue
-                age_s = (now_ns - self._first_ns.get(kind, now_ns)) / 1e9
+                age_s = mono - self._first_mono.get(kind, mono)
                 if force or len(q) >= self.flush_rows or age_s >= interval_s:
                     self._rows[kind] = collections.deque(maxlen=self._max_pending)
+                    self._first_mono.pop(kind, None)
                     rows.append((kind, list(q), self._first_ns.pop(kind, now_ns)))
             if self._columns and (
-                force or self._column_rows >= self.flush_rows or (now_ns - self._columns[0][2]) / 1e9 >= interval_s
+                force or self._column_rows >= self.flush_rows or mono - self._columns_mono >= interval_s
             ):
                 columns, self._columns, self._column_rows = self._columns, [], 0
             overflow = {k: v for k, v in self._overflow.items() if v}
