@@ -115,6 +115,8 @@ class Collector:
             await asyncio.to_thread(self.ends.stop)  # type: ignore[attr-defined]
         stopped = asyncio.ensure_future(self.server.stop(grace_s))
         await asyncio.to_thread(self.writer.close)
+        if self.ends is not None:
+            await asyncio.to_thread(self.ends.close)  # the watch, as the last commits left it, into the file
         if self.live is not None:
             await asyncio.to_thread(self.live.close)  # type: ignore[attr-defined]
         for replies in list(self.service.open_streams):
@@ -202,7 +204,7 @@ async def start(
         on_commit=live.on_commit if live is not None else None,
     )
     writer.start()
-    ends = watch_source_ends(writer, config.unclosed_after_s)
+    ends = watch_source_ends(writer, config.unclosed_after_s, con)
     service = CollectorService(con, writer, metrics, max_query_rows=config.max_query_rows,
                                max_query_bytes=config.max_query_bytes,
                                query_timeout_s=config.query_timeout_s, fresh_ship_s=config.fresh_ship_s)
@@ -238,7 +240,7 @@ async def start(
         port = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
     except RuntimeError as e:
         if ends is not None:
-            ends.stop()
+            ends.close()
         writer.close()
         if live is not None:
             live.close()
@@ -261,7 +263,7 @@ async def start(
                      control, tasks, ends)
 
 
-def watch_source_ends(writer: Writer, after_s: float | None):
+def watch_source_ends(writer: Writer, after_s: float | None, con=None):
     """collector/ingest/source_ends.py: a GAP row for each rank source gone silent without a clean close
     (after ``after_s``; None: the default; 0: off). Its rows go through the writer like any batch."""
     from collector.ingest.source_ends import DEFAULT_AFTER_S, SourceEnds
@@ -269,6 +271,8 @@ def watch_source_ends(writer: Writer, after_s: float | None):
     if after_s is not None and after_s <= 0:
         return None
     ends = SourceEnds(after_s=after_s if after_s is not None else DEFAULT_AFTER_S)
+    if con is not None:
+        ends.attach(con)  # the watch outlives a restart (sources heard before it still get their row)
     live_commit = writer.on_commit
 
     def on_commit(batches) -> None:

@@ -6,7 +6,9 @@ records at scrape time (nothing is copied between scrapes) and turns them into m
 exported as 0. Base units (seconds, ratios) as Prometheus wants, so names pass `promtool check
 metrics`: no `_ms`, `_total` only on counters, snake_case, a HELP on each.
 
-Per alert (pending and firing; resolved ones are gone), like Prometheus's own ALERTS series:
+Per alert (pending and firing; resolved ones are gone; at most MAX_ALERT_SERIES_PER_RUN a run,
+firing and most severe first, the rest counted in tracetop_alert_series_dropped{run_id}), like
+Prometheus's own ALERTS series:
     tracetop_alert_active{alertname, alertstate, severity, run_id, scope, <scope labels>} 1
     tracetop_alert_value{...} / tracetop_alert_threshold{...}    in the rule's unit
 Per run (label run_id; bubble also by stage):
@@ -153,22 +155,43 @@ def lost_families(rows: list[RunGauges]) -> list[Metric]:
     return [total, recent, span, gpus, held, top, money, money_recent]
 
 
-def alert_families(alerts: Iterable[Alert]) -> list[Metric]:
+#: the most alert series one run puts on /metrics (each of tracetop_alert_active/_value/_threshold);
+#: a run with more pending or firing alerts (e.g. one per rank of 16,384) shows its most severe and
+#: counts the rest in tracetop_alert_series_dropped{run_id} (the `alerts` table holds them all)
+MAX_ALERT_SERIES_PER_RUN = 256
+_SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
+
+
+def alert_families(alerts: Iterable[Alert], max_per_run: int = MAX_ALERT_SERIES_PER_RUN) -> list[Metric]:
+    dropped_fam = GaugeMetricFamily("tracetop_alert_series_dropped",
+                                    "Pending or firing alerts of the run left off /metrics by the per-run series cap",
+                                    labels=["run_id"])
+    shown: dict[str, int] = {}
+    dropped: dict[str, int] = {}
+    live = sorted((a for a in alerts if a.state in (PENDING, FIRING)),
+                  key=lambda a: (a.state != FIRING, _SEVERITY_ORDER.get(a.severity, 3)))
+    kept = []
+    for a in live:
+        if shown.get(a.run_id, 0) >= max_per_run:
+            dropped[a.run_id] = dropped.get(a.run_id, 0) + 1
+            continue
+        shown[a.run_id] = shown.get(a.run_id, 0) + 1
+        kept.append(a)
+    for run_id, n in sorted(dropped.items()):
+        dropped_fam.add_metric([run_id], float(n))
     active = GaugeMetricFamily(
         "tracetop_alert_active", "1 for each pending or firing alert (alertstate says which), as ALERTS"
     )
     value = GaugeMetricFamily("tracetop_alert_value", "The alert's signal value at its last step, in the rule's unit")
     threshold = GaugeMetricFamily("tracetop_alert_threshold", "The alert rule's threshold, in the rule's unit")
-    for a in alerts:
-        if a.state not in (PENDING, FIRING):
-            continue
+    for a in kept:
         labels = alert_labels(a)
         active.add_sample("tracetop_alert_active", labels, 1.0)
         if _finite(a.value):
             value.add_sample("tracetop_alert_value", labels, float(a.value))
         if _finite(a.threshold):
             threshold.add_sample("tracetop_alert_threshold", labels, float(a.threshold))
-    return [active, value, threshold]
+    return [active, value, threshold, dropped_fam]
 
 
 def families(gauges: Iterable[RunGauges], alerts: Iterable[Alert]) -> list[Metric]:

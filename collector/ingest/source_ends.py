@@ -17,9 +17,14 @@ only in its memory is lost, and nobody can count it. So the collector records on
 If such a source is heard again (it was cut off, not gone: an agent's spool delivers late), a
 second row ``reason "resumed:seq=N"`` (dropped 0) says the first one no longer stands alone.
 
-The state is the collector's memory: a source last heard before a restart of the collector gets
-no row. Only sources that send heartbeats (trainer ranks) are watched; rows are written through
-the writer like any batch, by a source of the collector's own (``collector:ends:<id>``).
+The watch outlives a restart of the collector: it is kept in the file's ``source_watch`` table
+(the collector's own bookkeeping, created here, not part of the versioned schema), saved every few
+seconds and at a clean stop, and loaded at start; a source heard before the restart that never
+closes gets its row (its silence counted from when it was last heard, by the wall clock across the
+restart), and one already reported is not reported again. Only sources that send heartbeats
+(trainer ranks) are watched, at most ``max_sources`` at once (the least recently heard let go,
+counted in ``sources_dropped``); rows are written through the writer like any batch, by a source
+of the collector's own (``collector:ends:<id>``).
 """
 
 from __future__ import annotations
@@ -77,11 +82,16 @@ class SourceEnds:
         self.own_source = f"collector:ends:{uuid.uuid4().hex[:12]}"
         self._seq = 0
         self.rows_written = 0
+        self._changes = 0  # bumped at every change of the watch; save() writes when it moved
+        self._saved_changes = 0
+        self.loaded = 0  # sources loaded from the file at start
+        self._cur = None
 
     # -- the writer's side ------------------------------------------------------------------
     def on_commit(self, batches: Sequence) -> None:
         now, mono = self.clock_ns(), self.mono_ns()
         with self._lock:
+            self._changes += 1
             for b in batches:
                 if b.source_id == self.own_source:
                     continue
@@ -119,6 +129,7 @@ class SourceEnds:
                 silent_ns = now_ns - s.last_ns if mono_now_ns is None else mono_now_ns - s.last_mono_ns
                 if not s.reported and silent_ns > self.after_s * 1e9:
                     s.reported = True
+                    self._changes += 1
                     out.setdefault(s.run_id, []).append(
                         (s.rank, s.step, s.last_ns, silent_ns, "unknown", 0, f"unclosed:last_seq={s.last_seq}", source_id))
             for source_id, s in self._resumed:
@@ -138,14 +149,69 @@ class SourceEnds:
             yield encode_batch(Kind.GAP, cols, source_id=self.own_source, seq=self._seq, run_id=run_id,
                                first_record_ns=now_ns), len(rows)
 
-    def start(self, submit: Callable[[object], bool], tick_s: float = 1.0) -> SourceEnds:
-        """Write due rows every tick_s through ``submit(pb.ColumnBatch) -> bool`` (on a daemon thread)."""
+    # -- kept in the file ---------------------------------------------------------------------
+    _COLUMNS = ("source_id", "run_id", "rank", "step", "last_seq", "last_ns", "reported")
+
+    def attach(self, con) -> SourceEnds:
+        """Keep the watch in ``con``'s file (its own cursor): load what a previous collector left."""
+        self._cur = con.cursor()
+        self._cur.execute("""CREATE TABLE IF NOT EXISTS source_watch (
+            source_id VARCHAR, run_id VARCHAR, rank INTEGER, step BIGINT, last_seq UBIGINT,
+            last_ns BIGINT,     -- collector clock when it was last heard
+            reported BOOLEAN    -- its unclosed row is written
+        )""")
+        rows = self._cur.execute(f"SELECT {', '.join(self._COLUMNS)} FROM source_watch ORDER BY last_ns").fetchall()
+        now, mono = self.clock_ns(), self.mono_ns()
+        with self._lock:
+            for sid, run, rank, step, seq, last_ns, reported in rows:
+                if sid in self._watched:
+                    continue
+                src = _Source(run, int(rank), int(step), int(seq), int(last_ns), bool(reported))
+                src.last_mono_ns = mono - max(0, now - int(last_ns))  # silent since then, across the restart
+                self._watched[sid] = src
+            self.loaded = len(rows)
+        return self
+
+    def save(self) -> None:
+        """Write the watch to the file (one transaction; nothing when nothing changed)."""
+        cur = getattr(self, "_cur", None)
+        if cur is None:
+            return
+        import pyarrow as pa
+
+        with self._lock:
+            if self._saved_changes == self._changes:
+                return
+            changes = self._changes
+            rows = [(sid, s.run_id, s.rank, s.step, s.last_seq, s.last_ns, s.reported) for sid, s in self._watched.items()]
+        cols = list(zip(*rows)) if rows else [[] for _ in self._COLUMNS]
+        types = [pa.string(), pa.string(), pa.int32(), pa.int64(), pa.uint64(), pa.int64(), pa.bool_()]
+        table = pa.table([pa.array(c, t) for c, t in zip(cols, types)], names=list(self._COLUMNS))
+        cur.execute("BEGIN")
+        try:
+            cur.execute("DELETE FROM source_watch")
+            cur.register("_tracetop_watch", table)
+            cur.execute("INSERT INTO source_watch SELECT * FROM _tracetop_watch")
+            cur.unregister("_tracetop_watch")
+            cur.execute("COMMIT")
+        except Exception:
+            cur.execute("ROLLBACK")
+            raise
+        self._saved_changes = changes
+
+    def start(self, submit: Callable[[object], bool], tick_s: float = 1.0, save_every_s: float = 5.0) -> SourceEnds:
+        """Write due rows every tick_s through ``submit(pb.ColumnBatch) -> bool`` (on a daemon thread),
+        and save the watch to the file (``attach``) every save_every_s."""
         def loop() -> None:
+            next_save = time.monotonic() + save_every_s
             while not self._stop.wait(tick_s):
                 try:
                     for batch, n in self.batches(self.clock_ns(), self.mono_ns()):
                         if submit(batch):
                             self.rows_written += n
+                    if time.monotonic() >= next_save:
+                        next_save = time.monotonic() + save_every_s
+                        self.save()
                 except Exception:  # the watch never takes the collector down
                     log.exception("collector: recording unclosed sources failed")
 
@@ -157,4 +223,16 @@ class SourceEnds:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
+
+    def close(self) -> None:
+        """Save the watch one last time (after the writer's last commits) and let the file go."""
+        self.stop()
+        try:
+            self.save()
+        except Exception:
+            log.exception("collector: saving the source-end watch failed")
+        cur = getattr(self, "_cur", None)
+        if cur is not None:
+            cur.close()
+            self._cur = None
 

@@ -154,3 +154,55 @@ severity = "critical"
     fired = sorted(a.labels["rank"] for a in ev.evaluate_timer(21 * S) if a.state == "firing")
     assert fired == sorted(a.labels["rank"] for a in before.evaluate_timer(21 * S) if a.state == "firing")
     assert fired == ["1", "2"]
+
+
+def test_a_source_heard_before_a_collector_restart_that_never_closes_gets_its_row(tmp_path) -> None:
+    """A real collector hears a rank's heartbeats and is killed (-9) before the source's silence is
+    long enough for its row; the next collector on the file writes the source's unclosed row (it
+    used to forget every source heard before it), and a third does not report it again."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import duckdb
+
+    from tests.support import ROOT
+    from tests.support.services import start_collector
+    from tracetop.wire.shipper import Shipper
+
+    db = tmp_path / "c.duckdb"
+    sql = "SELECT rank, step, reason FROM gap WHERE run_id = 'restart' AND reason LIKE 'unclosed%'"
+    c = start_collector(tmp_path, "unix", db=db, extra_args=["--unclosed-after-s", "600", "--no-rules"])
+    s = Shipper(c.addr, run_id="restart", rank=2, flush_interval_s=0.1)
+    try:
+        for step in range(3):
+            s.record(Kind.HEARTBEAT, 2, step, time.time_ns(), 0, "forward", "", "", -1, "h", 7)
+            time.sleep(0.2)
+        assert s.flush(30.0), "the collector did not ack the heartbeats"
+    finally:
+        s.close(1.0)
+    time.sleep(6.5)  # the watch is saved every 5 s
+    c.stop(signal.SIGKILL)
+    after = ["--unclosed-after-s", "3", "--no-rules"]
+    c2 = start_collector(tmp_path, "unix", db=db, extra_args=after)
+    try:
+        rows: list = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not rows:
+            out = subprocess.run([sys.executable, "-m", "tracetop.cli", "query", "--collector", c2.addr, "--json", sql],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
+            rows = json.loads(out.stdout or "[]")
+            time.sleep(0.5)
+        assert len(rows) == 1, f"unclosed rows after the restart: {rows}"
+        assert rows[0]["rank"] == 2 and rows[0]["step"] == 2 and rows[0]["reason"].startswith("unclosed:last_seq=")
+    finally:
+        c2.stop()
+    c3 = start_collector(tmp_path, "unix", db=db, extra_args=after)
+    time.sleep(3.0)
+    c3.stop()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        assert len(con.execute(sql).fetchall()) == 1, "reported again by the next collector"
+    finally:
+        con.close()
