@@ -151,6 +151,11 @@ class ControlService:
         src = self._source(source_key)
         return bool(src is not None and a.approved_ns and src[2] > a.approved_ns)
 
+    def _not_heard_yet(self, source_key: str) -> bool:
+        """A rank 0 start that shipped nothing the collector committed yet: it is handed nothing
+        until it is heard (then the predecessor check can tell whose command it is)."""
+        return bool(source_key) and self._source(source_key) is None
+
     def _withhold(self, a: act.Action) -> None:
         self.counts["commands_withheld"] += 1
         a.state, a.done_ns, a.marked_lost = "lost", self._clock_ns(), True
@@ -436,6 +441,8 @@ class ControlService:
 
     async def Poll(self, request: pb.SubscribeRequest, context) -> pb.CommandBatch:
         batch = pb.CommandBatch()
+        if self._not_heard_yet(request.source_key):
+            return batch
         for a in sorted(self.actions.values(), key=lambda a: int(a.action_id) if a.action_id.isdigit() else 0):
             if a.run_id == request.run_id and a.state in ("approved", "sent"):
                 if self._for_predecessor(a, request.source_key):

@@ -153,8 +153,11 @@ def test_a_restarted_job_under_the_same_run_id_is_not_handed_its_predecessors_co
     got = asyncio.run(svc.Poll(pb.SubscribeRequest(run_id="r", rank=0, source_key="src-0@2"), None))
     assert list(got.commands) == []
     assert a.state == "lost" and "restarted" in a.outcome and svc.counts["commands_withheld"] == 1
-    # the start it was meant for would have had it
+    # a start not heard yet is handed nothing (it may be the next job): the command waits
     b = svc.propose("r", "micro_batch", 1, by="person:t", approve=True)
+    got = asyncio.run(svc.Poll(pb.SubscribeRequest(run_id="r", rank=0, source_key="src-0@3"), None))
+    assert list(got.commands) == [] and b.state == "approved"
+    # the start it was meant for has it
     got = asyncio.run(svc.Poll(pb.SubscribeRequest(run_id="r", rank=0, source_key="src-0@2"), None))
     assert [c.command_id for c in got.commands] == [b.action_id]
 
