@@ -35,17 +35,18 @@ class FakeAgent:
             sock.bind(str(path))
             sock.listen(16)
         self.sock = sock
+        self.sock.settimeout(0.2)
         self.received = b""
         self.connections = 0
         self._stop = False
-        threading.Thread(target=self._serve, daemon=True).start()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
 
     def _serve(self) -> None:
-        self.sock.settimeout(0.2)
         while not self._stop:
             try:
                 conn, _ = self.sock.accept()
-            except OSError:
+            except OSError:  # a timeout, or the socket closed by close()
                 continue
             self.connections += 1
             conn.settimeout(0.5)
@@ -61,6 +62,7 @@ class FakeAgent:
 
     def close(self) -> None:
         self._stop = True
+        self._thread.join(5.0)
         self.sock.close()
 
 
@@ -213,3 +215,37 @@ def test_default_socket_is_per_user_in_a_private_folder(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     assert env.default_agent_socket() == f"unix://{tmp_path}/tracetop/agent.sock"
     assert str(os.geteuid()) in env.DEFAULT_SPOOL_DIR
+
+
+def test_hooks_find_and_trust_the_agents_default_socket(tmp_path, monkeypatch):
+    """End to end on one uid: an agent started with the default socket (XDG_RUNTIME_DIR set) makes
+    its folder 0700; hooks with no TRACETOP_ENDPOINT find it there, trust it, and their rows reach
+    the collector through it."""
+    import duckdb
+
+    from tests.support.services import start_agent
+    from tracetop import env
+    from tracetop.wire.shipper import Shipper
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv("TRACETOP_ENDPOINT", raising=False)
+    sock = env.default_agent_socket()
+    col = start_collector(tmp_path, "unix")
+    agent = start_agent(col.addr, sock, tmp_path / "spool")
+    try:
+        assert (os.stat(runtime / "tracetop").st_mode & 0o777) == 0o700
+        before = local.refused()
+        t = _trace_a_step(None)
+        assert t.endpoint == sock and local.refused() == before
+        assert isinstance(t.shipper, Shipper) and t.shipper.stats()["unacked_batches"] == 0
+        agent.wait_drained()
+    finally:
+        agent.service.stop()
+        col.stop()
+    con = duckdb.connect(str(col.db), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM step WHERE run_id = 'peer'").fetchone()[0] == 1
+    finally:
+        con.close()
