@@ -75,10 +75,10 @@ SLACK_S = 10.0
 
 
 def culprit_text(a: Alert) -> str:
-    """'rank 3 (stage 1)', 'stage 1', 'GPU 2 on node-a', 'the run': who an incident names."""
+    """'rank 3, stage 1', 'stage 1', 'GPU 2 on node-a', 'the run': who an incident names."""
     lb = a.labels
     if "rank" in lb:
-        return f"rank {lb['rank']}" + (f" (stage {lb['stage']})" if "stage" in lb else "")
+        return f"rank {lb['rank']}" + (f", stage {lb['stage']}" if "stage" in lb else "")
     if "gpu" in lb:
         return f"GPU {lb['gpu']}" + (f" on {lb['node']}" if "node" in lb else "")
     if "node" in lb:
