@@ -34,7 +34,16 @@ import numpy as np
 from collector.live import judge
 from collector.live import lost as lost_mod
 from collector.live import signals as sg
-from collector.live.model import FIRING, PENDING, RESOLVED, Alert, AlertSink, RunGauges
+from collector.live.model import (
+    FIRING,
+    PENDING,
+    RESOLVED,
+    Alert,
+    AlertSink,
+    RunGauges,
+    cause_text,
+    culprit_text,
+)
 from collector.live.rules import Rule
 from collector.live.state import LiveState, RunState
 from tracetop.events import Kind
@@ -63,33 +72,12 @@ PACING = frozenset({"straggler", "data_stall"})
 #: open (waiters stuck in the collective it left, peers the launcher ended, the culprit named again by
 #: another of these rules) are its consequences.
 HANGS = frozenset({"stuck_collective", "silent_rank", "first_failure", "unheard_rank"})
-#: The cause an incident names, by its cause alert's signal.
-CAUSES = {"straggler": "compute", "data_stall": "data", "stuck_collective": "hang", "silent_rank": "silent",
-          "first_failure": "failure", "unheard_rank": "never heard", "memory": "memory", "loss_spike": "loss"}
 #: An SLA breach that began up to this many steps before its cause's breach is still its consequence
 #: (the two rules see the same onset and hold for different numbers of steps).
 SLACK_STEPS = 5
 #: For a cause judged on the timer (no step): seconds before its first breach beyond its own threshold
 #: (heartbeats come every 5 s).
 SLACK_S = 10.0
-
-
-def culprit_text(a: Alert) -> str:
-    """'rank 3, stage 1', 'stage 1', 'GPU 2 on node-a', 'the run': who an incident names."""
-    lb = a.labels
-    if "rank" in lb:
-        return f"rank {lb['rank']}" + (f", stage {lb['stage']}" if "stage" in lb else "")
-    if "gpu" in lb:
-        return f"GPU {lb['gpu']}" + (f" on {lb['node']}" if "node" in lb else "")
-    if "node" in lb:
-        return f"node {lb['node']}"
-    if "stage" in lb:
-        return f"stage {lb['stage']}"
-    return "the run"
-
-
-def cause_text(a: Alert) -> str:
-    return CAUSES.get(a.signal, a.signal if a.kind == "hardware" else a.rule)
 
 
 @dataclass

@@ -106,6 +106,29 @@ class RunGauges:
     currency: str = ""
 
 
+#: The cause an incident names, by its cause alert's signal.
+CAUSES = {"straggler": "compute", "data_stall": "data", "stuck_collective": "hang", "silent_rank": "silent",
+          "first_failure": "failure", "unheard_rank": "never heard", "memory": "memory", "loss_spike": "loss"}
+
+
+def culprit_text(a: Alert) -> str:
+    """'rank 3, stage 1', 'stage 1', 'GPU 2 on node-a', 'the run': who an incident names."""
+    lb = a.labels
+    if "rank" in lb:
+        return f"rank {lb['rank']}" + (f", stage {lb['stage']}" if "stage" in lb else "")
+    if "gpu" in lb:
+        return f"GPU {lb['gpu']}" + (f" on {lb['node']}" if "node" in lb else "")
+    if "node" in lb:
+        return f"node {lb['node']}"
+    if "stage" in lb:
+        return f"stage {lb['stage']}"
+    return "the run"
+
+
+def cause_text(a: Alert) -> str:
+    return CAUSES.get(a.signal, a.signal if a.kind == "hardware" else a.rule)
+
+
 class AlertSink(Protocol):
     """Where alerts go (Alertmanager, a webhook, ...). `publish` is called by the engine's thread
     with the alerts whose state changed since the last call and all alerts firing now; it must
