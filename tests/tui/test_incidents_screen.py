@@ -47,7 +47,7 @@ async def test_incident_first_its_consequences_grouped_under_it(tmp_path) -> Non
         assert all(u.startswith("  └ ") for u in under)
         assert not any(r.startswith("  └ ") for r in rules[:i] + rules[i + 1 + len(consequences):]), rules
         assert any("(SLA)" in r for r in rules)  # standalone breaches say what they are
-        assert f"1 incident(s)" in text_of(app, "#al-note")
+        assert "1 incident(s)" in text_of(app, "#al-note")
         await pilot.press("1")
         await pilot.pause()
         ov = text_of(app, "#ov-alerts")
