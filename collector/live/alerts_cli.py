@@ -47,10 +47,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.file:
             return _usage("--recompute reads a file: give FILE (after the run), not --collector")
         return _recompute(args)
-    where = ["state = 'firing'"] if args.firing else []
-    if args.run:
-        where.append("run_id IN (" + ", ".join("'" + r.replace("'", "''") + "'" for r in args.run) + ")")
-    cond = (" WHERE " + " AND ".join(where)) if where else ""
+    def cond(t: str = "") -> str:
+        where = [f"{t}state = 'firing'"] if args.firing else []
+        if args.run:
+            where.append(f"{t}run_id IN (" + ", ".join("'" + r.replace("'", "''") + "'" for r in args.run) + ")")
+        return (" WHERE " + " AND ".join(where)) if where else ""
+
     incidents = True if args.collector else _has_incidents(args.file)
     if incidents is None:
         return _usage(f"{args.file}: no such file")
@@ -59,15 +61,15 @@ def run(args: argparse.Namespace) -> int:
             return _usage(f"{args.file} predates incidents (collector file schema 11 or older): no incidents view; "
                           "`tracetop alerts FILE` lists its alerts")
         sql = (f"SELECT state, severity, rule AS cause_rule, cause, run_id, rank, stage, first_step, last_step, "
-               f"consequences, consequence_rules, consequences_firing, message, incident_id FROM incidents{cond} "
+               f"consequences, consequence_rules, consequences_firing, message, incident_id FROM incidents{cond()} "
                "ORDER BY first_ns, rule")
     elif incidents:
         sql = (f"SELECT {_GROUPED} FROM alerts a LEFT JOIN (SELECT id AS cause_id, first_ns AS cause_ns FROM alerts) c "
-               f"ON c.cause_id = a.incident_id{cond.replace('state', 'a.state').replace('run_id', 'a.run_id')} "
+               f"ON c.cause_id = a.incident_id{cond('a.')} "
                "ORDER BY coalesce(c.cause_ns, a.first_ns), coalesce(nullif(a.incident_id, ''), a.id), "
                "a.incident_id = a.id DESC, a.first_ns, a.rule")
     else:
-        sql = f"SELECT {_COLUMNS}, rank, stage, first_ns, fired_ns, fired_step, last_ns, id FROM alerts{cond} ORDER BY first_ns, rule"
+        sql = f"SELECT {_COLUMNS}, rank, stage, first_ns, fired_ns, fired_step, last_ns, id FROM alerts{cond()} ORDER BY first_ns, rule"
     from collector.query import cli as query_cli
 
     if args.collector:

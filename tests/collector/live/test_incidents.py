@@ -200,8 +200,25 @@ def test_incident_columns_migrate_an_older_file_and_it_still_reads(tmp_path):
     ro = schema.connect(path, read_only=True)
     assert schema.stored_version(ro) == 11 and ro.execute("SELECT count(*) FROM alerts").fetchone()[0] == 2
     ro.close()
+    old = _alerts_cli(path)
+    assert [r["rule"] for r in old] == ["grad_sync", "straggler"] and "kind" not in old[0]
     con = open_store(path)
     got = dict(((r, (k, i)) for r, k, i in con.execute("SELECT rule, kind, incident_id FROM alerts").fetchall()))
     assert got == {"grad_sync": ("sla", ""), "straggler": ("fault", "straggler|r|rank=3|4")}
     assert con.execute("SELECT rule, cause, consequences FROM incidents").fetchall() == [("straggler", "compute", 0)]
     con.close()
+    assert [(r["rule"], r["kind"], r["role"]) for r in _alerts_cli(path)] == [("grad_sync", "sla", ""),
+                                                                             ("straggler", "fault", "cause")]
+    assert [r["cause_rule"] for r in _alerts_cli(path, "--incidents")] == ["straggler"]
+
+
+def _alerts_cli(path: str, *args: str) -> list[dict]:
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "tracetop.cli", "alerts", path, "--json", *args], capture_output=True,
+                       text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
