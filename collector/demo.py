@@ -50,11 +50,12 @@ def _print_incidents(alerts: list[tuple]) -> None:
     SLA breaches nothing explains."""
     causes = [a for a in alerts if a[6] and a[6] == a[7]]
     print(f"alerts ({len(alerts)}), as incidents ({len(causes)}):")
-    for sev, rule, state, step, msg, _, iid, _ in causes:
+    for sev, rule, state, step, msg, _, iid, _, _ in causes:
         print(f"  [{state} {sev}] {rule} (fired at step {step}): {msg}")
         for c in alerts:
             if c[6] == iid and c[7] != iid:
-                print(f"      └ consequence [{c[2]}] {c[1]} (fired at step {c[3]})")
+                on = f" on rank {c[8]}" if c[8] is not None else ""
+                print(f"      └ consequence [{c[2]}] {c[1]}{on} (fired at step {c[3]})")
     alone = [a for a in alerts if not a[6]]
     print(f"SLA breaches nothing explains ({len(alone)}):")
     for sev, rule, state, step, msg, *_ in alone:
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     con = duckdb.connect(str(db), read_only=True)
     try:
         summary = summarize(con, run_id)
-        alerts = con.execute("SELECT severity, rule, state, fired_step, message, kind, incident_id, id FROM alerts "
+        alerts = con.execute("SELECT severity, rule, state, fired_step, message, kind, incident_id, id, rank FROM alerts "
                              "WHERE run_id = ? ORDER BY fired_step, rule", [run_id]).fetchall()
         actions = con.execute("SELECT action_id, kind, value, state, step, reason, outcome FROM actions WHERE run_id = ? "
                               "ORDER BY proposed_ns", [run_id]).fetchall()
