@@ -484,7 +484,9 @@ DEFAULTS_TOML = """\
 # A rule: signal, scope, one threshold whose key carries its unit, a hold (for_steps per completed
 # step, or for_s on the timer), optional hysteresis (clear_below / clear_above), a resolve hold
 # (keep_firing_steps, default 10: a breach again within it is the same alert; keep_firing_s for timer
-# signals, default 0), severity, labels.
+# signals, default 0), severity, labels, and optionally kind: "fault" (opens an incident naming the
+# culprit and the cause), "sla" (a figure past its objective; a consequence where an incident explains
+# it) or "hardware"; each signal has its own (docs/outputs.md, "Incidents").
 
 [rule.straggler]
 signal = "straggler"
