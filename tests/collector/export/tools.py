@@ -99,7 +99,7 @@ def refused_port() -> int:
 # ---- Alertmanager ------------------------------------------------------------------------------
 class Alertmanager:
     """A real prometheus-alertmanager on 127.0.0.1 (port 0), no gossip, temp storage, routing every
-    alert to `webhook_url` at once (group_wait 0s, group_interval 1s) with send_resolved."""
+    alert to `webhook_url` at once (group_wait 0s unless given, group_interval 1s) with send_resolved."""
 
     def __init__(self, tmp_path: Path, webhook_url: str, *, group_by: str = "['...']", extra: str = "",
                  group_wait: str = "0s") -> None:
