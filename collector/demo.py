@@ -45,6 +45,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="from which step (default: half the steps, after the controller has acted)")
 
 
+def _print_incidents(alerts: list[tuple]) -> None:
+    """The alerts as incidents: each cause (a fault) with the alerts it explains under it, then the
+    SLA breaches nothing explains."""
+    causes = [a for a in alerts if a[6] and a[6] == a[7]]
+    print(f"alerts ({len(alerts)}), as incidents ({len(causes)}):")
+    for sev, rule, state, step, msg, _, iid, _, _ in causes:
+        print(f"  [{state} {sev}] {rule} (fired at step {step}): {msg}")
+        for c in alerts:
+            if c[6] == iid and c[7] != iid:
+                on = f" on rank {c[8]}" if c[8] is not None else ""
+                print(f"      └ consequence [{c[2]}] {c[1]}{on} (fired at step {c[3]})")
+    alone = [a for a in alerts if not a[6]]
+    print(f"SLA breaches nothing explains ({len(alone)}):")
+    for sev, rule, state, step, msg, *_ in alone:
+        print(f"  [{state} {sev}] {rule} (fired at step {step}): {msg}")
+
+
 def run(args: argparse.Namespace) -> int:
     import duckdb
 
@@ -104,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
     con = duckdb.connect(str(db), read_only=True)
     try:
         summary = summarize(con, run_id)
-        alerts = con.execute("SELECT severity, rule, state, fired_step, message FROM alerts WHERE run_id = ? "
-                             "ORDER BY fired_step, rule", [run_id]).fetchall()
+        alerts = con.execute("SELECT severity, rule, state, fired_step, message, kind, incident_id, id, rank FROM alerts "
+                             "WHERE run_id = ? ORDER BY fired_step, rule", [run_id]).fetchall()
         actions = con.execute("SELECT action_id, kind, value, state, step, reason, outcome FROM actions WHERE run_id = ? "
                               "ORDER BY proposed_ns", [run_id]).fetchall()
         shape = con.execute("SELECT step, min(micro_batch), max(micro_batch), min(micro_batches), max(micro_batches), "
@@ -115,9 +132,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(render(summary))
     print()
-    print(f"alerts ({len(alerts)}):")
-    for sev, rule, state, step, msg in alerts:
-        print(f"  [{state} {sev}] {rule} (fired at step {step}): {msg}")
+    _print_incidents(alerts)
     print(f"actions ({len(actions)}):")
     for aid, kind, value, state, step, reason, outcome in actions:
         at = f" at step {step}" if step is not None and step >= 0 else ""

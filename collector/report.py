@@ -33,7 +33,7 @@ MAX_RANK_BUCKETS = 256
 PHASES = (("data_wait_ns", "data wait"), ("forward_ns", "forward"), ("backward_ns", "backward"),
           ("optimizer_ns", "optimizer"), ("comm_exposed_ns", "exposed comm"))
 SECTIONS = ("step-time", "lost", "rank-heatmap", "bubble", "collectives", "grad-sync", "offload", "memory",
-            "alerts", "actions", "gaps")
+            "incidents", "alerts", "actions", "gaps")
 LOST_TOP_RANKS = 16
 #: the progress bar appears (on a terminal) for files at least this big
 PROGRESS_MIN_BYTES = 20 * 1024 * 1024
@@ -193,6 +193,32 @@ def gather_events_table(con, table: str, run_id: str) -> tuple[list[str], list[t
                  None)
     sql = f"SELECT * FROM {table} {where}" + (f" ORDER BY {order}" if order else "") + " LIMIT 500"
     return cols, con.execute(sql, [run_id] if where else []).fetchall()
+
+
+def gather_incidents(con, run_id: str) -> dict | None:
+    """The run's incidents (the `incidents` view: each cause with its culprit and consequences)
+    and how many SLA breaches stood alone; None for a file from before incidents (schema 11-)."""
+    if not _has_table(con, "incidents"):
+        return None
+    rows = con.execute(
+        "SELECT state, severity, rule, cause, CASE WHEN rank IS NOT NULL THEN 'rank ' || rank "
+        "|| coalesce(', stage ' || stage, '') WHEN gpu IS NOT NULL THEN 'GPU ' || gpu || coalesce(' on ' || node, '') "
+        "WHEN stage IS NOT NULL THEN 'stage ' || stage ELSE 'the run' END AS culprit, first_step, last_step, "
+        "consequences, array_to_string(consequence_rules, ', '), message "
+        "FROM incidents WHERE run_id = ? ORDER BY first_ns", [run_id]).fetchall()
+    alone = con.execute("SELECT count(*) FROM alerts WHERE run_id = ? AND kind = 'sla' AND incident_id = ''",
+                        [run_id]).fetchone()[0]
+    return {"rows": rows, "standalone_sla": int(alone)}
+
+
+def incidents_html(d: dict) -> str:
+    rows = d["rows"]
+    cons = sum(r[7] for r in rows)
+    head = (f"<p>{len(rows)} incident(s): each names its culprit and cause; {cons} alert(s) attached to them as "
+            f"consequences (SLA breaches they explain, waiters), not causes of their own; {d['standalone_sla']} SLA "
+            "breach(es) nothing explains (the alerts table below lists them all, with kind and incident_id)</p>")
+    return head + _table_html(["state", "severity", "rule", "cause", "culprit", "first step", "last step",
+                               "consequences", "consequence rules", "message"], rows)
 
 
 def gather_gaps(con, run_id: str) -> list[tuple]:
@@ -517,6 +543,12 @@ def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress
         "" if mem["budget_gb"] else "<p>no budget declared (budget_bytes = -1)</p>") if mem["series"]
         else _none("no memory rows")))
     prog.step("memory")
+    inc = gather_incidents(con, run_id)
+    parts.append(_section("incidents", "incidents: cause and consequence", _none(
+        "this file predates incidents (schema 11 or older, or no alerts table): its alerts stand alone below")
+        if inc is None else incidents_html(inc) if inc["rows"] else _none(
+        f"no incident in this run: no fault fired ({inc['standalone_sla']} SLA breach(es), below)")))
+    prog.step("incidents")
     for sid, table, who in (("alerts", "alerts", "the live engine's rules write it"),
                             ("actions", "actions", "the controller writes it")):
         got = gather_events_table(con, table, run_id)

@@ -25,6 +25,14 @@ def test_demo_headless_judges_and_acts(tmp_path) -> None:
         stragglers = con.execute("SELECT DISTINCT rank FROM alerts WHERE run_id = ? AND rule = 'straggler'", [run]).fetchall()
         assert stragglers == [(3,)], stragglers  # the injected rank, and no rank that waited for it
         assert con.execute("SELECT count(*) FROM alerts WHERE run_id = ? AND rule = 'memory'", [run]).fetchone()[0] > 0
+        # issue 22: the straggler and the memory pressure are one incident each; none before the injection (step 30)
+        incidents = con.execute("SELECT rule, rank FROM incidents WHERE run_id = ? ORDER BY first_ns", [run]).fetchall()
+        assert sorted(r for r, _ in incidents) == ["memory", "straggler"], incidents
+        assert ("straggler", 3) in incidents
+        early = con.execute("SELECT count(*) FROM alerts WHERE run_id = ? AND rule = 'straggler' AND fired_step < 30",
+                            [run]).fetchone()[0]
+        assert early == 0
+        assert "as incidents (2)" in r.stdout
         acts = con.execute("SELECT kind, value, state, step FROM actions WHERE run_id = ? AND kind = 'micro_batch' "
                            "ORDER BY proposed_ns", [run]).fetchall()
         assert acts and acts[0][2] in ("applied", "verified"), acts

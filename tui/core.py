@@ -16,6 +16,7 @@ its alerts; this mark is one step's display.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -671,29 +672,87 @@ def bar(frac: float, width: int) -> str:
 
 # ---- Alerts & actions ------------------------------------------------------------------------------
 
-def alert_rows(snap, text: str = "") -> list[tuple[str, str, str, str, str, str]]:
-    """(state, severity, rule, where, message, status) rows: firing first, then pending, resolved."""
-    t = snap.table("alerts")
-    order = {"firing": 0, "pending": 1, "resolved": 2}
-    rows = []
-    for r in t.to_pylist():
-        state = str(r.get("state", "?"))
-        sev = str(r.get("severity", "?"))
-        labels = r.get("labels")
-        if isinstance(labels, Mapping):
-            where = ",".join(f"{k}={v}" for k, v in labels.items())
-        elif isinstance(labels, Sequence) and not isinstance(labels, str):
-            where = ",".join(f"{k}={v}" for k, v in labels)
+#: the cause an incident names, by its cause alert's signal (collector/live/model.py CAUSES)
+_CAUSES = {"straggler": "compute", "data_stall": "data", "stuck_collective": "hang", "silent_rank": "silent",
+           "first_failure": "failure", "unheard_rank": "never heard", "memory": "memory", "loss_spike": "loss"}
+_STATE_ORDER = {"firing": 0, "pending": 1, "resolved": 2}
+
+
+def _where(r: Mapping) -> str:
+    labels = r.get("labels")
+    if isinstance(labels, str) and labels.startswith("{"):  # the alerts table's JSON
+        try:
+            labels = json.loads(labels)
+        except ValueError:
+            pass
+    if isinstance(labels, Mapping):
+        return ",".join(f"{k}={v}" for k, v in labels.items())
+    if isinstance(labels, Sequence) and not isinstance(labels, str):
+        return ",".join(f"{k}={v}" for k, v in labels)
+    return str(labels or r.get("scope", ""))
+
+
+def alert_groups(snap) -> list[tuple[dict, list[dict]]]:
+    """The alerts as (head, consequences): each incident's cause with the alerts attached to it,
+    and each standalone alert alone; firing groups first, then pending, resolved (a group takes its
+    head's state, its newest first as the table is read). Files from before incidents (no
+    incident_id column) give every alert alone. A consequence whose cause is not among the rows
+    read stands alone, saying whose it is."""
+    rows = [dict(r) for r in snap.table("alerts").to_pylist()]
+    by_id = {str(r.get("id")): r for r in rows if r.get("id") is not None}
+    heads: list[dict] = []
+    members: dict[str, list[dict]] = {}
+    for r in rows:
+        iid = r.get("incident_id") or ""
+        if iid and iid != r.get("id") and iid in by_id:
+            members.setdefault(iid, []).append(r)
         else:
-            where = str(labels or r.get("scope", ""))
-        msg = str(r.get("message", ""))
-        status = BAD if state == "firing" and sev == "critical" else WARN if state == "firing" else OK
-        row = (state.upper(), sev, str(r.get("rule", "?")), where, msg, status)
-        if text and text.lower() not in " ".join(row[:5]).lower():
+            heads.append(r)
+    order = [(_STATE_ORDER.get(str(h.get("state")), 3), i) for i, h in enumerate(heads)]
+    out = []
+    for _, i in sorted(order):
+        h = heads[i]
+        cons = sorted(members.get(str(h.get("id")), []), key=lambda r: _STATE_ORDER.get(str(r.get("state")), 3))
+        out.append((h, cons))
+    return out
+
+
+def _role(r: Mapping) -> str:
+    iid = r.get("incident_id") or ""
+    return "" if not iid else "cause" if iid == r.get("id") else "consequence"
+
+
+def _rule_text(r: Mapping, consequence: bool, n_cons: int) -> str:
+    rule = str(r.get("rule", "?"))
+    if consequence:
+        return "  └ " + rule
+    if _role(r) == "cause":
+        cause = _CAUSES.get(str(r.get("signal", "")), str(r.get("signal") or rule))
+        more = f", +{n_cons}" if n_cons else ""
+        return f"{rule} (incident: {cause}{more})"
+    if r.get("kind") in ("sla", "hardware"):
+        return f"{rule} ({str(r.get('kind')).upper() if r.get('kind') == 'sla' else 'hardware'})"
+    return rule
+
+
+def alert_rows(snap, text: str = "") -> list[tuple[str, str, str, str, str, str]]:
+    """(state, severity, rule, where, message, status) rows, grouped by incident: a cause first
+    ('straggler (incident: compute, +3)'), its consequences under it ('  └ grad_sync'), then the
+    next group; firing groups first, then pending, resolved. A filter keeps a group whole when any
+    of its rows matches."""
+    out: list[tuple[str, str, str, str, str, str]] = []
+    for head, cons in alert_groups(snap):
+        group = []
+        for r, is_cons in [(head, False)] + [(c, True) for c in cons]:
+            state = str(r.get("state", "?"))
+            sev = str(r.get("severity", "?"))
+            status = BAD if state == "firing" and sev == "critical" else WARN if state == "firing" else OK
+            group.append((state.upper(), sev, _rule_text(r, is_cons, len(cons)), _where(r), str(r.get("message", "")),
+                          status))
+        if text and not any(text.lower() in " ".join(row[:5]).lower() for row in group):
             continue
-        rows.append((order.get(state, 3), row))
-    rows.sort(key=lambda x: x[0])
-    return [r for _, r in rows]
+        out.extend(group)
+    return out
 
 
 def action_rows(snap, text: str = "") -> list[dict]:
@@ -713,4 +772,5 @@ def action_rows(snap, text: str = "") -> list[dict]:
 
 
 def firing_summary(snap) -> list[str]:
-    return [f"{r[1]} {r[2]} {r[3]}: {r[4]}" for r in alert_rows(snap) if r[0] == "FIRING"]
+    """The firing alerts that are not consequences (causes say how many they explain)."""
+    return [f"{r[1]} {r[2]} {r[3]}: {r[4]}" for r in alert_rows(snap) if r[0] == "FIRING" and not r[2].startswith("  └")]

@@ -75,6 +75,9 @@ def alert_dict(a: Alert) -> dict:
         "value": finite_or_none(a.value),
         "threshold": finite_or_none(a.threshold),
         "message": a.message,
+        "kind": a.kind,                  # fault | sla | hardware
+        "incident_id": a.incident_id,    # the cause alert's id ("" for a standalone SLA breach)
+        "role": a.role,                  # cause | consequence | ""
     }
 
 
@@ -82,6 +85,9 @@ def alert_dict(a: Alert) -> dict:
 class Transitions:
     fired: list[Alert] = field(default_factory=list)     # firing now, not firing at the previous call
     resolved: list[Alert] = field(default_factory=list)  # firing at the previous call, not now
+    # firing at both calls, but attached to an incident since (an SLA breach that fired before its
+    # cause): (the record as last seen, the record now)
+    attached: list[tuple[Alert, Alert]] = field(default_factory=list)
 
 
 class AlertTracker:
@@ -100,8 +106,11 @@ class AlertTracker:
         resolved_records = {a.key: a for a in changed if a.state == RESOLVED}
         t = Transitions()
         for key, a in now.items():
-            if key not in self.firing:
+            old = self.firing.get(key)
+            if old is None:
                 t.fired.append(a)
+            elif old.incident_id != a.incident_id:
+                t.attached.append((old, a))
         for key, old in self.firing.items():
             if key not in now:
                 rec = resolved_records.get(key)

@@ -6,9 +6,20 @@
   dies; the re-send period stays well inside Alertmanager's `resolve_timeout` (5 m by default).
 - On resolve it is posted once more with `endsAt` = the time it resolved (Alertmanager then drops it
   from `GET /api/v2/alerts` at once and tells receivers with `send_resolved` "resolved").
-- Labels: alertname (= the rule), run_id, severity, scope, and the alert's own labels (scope labels
+- Labels: alertname (= the rule), run_id, severity, scope, kind (fault | sla | hardware), and where
+  the alert belongs to an incident `incident` (the cause alert's id, on the cause and on each of its
+  consequences) and `incident_role` (cause | consequence); then the alert's own labels (scope labels
   such as rank or stage, plus the rule's). Annotations: summary and description (= the message),
-  value, threshold, signal, first_step, last_step.
+  value, threshold, signal, first_step, last_step. Route with `group_by: [run_id, incident]` so a
+  cause and its consequences make one notification, and inhibit the consequences while the cause
+  fires (docs/alerts.md has the inhibit_rules):
+
+      inhibit_rules:
+        - source_matchers: [incident_role="cause"]
+          target_matchers: [incident_role="consequence"]
+          equal: [incident]
+- An SLA breach that fired before its cause and was attached to it later gets its new labels: the
+  old label set is posted resolved (Alertmanager's identity is the label set) and the new one firing.
 - Deliveries that fail (receiver down, HTTP error, timeout) are retried every `retry_s` until they
   go through; resolutions wait for it, bounded (`MAX_UNSENT_RESOLVED`, oldest dropped and counted).
 
@@ -33,7 +44,7 @@ MAX_UNSENT_RESOLVED = 10_000
 MAX_ALERTS_PER_POST = 500
 
 _LABEL_OK = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED = ("alertname", "run_id", "severity", "scope")
+RESERVED = ("alertname", "run_id", "severity", "scope", "kind", "incident", "incident_role")
 
 
 def api_url(base: str) -> str:
@@ -60,7 +71,10 @@ def _num(x: float) -> str:
 
 
 def am_labels(a: Alert) -> dict[str, str]:
-    out = {"alertname": a.rule, "run_id": a.run_id, "severity": a.severity, "scope": a.scope}
+    out = {"alertname": a.rule, "run_id": a.run_id, "severity": a.severity, "scope": a.scope, "kind": a.kind}
+    if a.incident_id:
+        out["incident"] = a.incident_id
+        out["incident_role"] = a.role
     for k, v in a.labels.items():
         name = label_name(str(k))
         if name in RESERVED:
@@ -86,6 +100,14 @@ def am_alert(a: Alert, ends_ns: int) -> dict:
         "startsAt": rfc3339(a.first_ns),
         "endsAt": rfc3339(ends_ns),
     }
+
+
+def _resolved_now(a: Alert, now_ns: int) -> Alert:
+    from dataclasses import replace
+
+    from collector.live.model import RESOLVED
+
+    return replace(a, state=RESOLVED, last_ns=now_ns)
 
 
 class AlertmanagerSink(QueuedSink):
@@ -119,6 +141,9 @@ class AlertmanagerSink(QueuedSink):
         for a in t.resolved:
             self._unsent_fired.discard(a.key)
             self._unsent_resolved[a.key] = a
+        for old, a in t.attached:  # new labels: the old set resolves, the new one fires
+            self._unsent_resolved[(a.key, old.incident_id)] = _resolved_now(old, self._wall_ns())
+            self._unsent_fired.add(a.key)
         while len(self._unsent_resolved) > MAX_UNSENT_RESOLVED:
             self._unsent_resolved.pop(next(iter(self._unsent_resolved)))
             self.resolutions_dropped += 1

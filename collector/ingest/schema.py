@@ -448,10 +448,45 @@ def _v11() -> list[str]:
         FROM memory WHERE step >= 0"""]
 
 
+def _v12() -> list[str]:
+    """Incidents (issue 22): each alert says what it is (`kind`: fault, sla or hardware) and which
+    incident it belongs to (`incident_id`: the alert_id of the cause alert; a cause's own id; "" for
+    a standalone SLA breach). Rows stored before are filled by their signal (standalone: nothing
+    attached them then). `incidents`: one row per incident, its culprit, cause and consequences."""
+    # frozen here (collector/live/rules.py DEFAULT_KIND and engine.py CAUSES as they were at version 12)
+    sla = ("bubble", "comm_share", "grad_sync", "grad_sync_scaling", "offload_bandwidth", "scaling_efficiency",
+           "stage_imbalance", "throughput_per_gpu")
+    kinds = (f"WHEN signal IN ({', '.join(repr(x) for x in sla)}) THEN 'sla' "
+             "WHEN signal IN ('xid', 'ecc', 'thermal_throttle') THEN 'hardware'")
+    causes = ("WHEN 'data_stall' THEN 'data' WHEN 'first_failure' THEN 'failure' WHEN 'loss_spike' THEN 'loss' "
+              "WHEN 'memory' THEN 'memory' WHEN 'silent_rank' THEN 'silent' WHEN 'straggler' THEN 'compute' "
+              "WHEN 'stuck_collective' THEN 'hang' WHEN 'unheard_rank' THEN 'never heard'")
+    return [
+        "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS kind VARCHAR",
+        "ALTER TABLE alerts ADD COLUMN IF NOT EXISTS incident_id VARCHAR",
+        f"UPDATE alerts SET kind = CASE {kinds} ELSE 'fault' END WHERE kind IS NULL",
+        "UPDATE alerts SET incident_id = CASE WHEN kind = 'sla' THEN '' ELSE id END WHERE incident_id IS NULL",
+        f"""CREATE VIEW incidents AS
+        WITH q AS (
+            SELECT incident_id, count(*) AS consequences, count(*) FILTER (WHERE state = 'firing') AS consequences_firing,
+                   list(DISTINCT rule ORDER BY rule) AS consequence_rules, max(last_step) AS last_step, max(last_ns) AS last_ns
+            FROM alerts WHERE incident_id <> '' AND incident_id <> id GROUP BY incident_id
+        )
+        SELECT c.incident_id, c.run_id, c.rule, c.kind, CASE c.signal {causes} ELSE c.signal END AS cause,
+               c.scope, c.rank, c.stage, c.node, c.gpu, c.labels, c.severity, c.state,
+               c.first_step, greatest(c.last_step, q.last_step) AS last_step,
+               c.first_ns, greatest(c.last_ns, q.last_ns) AS last_ns, c.fired_ns, c.fired_step,
+               coalesce(q.consequences, 0) AS consequences, coalesce(q.consequences_firing, 0) AS consequences_firing,
+               coalesce(q.consequence_rules, []) AS consequence_rules, c.message
+        FROM alerts c LEFT JOIN q ON q.incident_id = c.id
+        WHERE c.incident_id = c.id""",
+    ]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12]
 STORE_VERSION = len(MIGRATIONS)
 
 

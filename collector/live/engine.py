@@ -34,7 +34,16 @@ import numpy as np
 from collector.live import judge
 from collector.live import lost as lost_mod
 from collector.live import signals as sg
-from collector.live.model import FIRING, PENDING, RESOLVED, Alert, AlertSink, RunGauges
+from collector.live.model import (
+    FIRING,
+    PENDING,
+    RESOLVED,
+    Alert,
+    AlertSink,
+    RunGauges,
+    cause_text,
+    culprit_text,
+)
 from collector.live.rules import Rule
 from collector.live.state import LiveState, RunState
 from tracetop.events import Kind
@@ -52,6 +61,23 @@ class _Track:
     cleared: int = 0        # consecutive cleared evaluations while firing (the resolve hold)
     cleared_ns: int = 0     # when the current cleared streak began
     rule: Rule | None = None
+    base: str = ""          # the judge's latest message ({steps} filled), before the book's words
+    note: str = ""          # for a consequence: whose incident it belongs to
+
+
+#: Faults that hold every other rank up, so that the SLA breaches of the same steps (grad-sync,
+#: exposed communication, bubble, stage imbalance, scaling) are their consequences.
+PACING = frozenset({"straggler", "data_stall"})
+#: Faults of a stopped or silent rank: the first named is the incident; the others named while it is
+#: open (waiters stuck in the collective it left, peers the launcher ended, the culprit named again by
+#: another of these rules) are its consequences.
+HANGS = frozenset({"stuck_collective", "silent_rank", "first_failure", "unheard_rank"})
+#: An SLA breach that began up to this many steps before its cause's breach is still its consequence
+#: (the two rules see the same onset and hold for different numbers of steps).
+SLACK_STEPS = 5
+#: For a cause judged on the timer (no step): seconds before its first breach beyond its own threshold
+#: (heartbeats come every 5 s).
+SLACK_S = 10.0
 
 
 @dataclass
@@ -66,7 +92,16 @@ class EngineStats:
 
 
 class AlertBook:
-    """Hold, hysteresis and state per (rule, run, labels). Pure: time and step come in."""
+    """Hold, hysteresis, state and incidents per (rule, run, labels). Pure: time and step come in.
+
+    Incidents (Alertmanager's inhibit_rules, done here): a fault that goes firing with no open
+    incident to join opens one (its `incident_id` is its own id: it names the culprit and the
+    cause); an SLA breach of the same steps that a straggler, data stall or hang explains, a hang
+    rule's waiter and a memory alert of another rank of the same run are attached to the open
+    incident as consequences (`incident_id` = the cause's id, the message says whose), whichever
+    went firing first: an SLA breach that fired before its cause is attached when the cause fires.
+    An SLA breach nothing explains stays standalone (`incident_id` ""). Attachment is for good:
+    a consequence keeps its incident after the cause resolves."""
 
     def __init__(self) -> None:
         self.tracks: dict[tuple, _Track] = {}
@@ -74,7 +109,8 @@ class AlertBook:
 
     def update(self, rule: Rule, run_id: str, obs: list[judge.Obs], step: int, now_ns: int,
                time_based: bool = False) -> list[Alert]:
-        """One evaluation of `rule` on `run_id`: returns the alerts whose state changed."""
+        """One evaluation of `rule` on `run_id`: returns the alerts whose state changed (and the
+        alerts of the run that this evaluation attached to an incident)."""
         changed: list[Alert] = []
         seen = set()
         for o in obs:
@@ -86,20 +122,21 @@ class AlertBook:
                 if t is None:
                     a = Alert(rule.name, rule.signal, rule.severity, PENDING, run_id, o.scope, labels,
                               step if not time_based else -1, step if not time_based else -1, now_ns, now_ns, o.value,
-                              rule.threshold, o.message.replace("{steps}", "1"))
+                              rule.threshold, "", kind=rule.alert_kind)
                     t = self.tracks[key] = _Track(a, rule=rule)
                     fresh = True
                 else:
                     fresh = False
                 t.count += 1
                 t.cleared = 0
+                t.base = o.message.replace("{steps}", str(t.count))
                 a = t.alert
                 new_state = a.state
                 held = (now_ns - a.first_ns) / 1e9 >= rule.for_s if rule.for_s else t.count >= rule.for_steps
                 if a.state == PENDING and held:
                     new_state = FIRING
                 t.alert = replace(a, state=new_state, last_step=step if not time_based else a.last_step,
-                                  last_ns=now_ns, value=o.value, message=o.message.replace("{steps}", str(t.count)),
+                                  last_ns=now_ns, value=o.value, message=_words(t),
                                   fired_ns=now_ns if new_state != a.state else a.fired_ns,
                                   fired_step=(step if not time_based else -1) if new_state != a.state else a.fired_step)
                 if new_state != a.state or fresh:
@@ -108,7 +145,63 @@ class AlertBook:
                 self._not_breached(key, t, o.value, step, now_ns, changed, time_based)
         for key in [k for k in self.tracks if k[0] == rule.name and k[1] == run_id and k not in seen]:
             self._not_breached(key, self.tracks[key], math.nan, step, now_ns, changed, time_based)
-        return changed
+        return self._incidents(run_id, changed)
+
+    # -- incidents ------------------------------------------------------------------------------
+    def _incidents(self, run_id: str, changed: list[Alert]) -> list[Alert]:
+        """Give each alert that went firing here its incident; a new cause takes the firing SLA
+        breaches (and waiters) it explains that stand alone. Work only when something fired."""
+        fired = [a for a in changed if a.state == FIRING and not a.incident_id]
+        if not fired:
+            return changed
+        opened: list[_Track] = []
+        for a in fired:
+            t = self.tracks.get(a.key)
+            if t is None or t.alert.incident_id:
+                continue
+            cause = self._cause_for(t, run_id)
+            if cause is not None:
+                self._attach(t, cause)
+            elif t.alert.kind != "sla":
+                t.alert = replace(t.alert, incident_id=t.alert.id)
+                opened.append(t)
+        extra: list[Alert] = []
+        for c in opened:
+            for t in self._run_tracks(run_id):
+                if t is not c and t.alert.state == FIRING and not t.alert.incident_id and _explains(c, t):
+                    self._attach(t, c)
+                    extra.append(t.alert)
+        out = [self.tracks[a.key].alert if a.state == FIRING and a.key in self.tracks else a for a in changed]
+        return out + extra
+
+    def _run_tracks(self, run_id: str) -> list[_Track]:
+        return [t for k, t in self.tracks.items() if k[1] == run_id]
+
+    def _cause_for(self, t: _Track, run_id: str) -> _Track | None:
+        """The open incident (its cause alert, firing) that explains t's alert, the earliest fired."""
+        open_ = [c for c in self._run_tracks(run_id) if c is not t and c.alert.state == FIRING
+                 and c.alert.incident_id and c.alert.incident_id == c.alert.id]
+        for c in sorted(open_, key=lambda c: c.alert.fired_ns):
+            if _explains(c, t):
+                return c
+        return None
+
+    @staticmethod
+    def _attach(t: _Track, c: _Track) -> None:
+        ca = c.alert
+        t.note = (f"; a consequence of incident {ca.rule} on {culprit_text(ca)} (cause: {cause_text(ca)}), "
+                  "not a cause of its own")
+        t.alert = replace(t.alert, incident_id=ca.id, message=_words(t))
+
+    def incidents(self, run_id: str | None = None) -> list[tuple[Alert, list[Alert]]]:
+        """(cause, its consequences) for the incidents the book holds (open and resolved ones)."""
+        alerts = [a for a in self.all() if run_id is None or a.run_id == run_id]
+        causes = {a.id: a for a in alerts if a.incident_id and not a.is_consequence}
+        out: dict[str, tuple[Alert, list[Alert]]] = {i: (a, []) for i, a in causes.items()}
+        for a in alerts:
+            if a.is_consequence and a.incident_id in out:
+                out[a.incident_id][1].append(a)
+        return list(out.values())
 
     def _not_breached(self, key, t: _Track, value: float, step: int, now_ns: int, changed: list, time_based: bool) -> None:
         a = t.alert
@@ -151,9 +244,39 @@ class AlertBook:
         return [t.alert for t in self.tracks.values()] + list(self.done)
 
 
+#: what an SLA breach's message ends with
+SLA_WORDS = "; an SLA breach, not a fault"
+
+
+def _words(t: _Track) -> str:
+    """The alert's message: the judge's, said to be an SLA breach where it is one, with whose
+    incident it belongs to where it is a consequence."""
+    return t.base + (SLA_WORDS if t.alert.kind == "sla" else "") + t.note
+
+
+def _explains(c: _Track, t: _Track) -> bool:
+    """Is t's alert a consequence of the incident caused by c's alert (same run, both firing)?"""
+    ca, a = c.alert, t.alert
+    if a.kind == "sla":
+        if ca.signal not in PACING | HANGS:
+            return False
+        if ca.first_step >= 0 and a.first_step >= 0:  # began on the cause's steps, not long before
+            return a.first_step >= ca.first_step - SLACK_STEPS
+        slack_s = (c.rule.threshold if c.rule is not None and ca.first_step < 0 else 0.0) + SLACK_S
+        return a.first_ns >= ca.first_ns - int(slack_s * 1e9)
+    if a.kind != "fault":
+        return False
+    if a.signal in HANGS:
+        return ca.signal in HANGS
+    if a.signal in PACING:  # the same rank named by the other pacing rule
+        return ca.signal in PACING and ca.signal != a.signal and ca.labels.get("rank") == a.labels.get("rank")
+    if a.signal == "memory":
+        return ca.signal == "memory"
+    return False
+
+
 def alert_id(a: Alert) -> str:
-    labels = ",".join(f"{k}={v}" for k, v in sorted(a.labels.items()))
-    return f"{a.rule}|{a.run_id}|{labels}|{a.first_ns if a.first_step < 0 else a.first_step}"
+    return a.id
 
 
 def alert_row(a: Alert) -> tuple:
@@ -163,11 +286,13 @@ def alert_row(a: Alert) -> tuple:
 
     return (alert_id(a), a.rule, a.signal, a.severity, a.state, a.run_id, a.scope, num("rank"), num("stage"),
             a.labels.get("node"), num("gpu"), json.dumps(dict(a.labels), sort_keys=True), a.first_step, a.last_step,
-            a.first_ns, a.last_ns, a.fired_ns or None, a.fired_step, None if a.value != a.value else a.value, a.threshold, a.message)
+            a.first_ns, a.last_ns, a.fired_ns or None, a.fired_step, None if a.value != a.value else a.value, a.threshold,
+            a.message, a.kind, a.incident_id)
 
 
 ALERT_COLUMNS = ("id", "rule", "signal", "severity", "state", "run_id", "scope", "rank", "stage", "node", "gpu",
-                 "labels", "first_step", "last_step", "first_ns", "last_ns", "fired_ns", "fired_step", "value", "threshold", "message")
+                 "labels", "first_step", "last_step", "first_ns", "last_ns", "fired_ns", "fired_step", "value", "threshold",
+                 "message", "kind", "incident_id")
 
 
 class Evaluator:
@@ -643,6 +768,8 @@ class LiveEngine:
         with self._lock:
             a = replace(alert, state=FIRING, fired_ns=alert.fired_ns or alert.last_ns,
                         fired_step=alert.fired_step if alert.fired_step >= 0 else alert.last_step)
+            if not a.incident_id and a.kind != "sla":
+                a = replace(a, incident_id=a.id)  # an incident of its own
             self.ev.book.tracks[(a.rule, a.run_id, tuple(sorted(a.labels.items())))] = _Track(a, count=1)
             firing = self.ev.book.firing()
             self._store([a])

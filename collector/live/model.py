@@ -15,6 +15,10 @@ from typing import Protocol
 PENDING, FIRING, RESOLVED = "pending", "firing", "resolved"
 SEVERITIES = ("info", "warning", "critical")
 SCOPES = ("run", "stage", "rank", "role", "node", "gpu")
+#: What an alert says: a fault (something broke or slowed: it opens an incident naming the culprit
+#: and the cause), an SLA breach (a figure past its objective: standalone, or a consequence of an
+#: incident that explains it), or a hardware event (XID, ECC, throttling: an incident of its own).
+KINDS = ("fault", "sla", "hardware")
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,27 @@ class Alert:
     message: str                    # what, where and why, with numbers, for a person
     fired_ns: int = 0               # (added by the live engine) collector clock when it went firing; 0 = never
     fired_step: int = -1            # (added by the live engine) the completed step at which it went firing
+    kind: str = "fault"             # one of KINDS (the rule's `kind`, else its signal's)
+    # The incident it belongs to: the alert_id of the cause alert (a cause's own id for a cause; a
+    # consequence's cause's id); "" for a standalone SLA breach (and while pending).
+    incident_id: str = ""
+
+    @property
+    def role(self) -> str:
+        """'cause' (it opened its incident), 'consequence' (attached to another's), '' (standalone)."""
+        if not self.incident_id:
+            return ""
+        return "consequence" if self.is_consequence else "cause"
+
+    @property
+    def is_consequence(self) -> bool:
+        return bool(self.incident_id) and self.incident_id != self.id
+
+    @property
+    def id(self) -> str:
+        """The alerts table's id: rule|run|labels|first step (first ns for timer rules)."""
+        labels = ",".join(f"{k}={v}" for k, v in sorted(self.labels.items()))
+        return f"{self.rule}|{self.run_id}|{labels}|{self.first_ns if self.first_step < 0 else self.first_step}"
 
     @property
     def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:
@@ -79,6 +104,29 @@ class RunGauges:
     lost_window_gpus: float = float("nan")      # GPU-seconds lost per second of step time in the window (= GPU-h/h)
     price_per_gpu_hour: float = float("nan")    # declared price; NaN = none
     currency: str = ""
+
+
+#: The cause an incident names, by its cause alert's signal.
+CAUSES = {"straggler": "compute", "data_stall": "data", "stuck_collective": "hang", "silent_rank": "silent",
+          "first_failure": "failure", "unheard_rank": "never heard", "memory": "memory", "loss_spike": "loss"}
+
+
+def culprit_text(a: Alert) -> str:
+    """'rank 3, stage 1', 'stage 1', 'GPU 2 on node-a', 'the run': who an incident names."""
+    lb = a.labels
+    if "rank" in lb:
+        return f"rank {lb['rank']}" + (f", stage {lb['stage']}" if "stage" in lb else "")
+    if "gpu" in lb:
+        return f"GPU {lb['gpu']}" + (f" on {lb['node']}" if "node" in lb else "")
+    if "node" in lb:
+        return f"node {lb['node']}"
+    if "stage" in lb:
+        return f"stage {lb['stage']}"
+    return "the run"
+
+
+def cause_text(a: Alert) -> str:
+    return CAUSES.get(a.signal, a.signal if a.kind == "hardware" else a.rule)
 
 
 class AlertSink(Protocol):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import tomllib
 
 from collector.live.lost import CostSettings
-from collector.live.model import SCOPES, SEVERITIES
+from collector.live.model import KINDS, SCOPES, SEVERITIES
 from tracetop.errors import TracetopError
 
 
@@ -139,7 +139,17 @@ SIGNALS: dict[str, SignalSpec] = {s.name: s for s in (
 
 #: keys every rule may have besides its signal's
 COMMON_KEYS = ("signal", "scope", "for_steps", "for_s", "clear_below", "clear_above", "keep_firing_steps",
-               "keep_firing_s", "severity", "labels", "enabled", "description")
+               "keep_firing_s", "severity", "labels", "enabled", "description", "kind")
+#: What each signal's alerts are unless a rule says `kind = "..."`: a fault opens an incident that
+#: names the culprit and the cause; an SLA breach is a figure past its objective (a consequence of
+#: an incident where one explains it); hardware is the GPU's own report.
+DEFAULT_KIND = {
+    "straggler": "fault", "data_stall": "fault", "silent_rank": "fault", "first_failure": "fault",
+    "unheard_rank": "fault", "stuck_collective": "fault", "memory": "fault", "loss_spike": "fault",
+    "grad_sync": "sla", "grad_sync_scaling": "sla", "comm_share": "sla", "bubble": "sla", "stage_imbalance": "sla",
+    "scaling_efficiency": "sla", "throughput_per_gpu": "sla", "offload_bandwidth": "sla",
+    "xid": "hardware", "thermal_throttle": "hardware", "ecc": "hardware",
+}
 #: a firing step rule keeps firing through this many cleared steps (Prometheus' keep_firing_for): a
 #: breach again within them is the same alert, not a new one (the demo's memory pressure fired and
 #: resolved 15 times in 60 steps); timer rules resolve at once unless keep_firing_s says otherwise
@@ -163,6 +173,11 @@ class Rule:
     labels: Mapping[str, str] = field(default_factory=dict)
     enabled: bool = True
     line: int = 0
+    kind: str = ""                           # fault | sla | hardware ("" = the signal's, DEFAULT_KIND)
+
+    @property
+    def alert_kind(self) -> str:
+        return self.kind or DEFAULT_KIND.get(self.signal, "fault")
 
     def breached(self, value: float) -> bool:
         if value != value:  # NaN: unknown, never a breach
@@ -427,13 +442,19 @@ def _parse_rule(name: str, body: dict, line_of, hline: int, faults: list[Fault])
     enabled = body.get("enabled", True)
     if not isinstance(enabled, bool):
         faults.append(Fault(line_of("enabled"), "enabled", f"must be true or false, got {enabled!r}"))
+    kind = body.get("kind", DEFAULT_KIND.get(signal, "fault"))
+    if not isinstance(kind, str) or kind not in KINDS:
+        faults.append(Fault(line_of("kind"), "kind", f"{kind!r} is not a kind of alert{_nearest(str(kind), list(KINDS)).replace('valid keys', 'kinds')}"
+                            f" (fault: opens an incident naming a culprit; sla: a figure past its objective; "
+                            f"hardware: the GPU's own report); signal '{signal}' is \"{DEFAULT_KIND.get(signal, 'fault')}\" "
+                            "unless you say otherwise"))
     if len(faults) > n0:
         return None
     return Rule(name=name, signal=signal, scope=scope, threshold_key=tkey.name, threshold=threshold, op=tkey.op,
                 params=params, for_steps=int(for_steps or 1), for_s=float(for_s or 0.0),
                 clear=float(clear) if clear is not None else None, keep_firing=float(keep), severity=severity,
                 labels=dict(labels),
-                enabled=enabled, line=hline)
+                enabled=enabled, line=hline, kind=kind)
 
 
 def _read(path: str) -> str:
@@ -463,7 +484,9 @@ DEFAULTS_TOML = """\
 # A rule: signal, scope, one threshold whose key carries its unit, a hold (for_steps per completed
 # step, or for_s on the timer), optional hysteresis (clear_below / clear_above), a resolve hold
 # (keep_firing_steps, default 10: a breach again within it is the same alert; keep_firing_s for timer
-# signals, default 0), severity, labels.
+# signals, default 0), severity, labels, and optionally kind: "fault" (opens an incident naming the
+# culprit and the cause), "sla" (a figure past its objective; a consequence where an incident explains
+# it) or "hardware"; each signal has its own (docs/outputs.md, "Incidents").
 
 [rule.straggler]
 signal = "straggler"

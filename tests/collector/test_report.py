@@ -189,3 +189,37 @@ def test_dollar_signs_from_ranks_are_text_not_mathtext(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     sections = _sections(out.read_text())
     assert "<svg" in sections["collectives"] and "all_reduce$\\bogus{$" in sections["collectives"]
+
+
+def test_incidents_section_names_the_culprit_and_its_consequences(tmp_path: Path) -> None:
+    """The fixture's run judged again by the built-in rules into a copy migrated to schema 12: the
+    incidents section names the injected straggler (rank 3, cause compute) with the SLA breaches it
+    explains; the fixture itself (schema 7) says it predates incidents."""
+    from collector.ingest.schema import open_store
+    from collector.live.engine import ALERT_COLUMNS, alert_row
+    from collector.live.replay import recompute
+    from collector.live.rules import defaults
+
+    db = tmp_path / "incidents.duckdb"
+    shutil.copy(FIXTURE, db)
+    con = open_store(str(db))
+    run_id = pick_run(con.cursor(), None)
+    found = [a for a in recompute(con, defaults(), runs=[run_id]) if a.state != "pending"]
+    con.execute("DELETE FROM alerts")
+    con.executemany(f"INSERT INTO alerts VALUES ({', '.join('?' * len(ALERT_COLUMNS))})", [alert_row(a) for a in found])
+    cons = sorted(a.rule for a in found if a.is_consequence)
+    con.close()
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        sec = _sections(R.build_report(con, run_id))["incidents"]
+    finally:
+        con.close()
+    assert cons and "1 incident(s)" in sec and f"{len(cons)} alert(s) attached" in sec
+    row = re.search(r"<tr><td>firing</td><td>warning</td><td>straggler</td><td>compute</td><td>rank 3, stage 1</td>"
+                    r"<td>(\d+)</td><td>(\d+)</td><td>(\d+)</td><td>([^<]*)</td>", sec)
+    assert row and int(row[3]) == len(cons) and row[4] == ", ".join(sorted(set(cons))), sec[:2000]
+    old = duckdb.connect(str(FIXTURE), read_only=True)
+    try:
+        assert "predates incidents" in _sections(R.build_report(old, run_id))["incidents"]
+    finally:
+        old.close()

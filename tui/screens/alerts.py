@@ -32,6 +32,12 @@ class AlertsPane(VerticalScroll):
         if not s.header.get("has_actions"):
             note.append("No actions table: this collector / file predates the controller, so it has no proposals.\n",
                         style="dim")
+        groups = core.alert_groups(s)
+        incidents = [(h, c) for h, c in groups if h.get("incident_id") and h.get("incident_id") == h.get("id")]
+        if incidents:
+            sla = sum(1 for h, _ in groups if h.get("kind") == "sla" and not h.get("incident_id"))
+            note.append(f"{len(incidents)} incident(s), each its cause first and the alerts it explains under it (└, "
+                        f"{sum(len(c) for _, c in incidents)} in all); {sla} SLA breach(es) nothing explains.\n")
         if view.live:
             note.append("y approves / n rejects the selected proposal (after a confirmation).", style="dim")
         else:

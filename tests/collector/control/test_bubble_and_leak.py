@@ -164,8 +164,10 @@ def test_cannot_fix_reaches_the_live_alert_sinks(leak):
     assert (posted["state"], posted["run_id"], posted["labels"]) == ("firing", "loop-leak-1", {"problem": "memory"}), posted
     assert posted["message"] == gave_up["reason"]
     (am,) = leak["am"]
-    assert am["labels"] == {"alertname": "controller_cannot_fix", "run_id": "loop-leak-1", "severity": "critical",
-                            "scope": "run", "problem": "memory"}, am
+    labels = dict(am["labels"])
+    assert labels.pop("incident") == row["incident_id"] == row["id"], am  # an incident of its own
+    assert labels == {"alertname": "controller_cannot_fix", "run_id": "loop-leak-1", "severity": "critical",
+                      "scope": "run", "kind": "fault", "incident_role": "cause", "problem": "memory"}, am
     assert am["annotations"]["summary"] == gave_up["reason"]
     n, got = leak["otlp"]
     assert n >= 1 and got == n

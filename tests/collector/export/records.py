@@ -21,6 +21,15 @@ def straggler(run_id: str = "run-7", rank: int = 3, *, state: str = FIRING, valu
     )
 
 
+def grad_sync(run_id: str = "run-7", **over) -> Alert:
+    """An SLA breach (kind sla), standalone unless `incident_id` is given."""
+    now = time.time_ns()
+    a = Alert(rule="grad_sync", signal="grad_sync", severity="warning", state=FIRING, run_id=run_id, scope="run",
+              labels={}, first_step=19, last_step=22, first_ns=now - 3_000_000_000, last_ns=now, value=420.0,
+              threshold=200.0, message="grad-sync p99 across ranks 420 ms; an SLA breach, not a fault", kind="sla")
+    return replace(a, **over)
+
+
 def pending_bubble(run_id: str = "run-7") -> Alert:
     now = time.time_ns()
     return Alert(rule="bubble", signal="bubble", severity="warning", state=PENDING, run_id=run_id, scope="stage",

@@ -13,7 +13,7 @@ from collector.export._sender import SendError
 from collector.export.alertmanager import AlertmanagerSink, am_alert, label_name, rfc3339
 from collector.live.model import FIRING
 
-from .records import pending_bubble, resolved, straggler
+from .records import grad_sync, pending_bubble, resolved, straggler
 from .tools import Alertmanager, Receiver, wait_until
 
 
@@ -46,7 +46,7 @@ def test_firing_resent_then_resolved_in_a_real_alertmanager(tmp_path):
         assert len(got) == 1, got  # the pending alert is not sent
         item = got[0]
         assert item["labels"] == {"alertname": "straggler", "run_id": "run-7", "severity": "critical",
-                                  "scope": "rank", "rank": "3", "stage": "1"}
+                                  "scope": "rank", "kind": "fault", "rank": "3", "stage": "1"}
         assert item["annotations"]["summary"] == a.message
         assert item["annotations"]["description"] == a.message
         assert float(item["annotations"]["value"]) == a.value
@@ -136,8 +136,65 @@ def test_payload_shape_and_label_names():
                                      "empty": ""})
     body = am_alert(a, a.last_ns)
     assert body["labels"] == {"alertname": "straggler", "run_id": "run-7", "severity": "critical", "scope": "rank",
-                              "rank": "3", "gpu_uuid": "GPU-1", "_0bad": "x", "exported_severity": "mine"}
+                              "kind": "fault", "rank": "3", "gpu_uuid": "GPU-1", "_0bad": "x",
+                              "exported_severity": "mine"}
     assert body["startsAt"] == rfc3339(a.first_ns) and ns_of(body["endsAt"]) == a.last_ns
     assert label_name("a.b") == "a_b"
     assert body["annotations"]["first_step"] == "20" and body["annotations"]["signal"] == "straggler"
     assert a.state == FIRING
+
+
+#: the inhibit rule docs/alerts.md gives: a consequence is silent while its cause fires
+INHIBIT = ("inhibit_rules:\n"
+           "  - source_matchers: ['incident_role=\"cause\"']\n"
+           "    target_matchers: ['incident_role=\"consequence\"']\n"
+           "    equal: ['incident']\n")
+
+
+def test_incident_consequences_group_with_their_cause_and_are_inhibited(tmp_path):
+    """A real Alertmanager routed by incident, with the documented inhibit rule: the cause is
+    notified, its consequence (an SLA breach it explains) is suppressed by it, in one group; an SLA
+    breach that fired before its cause and joined it later leaves its old label set resolved."""
+    rx = Receiver()
+    # group_wait as Alertmanager's own default means it (30 s there): a group's first notification
+    # waits for the alerts posted with it, so the cause is in before its consequence is notified
+    am = Alertmanager(tmp_path, rx.url, group_by="['run_id', 'incident']", extra=INHIBIT, group_wait="2s")
+    sink = AlertmanagerSink(am.url, resend_s=0.5)
+    try:
+        cause = straggler()
+        cause = replace(cause, incident_id=cause.id)
+        early = grad_sync()  # fired standalone before the straggler did
+        sink.publish([early], [early])
+        wait_until(lambda: [x["labels"]["alertname"] for x in am.alerts()] == ["grad_sync"], 20, "the SLA breach")
+        assert "incident" not in am.alerts()[0]["labels"] and am.alerts()[0]["labels"]["kind"] == "sla"
+        # the cause fires, then the breach joins it (the book does both in one publish; Alertmanager's
+        # inhibitor sees an alert a moment after it is posted, which group_wait covers in production)
+        sink.publish([cause], [cause, early])
+        wait_until(lambda: any(x["labels"]["alertname"] == "straggler" for x in am.alerts()), 20, "the cause")
+        time.sleep(0.5)
+        joined = replace(early, incident_id=cause.id)
+        sink.publish([joined], [cause, joined])
+
+        def settled():
+            got = {(x["labels"]["alertname"], x["labels"].get("incident_role", "")): x for x in am.alerts()}
+            return got if set(got) == {("straggler", "cause"), ("grad_sync", "consequence")} else None
+
+        got = wait_until(settled, 20, "cause and consequence, the standalone label set gone")
+        cons = got[("grad_sync", "consequence")]
+        assert cons["labels"]["incident"] == cause.id == got[("straggler", "cause")]["labels"]["incident"]
+        assert cons["labels"]["kind"] == "sla"
+        wait_until(lambda: next(x for x in am.alerts() if x["labels"]["alertname"] == "grad_sync")["status"]["state"]
+                   == "suppressed", 20, "the consequence inhibited by its cause")
+        inhibited = next(x for x in am.alerts() if x["labels"]["alertname"] == "grad_sync")
+        assert inhibited["status"]["inhibitedBy"], inhibited["status"]
+        # notifications: the incident's group carries the cause, never the suppressed consequence
+        fired = wait_until(lambda: [a for a in hook_alerts(rx, "firing") if a["labels"].get("incident") == cause.id],
+                           20, "the incident's notification")
+        assert {a["labels"]["alertname"] for a in fired} == {"straggler"}
+        # the standalone label set (fired before the cause) was resolved, not left to lapse
+        wait_until(lambda: [a for a in hook_alerts(rx, "resolved") if a["labels"]["alertname"] == "grad_sync"
+                            and "incident" not in a["labels"]], 20, "the old label set's resolution")
+    finally:
+        sink.close()
+        am.close()
+        rx.close()

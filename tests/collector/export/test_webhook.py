@@ -7,7 +7,7 @@ from dataclasses import replace
 from collector.export._sender import AlertTracker
 from collector.export.webhook import WebhookSink
 
-from .records import pending_bubble, resolved, straggler
+from .records import grad_sync, pending_bubble, resolved, straggler
 from .tools import Receiver, wait_until
 
 
@@ -69,4 +69,48 @@ def test_what_was_published_before_close_is_delivered():
         sink.publish([a], [a])  # after close: ignored, never raises
         assert sink.stats()["requests"] == 2
     finally:
+        rx.close()
+
+
+def test_incident_webhook_payload_names_the_incident_and_pages_once():
+    """A real receiver: the cause and its consequence arrive with kind, incident_id and role, and an
+    incidents list (culprit, cause, consequences); a payload of consequences only does not page."""
+    rx = Receiver()
+    sink = WebhookSink(rx.url, retry_s=0.05)
+    try:
+        cause = straggler()
+        cause = replace(cause, incident_id=cause.id)
+        cons = grad_sync(incident_id=cause.id)
+        sink.publish([cause, cons], [cause, cons])
+        wait_until(lambda: rx.bodies, 10, "the incident's payload")
+        body = rx.bodies[0]
+        got = {a["rule"]: a for a in body["alerts"]}
+        assert got["straggler"]["kind"] == "fault" and got["straggler"]["role"] == "cause"
+        assert got["grad_sync"]["kind"] == "sla" and got["grad_sync"]["role"] == "consequence"
+        assert got["grad_sync"]["incident_id"] == got["straggler"]["incident_id"] == cause.id
+        assert body["incidents"] == [{"incident_id": cause.id, "rule": "straggler", "cause": "compute",
+                                      "culprit": "rank 3, stage 1", "run_id": "run-7", "state": "firing",
+                                      "consequences": ["grad_sync"]}]
+        assert body["page"] is True
+        # a second consequence of the same incident: news, but no page
+        late = grad_sync(incident_id=cause.id, labels={"rank": "1"}, scope="rank")
+        sink.publish([late], [cause, cons, late])
+        wait_until(lambda: len(rx.bodies) == 2, 10, "the consequence's payload")
+        body = rx.bodies[1]
+        assert body["page"] is False and [a["role"] for a in body["alerts"]] == ["consequence"]
+        assert body["incidents"][0]["culprit"] == "rank 3, stage 1"  # described from the cause it knows
+        # an SLA breach that fired standalone and then joined an incident is news again, with it
+        solo = grad_sync(run_id="run-8")
+        sink.publish([solo], [cause, cons, late, solo])
+        wait_until(lambda: len(rx.bodies) == 3, 10, "the standalone breach")
+        assert rx.bodies[2]["page"] is True and rx.bodies[2]["incidents"] == []
+        assert [(a["run_id"], a["role"]) for a in rx.bodies[2]["alerts"]] == [("run-8", "")]
+        c8 = straggler(run_id="run-8")
+        c8 = replace(c8, incident_id=c8.id)
+        sink.publish([c8], [cause, cons, late, c8, replace(solo, incident_id=c8.id)])
+        wait_until(lambda: len(rx.bodies) == 4, 10, "the cause and the attachment")
+        roles = sorted((a["rule"], a["role"]) for a in rx.bodies[3]["alerts"])
+        assert roles == [("grad_sync", "consequence"), ("straggler", "cause")]
+    finally:
+        sink.close()
         rx.close()

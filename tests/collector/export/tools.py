@@ -99,16 +99,17 @@ def refused_port() -> int:
 # ---- Alertmanager ------------------------------------------------------------------------------
 class Alertmanager:
     """A real prometheus-alertmanager on 127.0.0.1 (port 0), no gossip, temp storage, routing every
-    alert to `webhook_url` at once (group_wait 0s, group_interval 1s) with send_resolved."""
+    alert to `webhook_url` at once (group_wait 0s unless given, group_interval 1s) with send_resolved."""
 
-    def __init__(self, tmp_path: Path, webhook_url: str) -> None:
+    def __init__(self, tmp_path: Path, webhook_url: str, *, group_by: str = "['...']", extra: str = "",
+                 group_wait: str = "0s") -> None:
         binary = need("prometheus-alertmanager")
         cfg = tmp_path / "am.yml"
         cfg.write_text(
             "route:\n"
             "  receiver: hook\n"
-            "  group_by: ['...']\n"
-            "  group_wait: 0s\n"
+            f"  group_by: {group_by}\n"
+            f"  group_wait: {group_wait}\n"
             "  group_interval: 1s\n"
             "  repeat_interval: 1h\n"
             "receivers:\n"
@@ -116,6 +117,7 @@ class Alertmanager:
             "    webhook_configs:\n"
             f"      - url: {webhook_url}\n"
             "        send_resolved: true\n"
+            + extra
         )
         storage = tmp_path / "am-data"
         storage.mkdir()

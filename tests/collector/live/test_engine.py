@@ -35,7 +35,7 @@ def test_pending_firing_resolved_with_hold_and_hysteresis():
     # 6, 7 sit between clear_below and the threshold (still firing); 8 clears; 9 starts anew
     assert states == [[(PENDING, 0)], [], [], [(PENDING, 3)], [], [(FIRING, 3)], [], [], [(RESOLVED, 3)], [(PENDING, 9)]]
     done = book.done[-1]
-    assert done.fired_step == 5 and done.last_step == 5 and done.message == "p99 3"  # last step it held
+    assert done.fired_step == 5 and done.last_step == 5 and done.message == "p99 3; an SLA breach, not a fault"  # last step it held
 
 
 def test_a_breach_within_the_resolve_hold_is_the_same_alert():
