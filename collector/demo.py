@@ -74,11 +74,16 @@ def run(args: argparse.Namespace) -> int:
     headless = args.headless or not (sys.stdout.isatty() and sys.stdin.isatty())
     workdir: Path = args.dir.resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    # the sockets live in a folder only this user can write, whatever the umask: the hooks trust a unix
+    # endpoint only there (a loose folder would send the ranks to the collector, past the agent)
+    socks = workdir / "sockets"
+    socks.mkdir(mode=0o700, exist_ok=True)
+    socks.chmod(0o700)
     db = workdir / "demo.duckdb"
     for stale in (db, db.with_suffix(".duckdb.wal")):
         stale.unlink(missing_ok=True)
     (workdir / "controller.toml").write_text(DEMO_CONTROLLER)
-    listen = f"unix://{workdir / 'collector.sock'}"
+    listen = f"unix://{socks / 'collector.sock'}"
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     strag_from = args.straggler_from if args.straggler_from is not None else args.steps // 2
 
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                                                         str(workdir / "controller.toml")],
                                 log_path=workdir / "collector.log")
     collector.start()
-    agent = procs.agent(listen, f"unix://{workdir / 'agent.sock'}", spool_dir=workdir / "spool",
+    agent = procs.agent(listen, f"unix://{socks / 'agent.sock'}", spool_dir=workdir / "spool",
                         extra_args=["--fake-gpus", "4", "--run-id", f"{run_id}-agent", "--clock-interval-s", "5"],
                         log_path=workdir / "agent.log")
     agent.start()
