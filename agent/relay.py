@@ -66,17 +66,6 @@ class _End:
     metadata: tuple[tuple[str, str], ...] = ()
 
 
-
-
-def unix_path(listen: str) -> str | None:
-    """The filesystem path of a unix:// address (unix:///abs or unix:rel), else None."""
-    if listen.startswith("unix://"):
-        return listen[len("unix://") :]
-    if listen.startswith("unix:"):
-        return listen[len("unix:") :]
-    return None
-
-
 def _prepare_unix_socket(path: str) -> None:
     """Make the socket's folder this user's alone (created 0700; an existing one must be a real
     folder of this user's or root's that nobody else may write: the hooks trust no other, see
@@ -205,7 +194,7 @@ class Relay:
                                         ("Report", pb.CommandStatus, pb.StatusAck))})
             server.add_generic_rpc_handlers((control,))
         for addr in self.listen:
-            path = unix_path(addr)
+            path = local.unix_path(addr)
             if path is not None:
                 _prepare_unix_socket(path)
             else:
@@ -264,7 +253,7 @@ class Relay:
             self.server.stop(grace_s).wait(grace_s + 1)
             self.server = None
         for addr in self.listen:
-            path = unix_path(addr)
+            path = local.unix_path(addr)
             if path and os.path.exists(path):
                 try:
                     os.unlink(path)
@@ -275,7 +264,7 @@ class Relay:
         """The listen addresses as bound (a TCP port 0 replaced by the port picked)."""
         out = []
         for addr, port in self.ports.items():
-            if unix_path(addr) is None and addr.endswith(":0"):
+            if local.unix_path(addr) is None and addr.endswith(":0"):
                 addr = f"{addr[:-2]}:{port}"
             out.append(addr)
         return out

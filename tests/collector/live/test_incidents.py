@@ -16,20 +16,10 @@ from collector.ingest.schema import open_store
 from collector.live.engine import ALERT_COLUMNS, AlertBook, Evaluator, alert_row
 from collector.live.model import FIRING
 from collector.live.rules import RulesError, defaults, parse
+from tests.collector.live.test_engine import _run_start
 from tracetop.events import Kind
 
 RANKS = 4
-
-
-def _run_start(n: int) -> dict:
-    i4 = np.full(n, 1, np.int32)
-    s = (np.zeros(n, np.int32), ("",))
-    return {"rank": np.arange(n, dtype=np.int32), "step": np.full(n, -1, np.int64), "start_ns": np.zeros(n, np.int64),
-            "duration_ns": np.zeros(n, np.int64), "world_size": np.full(n, n, np.int32), "tp": i4, "pp": i4,
-            "dp": np.full(n, n, np.int32), "zero_stage": i4, "stage": np.full(n, -1, np.int32), "model_name": s,
-            "n_params": np.zeros(n, np.int64), "flops_per_token": np.full(n, np.nan), "peak_flops": np.full(n, np.nan),
-            "micro_batch": i4, "micro_batches": i4, "seq_len": i4, "hostname": s, "pid": i4, "ds_config_json": s,
-            "meta_json": s}
 
 
 def _step(step: int, compute_ms, data_ms, wait_ms) -> tuple[dict, dict]:
