@@ -9,7 +9,7 @@ metrics`: no `_ms`, `_total` only on counters, snake_case, a HELP on each.
 Per alert (pending and firing; resolved ones are gone; at most MAX_ALERT_SERIES_PER_RUN a run,
 firing and most severe first, the rest counted in tracetop_alert_series_dropped{run_id}), like
 Prometheus's own ALERTS series:
-    tracetop_alert_active{alertname, alertstate, severity, run_id, scope, <scope labels>} 1
+    tracetop_alert_active{alertname, alertstate, severity, run_id, scope, kind, <scope labels>} 1
     tracetop_alert_value{...} / tracetop_alert_threshold{...}    in the rule's unit
 Per run (label run_id; bubble also by stage):
     tracetop_run_step, tracetop_run_ranks, tracetop_run_step_duration_p50_seconds,
@@ -45,7 +45,7 @@ log = logging.getLogger("tracetop.export")
 GaugesFn = Callable[[], Sequence[RunGauges]]
 AlertsFn = Callable[[], Sequence[Alert]]
 
-_ALERT_RESERVED = ("alertname", "alertstate", "severity", "run_id", "scope")
+_ALERT_RESERVED = ("alertname", "alertstate", "severity", "run_id", "scope", "kind")
 
 # (metric name, help, RunGauges field, scale to the metric's unit)
 RUN_GAUGES: tuple[tuple[str, str, str, float], ...] = (
@@ -76,7 +76,7 @@ def _finite(x) -> bool:
 
 def alert_labels(a: Alert) -> dict[str, str]:
     out = {"alertname": a.rule, "alertstate": a.state, "severity": a.severity, "run_id": a.run_id,
-           "scope": a.scope}
+           "scope": a.scope, "kind": a.kind}
     for k, v in a.labels.items():
         name = label_name(str(k))
         if name in _ALERT_RESERVED or name.startswith("__"):

@@ -62,7 +62,7 @@ def test_live_families_values_units_and_nan_left_out():
               for k, v in s.items() if k[0] == "tracetop_alert_active"}
     assert active == {"straggler/firing": 1.0, "bubble/pending": 1.0}
     key = tuple(sorted({"alertname": "straggler", "alertstate": "firing", "severity": "critical",
-                        "run_id": "run-7", "scope": "rank", "rank": "3", "stage": "1"}.items()))
+                        "run_id": "run-7", "scope": "rank", "kind": "fault", "rank": "3", "stage": "1"}.items()))
     assert s[("tracetop_alert_value", key)] == fa.value and s[("tracetop_alert_threshold", key)] == fa.threshold
 
 
