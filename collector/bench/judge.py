@@ -55,7 +55,7 @@ class Case:
     args: list[str]
     culprit: str = ""                 # "rank:2" | "stage:1" | "run" | "" (clean)
     onset_step: int = -1
-    deadline: str = "steps"           # "steps": named within 5 steps of onset; "seconds": within 20 s
+    deadline: str = "steps"           # "steps": named within 5 steps of onset; "seconds": within 20 s; "none"
     stop: bool = False                # the run does not end by itself: stopped once judged (or after wait_s)
     wait_s: float = 45.0              # after onset: how long to wait for a judgment
     sigstop: tuple[int, int, float] | None = None  # (rank, step, seconds) frozen from outside
@@ -78,10 +78,12 @@ def cases(quick: bool = False) -> list[Case]:
         _loop("compute straggler (forward)", 30, "--fault", f"forward:2:1.5@{s}", culprit="rank:2", onset_step=s),
         _loop("compute straggler (backward, buckets in flight)", 30, "--fault", f"backward:1:1.5@{s}", culprit="rank:1",
               onset_step=s),
-        _loop("creeping slowdown", 30, "--fault", f"creep:3:0.4@{s}", culprit="rank:3", onset_step=s),
+        # a creep's onset: the first step its extra reaches half a base step (0.4, 0.8, 1.2, ... x)
+        _loop("creeping slowdown", 30, "--fault", f"creep:3:0.4@{s}", culprit="rank:3", onset_step=s + 1),
         _loop("data-loader stall", 30, "--fault", f"data:2:1.5@{s}", culprit="rank:2", onset_step=s),
         _loop("slow communication on one rank", 30, "--fault", f"comm:1:1.5@{s}", culprit="rank:1", onset_step=s),
-        _loop("memory growth", 30, "--fault", f"mem:0:64@{s}", culprit="rank:0", onset_step=s),
+        # a growth (64 MB a step) crosses 90% of the 1 GiB budget some steps after it begins: no deadline
+        _loop("memory growth", 30, "--fault", f"mem:0:64@{s}", culprit="rank:0", onset_step=s, deadline="none"),
         _loop("loss spike", 40, "--fault", "loss:0:4@25", culprit="run", onset_step=25),
         _loop("hang inside a collective", 200, "--fault", f"hang:3:0@{s}", "--timeout-s", "120", culprit="rank:3",
               onset_step=s, deadline="seconds", stop=True),
@@ -319,7 +321,9 @@ def _score(case: Case, alerts: list[dict], onset_ns: int | None, steps: dict, wa
     row["steps_to_detect"] = (first["fired_step"] - case.onset_step if first and case.onset_step >= 0
                               and first["fired_step"] is not None and first["fired_step"] >= 0 else None)
     row["seconds_to_detect"] = round((first["fired_ns"] - onset_ns) / 1e9, 1) if first and onset_ns else None
-    if case.deadline == "steps":
+    if case.deadline == "none":
+        row["in_time"] = row["detected"]
+    elif case.deadline == "steps":
         row["in_time"] = row["steps_to_detect"] is not None and row["steps_to_detect"] <= 5
     else:
         row["in_time"] = row["seconds_to_detect"] is not None and row["seconds_to_detect"] <= 20

@@ -100,10 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     model = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05)
     if a.die_early == rank:
         time.sleep(3.0)  # the others are past the DDP constructor's collectives and start their hooks
+        _onset(rank, -1, "die-early")
         os._exit(1)
     if a.late:
         r, sec = a.late.split(":")
         if int(r) == rank:
+            _onset(rank, -1, "late")
             time.sleep(float(sec))
     kill_rank, kill_step = (int(x) for x in a.kill.split("@")) if a.kill else (-1, -1)
     data_rank, data_ms, data_from = -1, 0.0, 0
