@@ -307,6 +307,12 @@ def _judged(addr: str, run_id: str, case: Case) -> bool:
 def _score(case: Case, alerts: list[dict], onset_ns: int | None, steps: dict, wall: float, bursts: int, rc,
            output: str) -> dict:
     named = [a for a in alerts if _names(case, a)]
+    for a in alerts:
+        # the stage alerts naming the slow stage (stage_imbalance, the bubbles it causes) are one
+        # incident where the alerts table does not group them (no incident_id)
+        slow = json.loads(a["labels"] or "{}").get("slow_stage")
+        if a["signal"] in ("stage_imbalance", "bubble") and slow is not None and a["incident"] == a["id"]:
+            a["incident"] = f"stage:{slow}"
     row = {"case": case.name, "trainer": case.trainer, "culprit": case.culprit or "-", "onset_step": case.onset_step,
            "rc": rc, "wall_s": round(wall, 1), "rank_steps": steps.get("n"),
            "step_ms_p50": round(steps["ms"], 1) if steps.get("ms") is not None else None, "noise_bursts": bursts,
