@@ -233,7 +233,7 @@ def run_case(case: Case, workdir: Path, *, noise: bool, seed: int, run_id: str) 
                 rc = job.poll()
                 out = log_path.read_text(errors="replace")
                 if onset_ns is None:
-                    m = re.findall(r"onset rank \d+ step \d+ unix_ns (\d+)", out)
+                    m = re.findall(r"onset rank \d+ step -?\d+ unix_ns (\d+)", out)
                     if m:
                         onset_ns = min(int(x) for x in m)
                     elif case.trainer == "reference" and "injected hang" in out:
@@ -262,11 +262,7 @@ def run_case(case: Case, workdir: Path, *, noise: bool, seed: int, run_id: str) 
                     break
                 time.sleep(0.5)
         finally:
-            if frozen_pid is not None:
-                try:
-                    os.kill(frozen_pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+            # a frozen rank stays frozen to its SIGKILL (a SIGCONT first would let it beat once more)
             if nz:
                 nz.stop()
             if job.poll() is None:

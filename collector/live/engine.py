@@ -486,6 +486,8 @@ class Evaluator:
                                      f"rank {h.rank} sent no heartbeat for {h.seconds:.0f} s (last at step {h.step}) "
                                      f"{others}{wait}"))
             elif h.kind == "stalled" and rule.signal == "stuck_collective":
+                if self._silent_named(run.run_id, h.rank):
+                    continue  # it was frozen, and is heard again: silent_rank named it already
                 labels["cause"] = "stalled"
                 out.append(judge.Obs("rank", labels, h.seconds, True,
                                      f"rank {h.rank} is stalled in its own {h.phase or 'work'} at step {h.step} (in no "
@@ -501,6 +503,10 @@ class Evaluator:
                                      f"rank {h.rank} is stuck in {h.op} (role {h.role}) for {h.seconds:.0f} s at step "
                                      f"{h.step}{wait}"))
         return out
+
+    def _silent_named(self, run_id: str, rank: int) -> bool:
+        return any(t.alert.state == FIRING and t.alert.signal == "silent_rank" and t.alert.run_id == run_id
+                   and t.alert.labels.get("rank") == str(rank) for t in self.book.tracks.values())
 
     @staticmethod
     def _others_beat_after(run: RunState, heard: np.ndarray, rank: int, margin_s: float) -> bool:
