@@ -98,7 +98,7 @@ def cases(quick: bool = False) -> list[Case]:
         _loop("hang before the first heartbeat", 30, "--late", "1:60", culprit="rank:1", deadline="seconds",
               stop=True, wait_s=40.0),
         Case("stage imbalance (reference, PP2)", "reference", ["--pp", "2", "--steps", "30",
-                                                                "--inject-stage-imbalance", f"1:3@{s}"],
+                                                                "--inject-stage-imbalance", f"1:4@{s}"],
              culprit="stage:1", onset_step=s, signals=FAULT_SIGNALS + ("stage_imbalance", "bubble"), steps=30),
         Case("compute straggler (reference)", "reference", ["--pp", "2", "--steps", "30",
                                                             "--inject-slow-rank", f"2:2.5@{s}"],
