@@ -78,8 +78,10 @@ def cases(quick: bool = False) -> list[Case]:
         _loop("compute straggler (forward)", 30, "--fault", f"forward:2:1.5@{s}", culprit="rank:2", onset_step=s),
         _loop("compute straggler (backward, buckets in flight)", 30, "--fault", f"backward:1:1.5@{s}", culprit="rank:1",
               onset_step=s),
-        # a creep's onset: the first step its extra reaches half a base step (0.4, 0.8, 1.2, ... x)
-        _loop("creeping slowdown", 30, "--fault", f"creep:3:0.4@{s}", culprit="rank:3", onset_step=s + 1),
+        # a creep has no onset step: counted from the first step its extra reaches half a base step
+        # (0.4, 0.8, 1.2, ... x), with no deadline
+        _loop("creeping slowdown", 30, "--fault", f"creep:3:0.4@{s}", culprit="rank:3", onset_step=s + 1,
+              deadline="none"),
         _loop("data-loader stall", 30, "--fault", f"data:2:1.5@{s}", culprit="rank:2", onset_step=s),
         _loop("slow communication on one rank", 30, "--fault", f"comm:1:1.5@{s}", culprit="rank:1", onset_step=s),
         # a growth (64 MB a step) crosses 90% of the 1 GiB budget some steps after it begins: no deadline
