@@ -37,7 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -385,10 +385,12 @@ def _line(r: dict) -> str:
 def table(s: dict) -> str:
     lines = [f"{'run':<52} {'trainer':<9} {'culprit':<8} {'named':>5} {'first':>5} {'steps':>5} {'s':>6} "
              f"{'alerts':>6} {'step ms':>7}"]
+    def yn(r: dict, k: str) -> str:
+        return "-" if k not in r else ("yes" if r[k] else "NO")
+
     for r in s["runs"]:
-        yn = (lambda k: "-" if k not in r else ("yes" if r[k] else "NO"))
-        lines.append(f"{r['case'][:52]:<52} {r['trainer']:<9} {r['culprit']:<8} {yn('detected'):>5} "
-                     f"{yn('culprit_right'):>5} {str(r.get('steps_to_detect', '-')):>5} "
+        lines.append(f"{r['case'][:52]:<52} {r['trainer']:<9} {r['culprit']:<8} {yn(r, 'detected'):>5} "
+                     f"{yn(r, 'culprit_right'):>5} {str(r.get('steps_to_detect', '-')):>5} "
                      f"{str(r.get('seconds_to_detect', '-')):>6} {r['alerts']:>6} {str(r['step_ms_p50']):>7}")
     lines.append(f"recall {s['recall']}, precision {s['precision']}, culprit accuracy {s['culprit_accuracy']}, "
                  f"fault alerts on {s['clean_runs']} clean runs: {s['clean_fault_alerts']}, incidents per fault <= "
