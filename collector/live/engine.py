@@ -462,8 +462,7 @@ class Evaluator:
                 # a rank of the world size never heard: the stuck ones wait for it (a collective it
                 # never joined), unheard_rank names it; none of them is a culprit
                 return []
-        # the stuck rule sees silent ranks as silent_rank does (they make the stuck ones waiters)
-        silent_s = rule.threshold if rule.signal == "silent_rank" else (silent_rule.threshold if silent_rule else big)
+        silent_s = rule.threshold if rule.signal == "silent_rank" else big
         stuck_s = rule.threshold if rule.signal == "stuck_collective" else big
         # the culprit logic needs both views: a silent rank makes the stuck ones waiters
         findings = sg.hangs(heard, run.hb_ns[heard], run.hb_step[heard], list(run.hb_op[heard]),
