@@ -9,7 +9,9 @@ Every fault acts on the real run, never on a reported number:
   backward), so it enters its DP collectives late; nothing in ``torch.distributed`` is wrapped,
   so hooks that wrap it see the late entry as it is;
 - stage imbalance STAGE:FACTOR[@STEP]: every rank of that pipeline stage measures its forward and
-  its backward and sleeps (FACTOR - 1) times as long inside each, so the stage is FACTOR x slower;
+  its backward and sleeps (FACTOR - 1) times its median of the last 16 such measurements inside
+  each, so the stage is FACTOR x slower (the median: a rank descheduled once on a busy host does
+  not have that delay multiplied into the fault, which made one rank of the stage a straggler);
 - slow rank RANK:FACTOR[@STEP]: a straggler proportional to the step: from STEP that rank sleeps
   (FACTOR - 1) x the median wall time of its own steps before STEP, every step, inside its forward
   (split across its micro-batches). A fixed MS is half a step on an idle machine and a fifth of one
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -139,6 +142,8 @@ class StageClock:
         self._in_reduction = self._entered_reduction = False
         self.forward_s = self.backward_s = self.dp_reduce_s = 0.0
         self._fwd_t0 = self._fwd_c0 = self._bwd_t0 = 0.0
+        self._fwd_hist: list[float] = []  # measured forwards / backwards while a stage imbalance acts
+        self._bwd_hist: list[float] = []
 
     # -- step boundaries ------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -251,10 +256,17 @@ class StageClock:
         walls = sorted(self.step_walls)
         return (factor - 1.0) * walls[len(walls) // 2] * 1000.0
 
+    def _imbalance_s(self, hist: list[float], measured: float, factor: float) -> float:
+        """(FACTOR - 1) x this rank's median of its last 16 measured forwards (or backwards): a
+        one-off delay (a rank descheduled on a busy host) is not multiplied into the fault."""
+        hist.append(measured)
+        del hist[:-16]
+        return (factor - 1.0) * statistics.median(hist)
+
     def _post_forward(self, module: Any, args: tuple, output: Any) -> Any:
         factor = self._factor()
         if factor > 1.0:
-            self._sleep((factor - 1.0) * (self._clock() - self._fwd_c0))
+            self._sleep(self._imbalance_s(self._fwd_hist, self._clock() - self._fwd_c0, factor))
         self.forward_s += self._clock() - self._fwd_t0
         if isinstance(output, tuple):
             return (_wrap_start(output[0], self), *output[1:])
@@ -271,7 +283,7 @@ class StageClock:
     def backward_ended(self) -> None:
         factor = self._factor()
         if factor > 1.0:
-            self._sleep((factor - 1.0) * (self._clock() - self._bwd_t0))
+            self._sleep(self._imbalance_s(self._bwd_hist, self._clock() - self._bwd_t0, factor))
         self.backward_s += self._clock() - self._bwd_t0
         if self.activations:  # this micro-batch's activations are freed with its backward (1F1B: FIFO)
             self.activations.pop(0)

@@ -580,12 +580,19 @@ class Evaluator:
         if stopped and rule.signal == "silent_rank" and (defer_stopped or not len(closed)):
             return []
         big = 1e18
+        silent_rule = next((r for r in self.timer_rules if r.signal == "silent_rank"), None)
+        if rule.signal == "stuck_collective" and any(r.signal == "unheard_rank" for r in self.timer_rules):
+            last = np.maximum(run.hb_ns, run.seen_ns)
+            if run.world_size > 0 and (run.world_size > run.ranks or not (last[: run.world_size] > 0).all()):
+                # a rank of the world size never heard: the stuck ones wait for it (a collective it
+                # never joined), unheard_rank names it; none of them is a culprit
+                return []
         silent_s = rule.threshold if rule.signal == "silent_rank" else big
         stuck_s = rule.threshold if rule.signal == "stuck_collective" else big
         # the culprit logic needs both views: a silent rank makes the stuck ones waiters
         findings = sg.hangs(heard, run.hb_ns[heard], run.hb_step[heard], list(run.hb_op[heard]),
                             list(run.hb_role[heard]), run.hb_since[heard], run.usual_sigs(heard), now_ns,
-                            silent_s=silent_s, stuck_s=stuck_s)
+                            silent_s=silent_s, stuck_s=stuck_s, phases=list(run.hb_phase[heard]))
         out = []
         for h in findings:
             wait = f"; ranks {', '.join(map(str, h.waiting))} wait on it (blocked in their own collectives, not " \
@@ -602,12 +609,28 @@ class Evaluator:
                 out.append(judge.Obs("rank", labels, h.seconds, True,
                                      f"rank {h.rank} sent no heartbeat for {h.seconds:.0f} s (last at step {h.step}) "
                                      f"{others}{wait}"))
+            elif h.kind == "stalled" and rule.signal == "stuck_collective":
+                if self._silent_named(run.run_id, h.rank):
+                    continue  # it was frozen, and is heard again: silent_rank named it already
+                labels["cause"] = "stalled"
+                out.append(judge.Obs("rank", labels, h.seconds, True,
+                                     f"rank {h.rank} is stalled in its own {h.phase or 'work'} at step {h.step} (in no "
+                                     f"collective, still beating) while the others have waited {h.seconds:.0f} s for it"
+                                     f"{wait}"))
             elif h.kind == "stuck" and rule.signal == "stuck_collective":
+                if silent_rule is not None and (now_ns - int(run.hb_ns[h.rank])) / 1e9 > rule.threshold / 2:
+                    # not heard since it entered the collective: a frozen (SIGSTOPped) or dead rank
+                    # going silent, silent_rank's to name, once (not a second alert here first)
+                    continue
                 labels.update(op=h.op, role=h.role)
                 out.append(judge.Obs("rank", labels, h.seconds, True,
                                      f"rank {h.rank} is stuck in {h.op} (role {h.role}) for {h.seconds:.0f} s at step "
                                      f"{h.step}{wait}"))
         return out
+
+    def _silent_named(self, run_id: str, rank: int) -> bool:
+        return any(t.alert.state == FIRING and t.alert.signal == "silent_rank" and t.alert.run_id == run_id
+                   and t.alert.labels.get("rank") == str(rank) for t in self.book.tracks.values())
 
     @staticmethod
     def _others_beat_after(run: RunState, heard: np.ndarray, rank: int, margin_s: float) -> bool:

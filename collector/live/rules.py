@@ -512,7 +512,7 @@ severity = "critical"
 
 [rule.stuck_collective]
 signal = "stuck_collective"
-stuck_s_above = 30
+stuck_s_above = 15           # a rank in one collective (or stalled while its peers wait there) this long
 severity = "critical"
 
 [rule.first_failure]

@@ -113,11 +113,12 @@ class HangFinding:
     op: str = ""
     role: str = ""
     waiting: tuple[int, ...] = ()   # ranks blocked on it (stuck in a collective, not culprits)
+    phase: str = ""                 # "stalled": the phase its heartbeats say it is in
 
 
 def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str], roles: list[str],
           since_ns: np.ndarray, usual: list[frozenset[tuple[str, str]]], now_ns: int, *,
-          silent_s: float, stuck_s: float) -> list[HangFinding]:
+          silent_s: float, stuck_s: float, phases: list[str] | None = None) -> list[HangFinding]:
     """From each rank's latest heartbeat: silent ranks (no heartbeat for silent_s) and ranks stuck
     in one collective for stuck_s. Of the stuck ranks, the culprits are those whose pending
     collective is not one they ran in their last complete step (they left the program every rank
@@ -125,7 +126,8 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
     left behind (they moved on to a later step); failing that, with every rank stuck, one alone in
     its (op, role). The other stuck ranks are named as waiting; no one is named while a stuck rank's
     culprit may still be computing (its next heartbeat says). With a silent rank every stuck rank
-    waits.
+    waits. With no culprit among them once they waited stuck_s, a rank that beats at their step or
+    before in no collective is "stalled" in its own work: the culprit, they its waiters.
     `usual[i]`: the (op, role) pairs rank i ran in its last complete step (empty when unknown)."""
     silent_for = (now_ns - hb_ns) / 1e9
     stuck_for = np.where(since_ns > 0, (now_ns - since_ns) / 1e9, 0.0)
@@ -134,6 +136,7 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
     found: list[HangFinding] = []
     stuck_idx = np.nonzero(is_stuck)[0]
     culprit = np.zeros(len(ranks), dtype=bool)
+    stalled_idx: list[int] = []
     if len(stuck_idx):
         free = ~is_stuck & ~is_silent
         # "the others moved on": every rank not stuck is at a later step (one still at the same
@@ -150,8 +153,13 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
             for j, i in enumerate(stuck_idx):
                 if sigs.count(sigs[j]) == 1 and len(set(sigs)) > 1 and len(stuck_idx) > 2:
                     culprit[i] = True
-        # otherwise a stuck rank whose peers are not (yet) seen stuck or gone is not named: its
-        # culprit may be a rank still computing, whose next heartbeat will say
+        # otherwise a stuck rank whose peers are not (yet) seen stuck or gone is not named while its
+        # culprit may be a rank still computing, whose next heartbeat will say; but once they have
+        # waited stuck_s, a rank that still beats at their step or before, in no collective, is
+        # stalled in its own work (a forward that never ends): it is the culprit, they wait for it
+        # (every rank not stuck is such a rank: none moved on past the waiters' step)
+        if not culprit.any() and not is_silent.any() and free.any() and steps[free].max() <= steps[stuck_idx].min():
+            stalled_idx = [int(i) for i in np.nonzero(free)[0]]
     waiting = tuple(int(ranks[i]) for i in stuck_idx if not culprit[i])
     for i in np.nonzero(is_silent)[0]:
         found.append(HangFinding(int(ranks[i]), "silent", float(silent_for[i]), int(steps[i]), waiting=waiting))
@@ -159,6 +167,10 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
         if culprit[i]:
             found.append(HangFinding(int(ranks[i]), "stuck", float(stuck_for[i]), int(steps[i]), ops[i], roles[i],
                                      waiting=waiting))
+    waited = float(stuck_for[stuck_idx].max()) if len(stuck_idx) else 0.0
+    for i in stalled_idx:
+        found.append(HangFinding(int(ranks[i]), "stalled", waited, int(steps[i]),
+                                 phase=phases[i] if phases is not None else "", waiting=waiting))
     return found
 
 

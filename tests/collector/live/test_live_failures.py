@@ -73,6 +73,8 @@ def runs(tmp_path_factory):
         out["kill_alerts"] = _alerts(c.addr, "kill")
         out["late_first_row"] = sql(c.addr, f"SELECT min(start_ns) FROM heartbeat WHERE run_id = 'late' AND "
                                             f"rank = {LATE_RANK}").column(0)[0].as_py()
+        out["kill_last_step_row"] = sql(c.addr, f"SELECT coalesce(max(step), -1) FROM step WHERE run_id = 'kill' AND "
+                                                f"rank = {KILL_RANK}").column(0)[0].as_py()
         out["kill_beats"] = sql(c.addr, "SELECT rank, step, phase, start_ns FROM heartbeat WHERE run_id = 'kill' "
                                          "ORDER BY start_ns").to_pylist()
         yield out
@@ -89,8 +91,9 @@ def test_a_killed_rank_is_named_the_first_failure_once_when_torchrun_ends_the_ot
     a = ff[0]
     assert a["rank"] == KILL_RANK and a["severity"] == "critical", (a["message"], runs["kill_beats"][-12:])
     assert f"rank {KILL_RANK} failed first" in a["message"] and "without its clean close" in a["message"]
-    # its last step as last heard: at most a shipment before the kill
-    assert KILL_STEP - 15 <= int(json.loads(a["labels"])["step"]) <= KILL_STEP, a
+    # its last step as last heard: no earlier than its last STEP row stored, no later than the kill
+    # (how far before the kill that row is depends on the machine's load: a shipment's lag)
+    assert runs["kill_last_step_row"] <= int(json.loads(a["labels"])["step"]) <= KILL_STEP, (a, runs["kill_last_step_row"])
     # one critical alert for the failure: no silent_rank / stuck_collective beside it naming anyone
     crit = [a for a in alerts if a["severity"] == "critical"]
     assert [x["signal"] for x in crit] == ["first_failure"], crit

@@ -29,7 +29,7 @@ from tests.support.torchrun import torchrun
 pytestmark = pytest.mark.slow
 
 STRAGGLER_STEP, HANG_STEP = 20, 12
-RULES = (DEFAULTS_TOML.replace("stuck_s_above = 30", "stuck_s_above = 8")
+RULES = (DEFAULTS_TOML.replace("stuck_s_above = 15", "stuck_s_above = 8")
          # a price, and a 1 s "recent" window: the straggler's 10 steps of 150+ ms outlast it
          .replace("window_s = 600 ", "window_s = 1 ").replace("# price_per_gpu_hour = 2.50", "price_per_gpu_hour = 2.50"))
 PRICE = 2.50

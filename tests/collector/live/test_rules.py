@@ -52,7 +52,7 @@ def test_defaults_parse_and_cover_the_sla_table():
     assert by["grad_sync"].threshold == 200 and by["comm_share"].threshold == 0.30
     assert by["scaling_efficiency"].threshold == 0.75 and by["memory"].threshold == 0.90
     assert by["offload_bandwidth"].threshold == 5 and by["silent_rank"].threshold == 15
-    assert by["stuck_collective"].threshold == 30 and by["loss_spike"].threshold == 0.15
+    assert by["stuck_collective"].threshold == 15 and by["loss_spike"].threshold == 0.15
     assert by["thermal_throttle"].for_s == 30 and by["xid"].threshold == 0
     assert not by["throughput_per_gpu"].enabled
     assert {r.signal for r in rules} == set(SIGNALS)
@@ -98,7 +98,7 @@ def test_cli_check_defaults_and_collector_refuses_before_listening(tmp_path):
     ok = _tt("rules", "check", str(good))
     assert ok.returncode == 0, ok.stderr
     bad = tmp_path / "bad.toml"
-    bad.write_text(d.stdout.replace("stuck_s_above = 30", "stuck_s_above = 0"))
+    bad.write_text(d.stdout.replace("stuck_s_above = 15", "stuck_s_above = 0"))
     line = next(i for i, t in enumerate(bad.read_text().splitlines(), 1) if t.startswith("stuck_s_above"))
     r = _tt("rules", "check", str(bad))
     assert r.returncode == 2 and f"{bad}:{line}: stuck_s_above" in r.stderr, r.stderr

@@ -137,3 +137,17 @@ def test_no_culprit_while_a_peer_at_the_same_step_is_not_seen_stuck():
     hb = _hb(now, ["all_reduce", "", "recv", "recv"], ["dp", "", "p2p:pp", "p2p:pp"],
              [now - 12 * 10**9, -1, now - 2 * 10**9, now - 2 * 10**9], steps=(12, 12, 13, 13))
     assert sg.hangs(**hb, usual=usual, silent_s=15, stuck_s=8) == []
+
+
+def test_a_rank_stalled_in_its_forward_is_the_culprit_its_peers_in_all_reduce_wait():
+    # rank 2 beats "forward" at step 12 (no collective) while ranks 0, 1, 3 wait in DDP's all-reduce
+    # of step 12 for 20 s: it is stalled in its own work, they are its waiters
+    now = 100 * 10**9
+    usual = [frozenset({("all_reduce", "dp")})] * 4
+    hb = _hb(now, ["all_reduce", "all_reduce", "", "all_reduce"], ["dp", "dp", "", "dp"],
+             [now - 20 * 10**9, now - 20 * 10**9, -1, now - 19 * 10**9])
+    found = sg.hangs(**hb, usual=usual, silent_s=15, stuck_s=15, phases=["backward", "backward", "forward", "backward"])
+    assert [(h.rank, h.kind, h.phase, h.waiting) for h in found] == [(2, "stalled", "forward", (0, 1, 3))]
+    assert found[0].seconds == pytest.approx(20)
+    # not before they waited stuck_s
+    assert sg.hangs(**hb, usual=usual, silent_s=15, stuck_s=25) == []
