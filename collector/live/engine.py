@@ -592,7 +592,8 @@ class Evaluator:
         # the culprit logic needs both views: a silent rank makes the stuck ones waiters
         findings = sg.hangs(heard, run.hb_ns[heard], run.hb_step[heard], list(run.hb_op[heard]),
                             list(run.hb_role[heard]), run.hb_since[heard], run.usual_sigs(heard), now_ns,
-                            silent_s=silent_s, stuck_s=stuck_s, phases=list(run.hb_phase[heard]))
+                            silent_s=silent_s, stuck_s=stuck_s, phases=list(run.hb_phase[heard]),
+                            first_ns=run.hb_first_ns[heard], beating_s=rule.threshold)
         out = []
         for h in findings:
             wait = f"; ranks {', '.join(map(str, h.waiting))} wait on it (blocked in their own collectives, not " \

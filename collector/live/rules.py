@@ -494,7 +494,7 @@ scope = "rank"
 excess_ms_above = 50          # computes this much longer than its stage's other ranks' median
 compute_ratio_above = 1.5     # ... and this many times their median (z-score too, with 5+ ranks a stage)
 z_above = 3.5
-for_steps = 5                 # a rank descheduled for a few steps on a busy host is not a straggler
+for_steps = 6                 # a rank descheduled for a few steps on a busy host is not a straggler
 severity = "warning"
 
 [rule.data_stall]

@@ -118,7 +118,8 @@ class HangFinding:
 
 def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str], roles: list[str],
           since_ns: np.ndarray, usual: list[frozenset[tuple[str, str]]], now_ns: int, *,
-          silent_s: float, stuck_s: float, phases: list[str] | None = None) -> list[HangFinding]:
+          silent_s: float, stuck_s: float, phases: list[str] | None = None,
+          first_ns: np.ndarray | None = None, beating_s: float | None = None) -> list[HangFinding]:
     """From each rank's latest heartbeat: silent ranks (no heartbeat for silent_s) and ranks stuck
     in one collective for stuck_s. Of the stuck ranks, the culprits are those whose pending
     collective is not one they ran in their last complete step (they left the program every rank
@@ -127,7 +128,10 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
     its (op, role). The other stuck ranks are named as waiting; no one is named while a stuck rank's
     culprit may still be computing (its next heartbeat says). With a silent rank every stuck rank
     waits. With no culprit among them once they waited stuck_s, a rank that beats at their step or
-    before in no collective is "stalled" in its own work: the culprit, they its waiters.
+    before in no collective is "stalled" in its own work: the culprit, they its waiters. Stalled
+    means alive all along: heard within `beating_s` (default silent_s), and first heard (`first_ns`,
+    where given) before the waiters began to wait; a rank that only just started (late, its peers
+    blocked for it) is not stalled, nor one that went quiet (dead or frozen: silent_rank's).
     `usual[i]`: the (op, role) pairs rank i ran in its last complete step (empty when unknown)."""
     silent_for = (now_ns - hb_ns) / 1e9
     stuck_for = np.where(since_ns > 0, (now_ns - since_ns) / 1e9, 0.0)
@@ -159,7 +163,12 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
         # stalled in its own work (a forward that never ends): it is the culprit, they wait for it
         # (every rank not stuck is such a rank: none moved on past the waiters' step)
         if not culprit.any() and not is_silent.any() and free.any() and steps[free].max() <= steps[stuck_idx].min():
-            stalled_idx = [int(i) for i in np.nonzero(free)[0]]
+            alive = free & ~np.array([bool(o) for o in ops], dtype=bool)  # in a collective: one more waiter
+            alive &= silent_for <= (silent_s if beating_s is None else beating_s)
+            if first_ns is not None:
+                waited_since = since_ns[stuck_idx].min()
+                alive &= (first_ns > 0) & (first_ns <= waited_since)
+            stalled_idx = [int(i) for i in np.nonzero(alive)[0]]
     waiting = tuple(int(ranks[i]) for i in stuck_idx if not culprit[i])
     for i in np.nonzero(is_silent)[0]:
         found.append(HangFinding(int(ranks[i]), "silent", float(silent_for[i]), int(steps[i]), waiting=waiting))

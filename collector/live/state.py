@@ -78,6 +78,7 @@ class RunState:
     sigs: dict[tuple[str, str], int] = field(default_factory=dict)
     # heartbeats: latest per rank
     hb_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    hb_first_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # a rank's first heartbeat (0: none)
     hb_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hb_since: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hb_op: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
@@ -162,6 +163,7 @@ class RunState:
         self.sigmask = np.concatenate([self.sigmask, np.zeros((self.window, extra), np.int64)], axis=1)
         self.stage = np.concatenate([self.stage, np.full(extra, -1, np.int32)])
         self.hb_ns = np.concatenate([self.hb_ns, np.zeros(extra, np.int64)])
+        self.hb_first_ns = np.concatenate([self.hb_first_ns, np.zeros(extra, np.int64)])
         self.hb_step = np.concatenate([self.hb_step, np.full(extra, -1, np.int64)])
         self.hb_since = np.concatenate([self.hb_since, np.full(extra, -1, np.int64)])
         for name in ("hb_op", "hb_role", "hb_phase"):
@@ -176,7 +178,7 @@ class RunState:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.data, self.present, self.sigmask, self.stage, self.hostname, self.started, self.hb_ns, self.hb_step,
+        return sum(a.nbytes for a in (self.data, self.present, self.sigmask, self.stage, self.hostname, self.started, self.hb_ns, self.hb_first_ns, self.hb_step,
                                       self.hb_since, self.hb_op, self.hb_role, self.hb_phase, self.seen_ns, self.heard_at,
                                       self.seen_step, self.rank_last))
 
@@ -448,6 +450,8 @@ class RunState:
         ns = np.asarray(cols["start_ns"], np.int64)[order]
         newer = ns >= self.hb_ns[rank]
         rank, ns, order = rank[newer], ns[newer], order[newer]
+        first = self.hb_first_ns[rank] == 0
+        self.hb_first_ns[rank[first]] = ns[first]
         self.hb_ns[rank] = ns
         self.hb_step[rank] = np.asarray(cols["step"], np.int64)[order]
         self.hb_since[rank] = np.asarray(cols["pending_since_ns"], np.int64)[order]

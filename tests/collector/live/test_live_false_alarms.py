@@ -46,7 +46,7 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
         # machine's load and is not asserted), and the view names no rank of either run a straggler.
         # The view judges each step alone: a rank descheduled for one step on this shared 2-core
         # machine really was that step's slow rank (CI flagged 2 single steps of the clean run). A
-        # straggler is a rank flagged on `for_steps` (5) consecutive steps, what the rule fires on.
+        # straggler is a rank flagged on `for_steps` (6) consecutive steps, what the rule fires on.
         other = sql(c.addr, "SELECT DISTINCT run_id FROM alerts WHERE signal = 'comm_share'").column(0).to_pylist()
         assert "clean" in other
         judged = sql(c.addr, "SELECT run_id, count(*) AS n, count(*) FILTER (WHERE is_straggler) AS flagged FROM stragglers "
@@ -54,7 +54,7 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
         assert [r["run_id"] for r in judged] == ["balanced", "clean"] and all(r["n"] >= 400 for r in judged)
         held = sql(c.addr, "SELECT run_id, rank, step FROM (SELECT run_id, rank, step, is_straggler AND "
                            "lag(is_straggler) OVER w AND lag(is_straggler, 2) OVER w AND lag(is_straggler, 3) OVER w "
-                           "AND lag(is_straggler, 4) OVER w AS held FROM stragglers "
+                           "AND lag(is_straggler, 4) OVER w AND lag(is_straggler, 5) OVER w AS held FROM stragglers "
                            "WHERE run_id IN ('clean', 'balanced') WINDOW w AS (PARTITION BY run_id, rank ORDER BY step)) "
                            "WHERE held").to_pylist()
         assert held == [], (held, judged)

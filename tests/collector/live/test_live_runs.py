@@ -29,8 +29,11 @@ from tests.support.torchrun import torchrun
 pytestmark = pytest.mark.slow
 
 STRAGGLER_STEP, HANG_STEP = 20, 12
+#: rank 3 sleeps this long in each step from STRAGGLER_STEP: several times a step's compute even beside a
+#: CPU burner (150 ms went unseen beside one: a step's compute grows with the load, and under 1.5x is no straggler)
+INJECT_MS = 300
 RULES = (DEFAULTS_TOML.replace("stuck_s_above = 15", "stuck_s_above = 8")
-         # a price, and a 1 s "recent" window: the straggler's 10 steps of 150+ ms outlast it
+         # a price, and a 1 s "recent" window: the straggler's 10 steps of 300+ ms outlast it
          .replace("window_s = 600 ", "window_s = 1 ").replace("# price_per_gpu_hour = 2.50", "price_per_gpu_hour = 2.50"))
 PRICE = 2.50
 
@@ -77,7 +80,7 @@ def live(tmp_path_factory):
     try:
         with _env(TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID="strag"):
             r = torchrun(tmp / "strag", nproc=4, trace=True, args=[
-                "--pp", "2", "--steps", "30", "--inject-straggler", f"3:150@{STRAGGLER_STEP}"])
+                "--pp", "2", "--steps", "30", "--inject-straggler", f"3:{INJECT_MS}@{STRAGGLER_STEP}"])
         assert r.rc == 0, r.output[-3000:]
         out["strag_metrics"] = _metrics_at_step(c, "strag", 29)
         with _env(TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID="hang"):
@@ -103,7 +106,7 @@ def test_straggler_alert_names_rank_3_within_5_steps_and_no_victim(live):
     assert [a["rank"] for a in strag] == [3], json.dumps(strag, default=str)[:2000]
     a = strag[0]
     assert STRAGGLER_STEP <= a["first_step"] <= STRAGGLER_STEP + 1
-    assert a["fired_step"] <= STRAGGLER_STEP + 4  # within 5 completed steps of the onset (the rule's for_steps)
+    assert a["fired_step"] <= STRAGGLER_STEP + 5  # within 5 steps after the onset step (the rule's for_steps, 6)
     assert "rank 3" in a["message"] and "straggler" in a["message"] and "ms" in a["message"]
     onset_ns = sql(live["collector"].addr, f"SELECT start_ns FROM step WHERE run_id = 'strag' AND rank = 3 AND "
                                             f"step = {STRAGGLER_STEP}").column(0)[0].as_py()
@@ -228,10 +231,10 @@ def test_each_signal_equals_its_view(live):
         flagged = {r[0] for r in con.execute("SELECT DISTINCT rank FROM stragglers WHERE run_id = 'strag' AND "
                                              "is_straggler AND step >= ?", [STRAGGLER_STEP]).fetchall()}
         assert flagged == {3}
-        # the straggler's victims wait: its stage peer's collective wait grew by about the injected 150 ms
+        # the straggler's victims wait: its stage peer's collective wait grew by about the injected INJECT_MS
         w = con.execute("SELECT avg(wait_ms) FILTER (WHERE step >= 21) - avg(wait_ms) FILTER (WHERE step BETWEEN 5 AND 19)"
                         " FROM step_ranks WHERE run_id = 'strag' AND rank = 2").fetchall()[0][0]
-        assert w > 75
+        assert w > INJECT_MS / 2
     finally:
         con.close()
     assert n >= 4 * 25
@@ -247,7 +250,7 @@ def _metric(m: dict[str, float], name: str, **labels: str) -> float | None:
 
 
 def test_lost_time_is_rank_3s_from_step_20_in_the_view_and_the_live_gauges(live):
-    """Ground truth: rank 3 sleeps 150 ms a step from step 20, so each of the 4 GPUs waits it: 150 ms
+    """Ground truth: rank 3 sleeps INJECT_MS a step from step 20, so each of the 4 GPUs waits it: INJECT_MS
     x 4 GPU-ms a step charged to rank 3, nothing before. On this shared machine other ranks lose time
     too (a loaded CPU slows any rank, which is lost time as true as the injected one), so what the
     run lost beyond its own pre-onset rate is compared, and per-step medians; the quiet recording
@@ -268,7 +271,7 @@ def test_lost_time_is_rank_3s_from_step_20_in_the_view_and_the_live_gauges(live)
                                    "GROUP BY rank", [min(recent)]).fetchall())
     finally:
         con.close()
-    injected = 150.0 * 4
+    injected = INJECT_MS * 4.0
     after = [r for r in per_step if r[0] >= STRAGGLER_STEP]
     before = [r for r in per_step if r[0] < STRAGGLER_STEP]
     rate_after = sum(r[1] for r in after) / len(after)
@@ -294,4 +297,5 @@ def test_lost_time_is_rank_3s_from_step_20_in_the_view_and_the_live_gauges(live)
     a = next(a for a in live["strag_alerts"] if a["signal"] == "straggler" and a["rank"] == 3)
     assert "GPU-h per hour" in a["message"] and "USD/h at 2.5 per GPU-h" in a["message"], a["message"]
     rate = float(a["message"].split("it costs ")[1].split(" GPU-h")[0])
-    assert 0.3 * injected / 400 <= rate <= 1.5 * injected / 150  # about 600 GPU-ms per 150-400 ms step
+    # about INJECT_MS x 4 GPU-ms lost per step of INJECT_MS plus up to 250 ms of compute
+    assert 0.3 * injected / (INJECT_MS + 250) <= rate <= 1.5 * injected / INJECT_MS
