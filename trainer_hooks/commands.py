@@ -306,12 +306,13 @@ class CommandBus:
 
     # ------------------------------------------------------------------ threads: subscribe, report
     def _target(self) -> str:
-        target = self.endpoint or getattr(self.t, "endpoint", None)
-        if target is None:
-            from trainer_hooks.tracer import trusted_endpoint
+        """Where commands come from, checked when the channel is made: a unix socket (its folder, its
+        listener's uid) must be ours or root's before it sees the token or hands a command
+        (tracetop/wire/local.py)."""
+        from trainer_hooks.tracer import trusted_endpoint
 
-            target = trusted_endpoint(tenv.endpoint(), getattr(self.t, "rank", -1))
-        return target
+        target = self.endpoint or getattr(self.t, "endpoint", None) or tenv.endpoint()
+        return trusted_endpoint(target, getattr(self.t, "rank", -1))
 
     def _make_channel(self) -> Any:
         if self._channel is None:
@@ -319,13 +320,10 @@ class CommandBus:
                 self._channel = self._channel_factory(self._target())
             else:
                 from tracetop.wire.auth import ClientAuth
-                from trainer_hooks.tracer import trusted_endpoint
 
                 # TRACETOP_TOKEN_FILE / TRACETOP_TLS_*: the same credentials the shipper presents
                 self._auth = ClientAuth.from_options()
-                # checked again now: a unix socket (its folder, its listener's uid) must be ours or
-                # root's before it sees the token or hands a command (tracetop/wire/local.py)
-                self._channel = self._auth.channel(trusted_endpoint(self._target(), getattr(self.t, "rank", -1)))
+                self._channel = self._auth.channel(self._target())
         return self._channel
 
     def _source_key(self) -> str:
