@@ -498,6 +498,10 @@ def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress
     cost = cost or CostSettings()
     prog = progress or Progress(total=len(SECTIONS) + 1, enabled=False)
     parts: list[str] = []
+    from collector.query import verdict
+
+    parts.append(_section("verdict", "verdict: what bounds this run, and what to try next",
+                          f"<pre>{html.escape(verdict.render(verdict.verdict_of(con, run_id)))}</pre>"))
     summary = summarize(con, run_id)
     prog.step("summary")
     text = f"<pre>{html.escape(render(summary))}</pre>"

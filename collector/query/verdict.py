@@ -151,14 +151,14 @@ def gather(con, run_id: str, comm_baseline_share: float = 0.30) -> RunFacts:
             growth = (int(g[0]), int(g[1]), int(g[2]))
     incidents: list[tuple] = []
     if _has(con, "alerts"):
-        from collector.live.rules import DEFAULT_KIND
+        has_kind = "kind" in _columns(con, "alerts")
+        rows = con.execute(f"SELECT signal, rank, first_step, message, {'kind' if has_kind else 'NULL'} FROM alerts "
+                           "WHERE run_id = ? AND fired_ns > 0 ORDER BY fired_ns", [run_id]).fetchall()
+        if not has_kind and rows:  # a file from before alert kinds: the signal's default kind
+            from collector.live.rules import DEFAULT_KIND
 
-        kind = "kind" if "kind" in _columns(con, "alerts") else "''"
-        for sig, rank, fs, msg, k in con.execute(
-                f"SELECT signal, rank, first_step, message, {kind} FROM alerts WHERE run_id = ? AND fired_ns > 0 "
-                "ORDER BY fired_ns", [run_id]).fetchall():
-            if (k or DEFAULT_KIND.get(sig, "fault")) == "fault":
-                incidents.append((sig, rank, fs, msg))
+            rows = [(*r[:4], DEFAULT_KIND.get(r[0], "fault")) for r in rows]
+        incidents = [tuple(r[:4]) for r in rows if r[4] == "fault"]
     return RunFacts(run_id, ranks, steps, *vals, held_gpu_ms=held, lost_gpu_ms=lost, top_rank=top,
                     rank_data_ms={int(r[0]): float(r[1] or 0.0) for r in per_rank},
                     rank_compute_ms={int(r[0]): float(r[2] or 0.0) for r in per_rank},
