@@ -151,9 +151,12 @@ def gather(con, run_id: str, comm_baseline_share: float = 0.30) -> RunFacts:
             growth = (int(g[0]), int(g[1]), int(g[2]))
     incidents: list[tuple] = []
     if _has(con, "alerts"):
-        has_kind = "kind" in _columns(con, "alerts")
+        cols = _columns(con, "alerts")
+        has_kind = "kind" in cols
+        # a consequence (its incident_id another alert's) is told under its cause, not as an incident
+        own = "AND (incident_id IS NULL OR incident_id = id)" if {"incident_id", "id"} <= cols else ""
         rows = con.execute(f"SELECT signal, rank, first_step, message, {'kind' if has_kind else 'NULL'} FROM alerts "
-                           "WHERE run_id = ? AND fired_ns > 0 ORDER BY fired_ns", [run_id]).fetchall()
+                           f"WHERE run_id = ? AND fired_ns > 0 {own} ORDER BY fired_ns", [run_id]).fetchall()
         if not has_kind and rows:  # a file from before alert kinds: the signal's default kind
             from collector.live.rules import DEFAULT_KIND
 
