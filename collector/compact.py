@@ -4,8 +4,9 @@ DuckDB writes a file in 256 KiB blocks and a table's columns start blocks of the
 short run's file is mostly block padding: a 300-step, 2-rank run came to 6.6 MB where its rows
 are under 1 MB. `compact(path)` copies the closed file (tables, views, schema_meta: ``COPY FROM
 DATABASE``) into a new file with ``BLOCK_SIZE 16384`` beside it and moves it over the original
-with one ``os.replace``: a crash midway leaves the original as it was (and a ``.compact.tmp``
-that the next compaction overwrites). The collector calls `at_close` once its connection is
+with one ``os.replace``, only if the copy is smaller (small blocks compress a big table worse: a
+synthetic 3.5-million-row table went from 17.6 MB to 68 MB): a crash midway leaves the original as
+it was (and a ``.compact.tmp`` that the next compaction overwrites). The collector calls `at_close` once its connection is
 closed (collector/app.py); files over TRACETOP_COMPACT_MAX_MB (default 64) are left as they are:
 their blocks are full, and a copy costs about a second per 100 MB (docs/benchmarks.md,
 "Small files"). A DuckDB build that cannot copy leaves the file untouched and says why, once.
@@ -82,10 +83,15 @@ def compact(path: str, *, limit_bytes: float | None = None) -> Compacted:
             os.remove(tmp)
         raise
     con.close()
+    after = os.path.getsize(tmp)
+    if after >= before:  # big, well-compressed tables lose to small blocks (a 17.6 MB file came out at 68 MB)
+        os.remove(tmp)
+        return Compacted(path, before, before, time.monotonic() - t0,
+                         f"the copy came to {after / 1e6:.1f} MB, not smaller")
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    return Compacted(path, before, os.path.getsize(path), time.monotonic() - t0)
+    return Compacted(path, before, after, time.monotonic() - t0)
 
 
 def _quote(path: str) -> str:
