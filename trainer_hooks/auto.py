@@ -74,6 +74,8 @@ class Auto:
         self.model = model
         self.step_n = start_step
         self.errors = 0
+        #: False: every hook passes through, nothing is recorded (a step left open stays open)
+        self.enabled = True
         self._open = False  # a tracetop step begun and not yet ended
         self._thread = threading.get_ident()
         self._closed = False
@@ -89,7 +91,7 @@ class Auto:
 
     # ------------------------------------------------------------------ events
     def _ours(self) -> bool:
-        return not self._closed and threading.get_ident() == self._thread
+        return self.enabled and not self._closed and threading.get_ident() == self._thread
 
     def _begin(self) -> None:
         if not self._open:
@@ -138,7 +140,7 @@ class Auto:
             self.tracer.switch_phase("backward")
             numel = getattr(loss, "numel", None)
             if callable(numel) and numel() == 1:
-                self.tracer.set_loss(loss.detach())
+                self.tracer.set_loss(loss)  # loss_value reads a CPU scalar, copies a CUDA one without a sync
             return True
         except Exception as e:
             self._error("backward", e)
