@@ -44,6 +44,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "tui": ("tui.bench.render", "the TUI's CPU share at 2 Hz and the Ranks screen's refresh time at 16,384 ranks"),
     "e2e": ("tui.bench.e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
     "judge": ("collector.bench.judge", "the fault matrix: clean and fault runs judged live: recall, precision, culprit"),
+    "compact": ("collector.bench.compact", "a short run's file with compaction at close off and on: MB and close seconds"),
     "commands": ("trainer_hooks.bench.commands", "the command path's gloo broadcast on its own: us per K steps"),
 }
 
