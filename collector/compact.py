@@ -6,10 +6,11 @@ are under 1 MB. `compact(path)` copies the closed file (tables, views, schema_me
 DATABASE``) into a new file with ``BLOCK_SIZE 16384`` beside it and moves it over the original
 with one ``os.replace``, only if the copy is smaller (small blocks compress a big table worse: a
 synthetic 3.5-million-row table went from 17.6 MB to 68 MB): a crash midway leaves the original as
-it was (and a ``.compact.tmp`` that the next compaction overwrites). The collector calls `at_close` once its connection is
-closed (collector/app.py); files over TRACETOP_COMPACT_MAX_MB (default 64) are left as they are:
-their blocks are full, and a copy costs about a second per 100 MB (docs/benchmarks.md,
-"Small files"). A DuckDB build that cannot copy leaves the file untouched and says why, once.
+it was (and a ``.compact.tmp`` that the next compaction overwrites). The collector calls
+`at_close` once its connection is closed (collector/app.py); files over TRACETOP_COMPACT_MAX_MB
+(default 64) are left as they are: their blocks are full, and the copy takes longer (0.09 s for the
+demo's 8.4 MB file, 0.34 s for a 17.6 MB one; docs/benchmarks.md, "Small files"). A copy that
+fails leaves the file untouched and the log says why.
 
     python -m collector.compact FILE      # the same, by hand, on a file no collector holds
 """

@@ -220,8 +220,8 @@ def _install_patches() -> None:
 
     _PATCHED["next"] = (_BaseDataLoaderIter, "__next__", orig_next)
     _PATCHED["backward"] = (torch.Tensor, "backward", orig_backward)
-    _BaseDataLoaderIter.__next__ = __next__  # type: ignore[method-assign]
-    torch.Tensor.backward = backward  # type: ignore[method-assign]
+    _BaseDataLoaderIter.__next__ = __next__
+    torch.Tensor.backward = backward
 
 
 def _remove_patches() -> None:

@@ -60,8 +60,8 @@ def job(tmp_path_factory):
             return got if {a["run_id"] for a in got} >= {f"{P}-auto-data", f"{P}-auto-forward"} else None
 
         out["alerts"] = wait_for(named, 60, "the data stall and the straggler named", every_s=0.5)
-        out["alerts"] = sql(c.addr, f"SELECT run_id, signal, rank, first_step FROM alerts WHERE fired_ns > 0 "
-                                    f"AND signal IN ('straggler', 'data_stall')").to_pylist()
+        out["alerts"] = sql(c.addr, "SELECT run_id, signal, rank, first_step FROM alerts WHERE fired_ns > 0 "
+                                    "AND signal IN ('straggler', 'data_stall')").to_pylist()
     finally:
         assert c.stop() == 0
     con = duckdb.connect(str(c.db), read_only=True)
