@@ -107,3 +107,14 @@ def test_failed_names_what_regressed():
     got = compare.failed(d, conds)
     assert [g.split(":")[0] for g in got] == ["step_time", "fault_alerts"], got
     assert "fail-if step_time_pct>3" in got[0]
+
+
+def test_the_report_compares_against_a_baseline(recorded_file, tmp_path):
+    out = tmp_path / "r.html"
+    r = _cli("report", str(recorded_file), "-o", str(out), "--compare", f"{recorded_file}:{RUN_ID}")
+    assert r.returncode == 0, r.stderr
+    page = out.read_text()
+    section = page[page.index('<section id="compare"'):page.index('<section id="summary"')]
+    assert "step_time" in section and "+0.0%" in section  # the run against itself
+    bad = _cli("report", str(recorded_file), "-o", str(out), "--compare", f"{recorded_file}:nope")
+    assert bad.returncode == 2 and "nope" in bad.stderr
