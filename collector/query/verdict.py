@@ -19,7 +19,8 @@ GPU time, collector/query/lost_sql.py, against the GPU time it held):
 | compute | none of the above | the model's own step: larger micro-batch, mixed precision |
 
 The largest share over BOUND_SHARE wins; the others over it are named as well. Fault incidents the
-live engine raised (the `alerts` table) are listed under it, one line each, as they were named.
+live engine raised (the `alerts` table; consequences are told under their cause) are listed under
+it, one line each, as they were named, each with its next step (INCIDENT_NEXT).
 """
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ ONE_RANK_SHARE = 0.6
 MEMORY_CREEP = 0.2
 MEMORY_CREEP_MIN_BYTES = 64 * 2**20
 CAUSES = ("straggler", "data", "pipeline", "comm")
+
+
+#: an incident's next step, by the signal that opened it (the live engine's fault signals)
+INCIDENT_NEXT = {
+    "straggler": "look at that rank's node (clocks, temperature, neighbours); drain it if it stays slow",
+    "data_stall": "that rank's input pipeline: more DataLoader workers, prefetch, its node's disk and CPU",
+    "memory": "a smaller micro-batch (the controller can apply one: tracetop control set-micro-batch), "
+              "activation checkpointing, or a larger budget",
+    "silent_rank": "that rank's log and node (OOM killer, a hung process: py-spy dump)",
+    "first_failure": "that rank's log first: the others failed after it, waiting in collectives",
+    "unheard_rank": "that rank never shipped: its TRACETOP_ENDPOINT, its launch, its log",
+    "stuck_collective": "py-spy dump the ranks not in the collective: one of them is elsewhere",
+    "loss_spike": "the batch of that step (data), then the learning rate and gradient clipping",
+}
 
 
 @dataclass(frozen=True)
@@ -186,6 +201,7 @@ def _where(rank: int, node) -> str:
 def judge(f: RunFacts) -> Verdict:
     """The bound of the run, its evidence and the next step (module docstring's table)."""
     incidents = [f"{sig}" + (f" on rank {rank}" if rank is not None else "") + f" from step {fs}: {msg}"
+                 + (f"; next: {INCIDENT_NEXT[sig]}" if sig in INCIDENT_NEXT else "")
                  for sig, rank, fs, msg in f.incidents]
     if not f.steps:
         return Verdict(f.run_id, "no steps", "the file has no step rows after the first for this run",
