@@ -21,7 +21,8 @@ Built on the Tracer's public callback API (``begin_step``, ``switch_phase``, ``e
 Only the thread that called ``auto`` is traced (a prefetching thread's ``next()`` is not data
 wait of the training loop). The loss computed between the model's output and ``backward()``
 (``loss_fn``) is in no phase; with the explicit API it is usually inside ``phase("forward")``:
-a few microseconds on the step. A step whose optimizer step is skipped (a GradScaler's inf
+a few microseconds on the step; so is ``zero_grad()`` after the optimizer's step (no step holds it).
+A step whose optimizer step is skipped (a GradScaler's inf
 step) runs on into the next one. Telemetry never breaks the loop: a hook that raises is
 counted (``errors``), logged once, and the loop goes on.
 """
