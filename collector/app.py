@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from collector import compact
 from collector.export import Exports, no_alerts, no_gauges
 from collector.export.prometheus import AlertsFn, GaugesFn
 from collector.ingest.metrics import CollectorMetrics, serve_metrics
@@ -128,6 +129,7 @@ class Collector:
         if self.control is not None:
             self.control.close()  # type: ignore[attr-defined]
         await self._close_file(grace_s)
+        await asyncio.to_thread(compact.at_close, self.db_path)  # small files small (collector/compact.py)
         if self.exports is not None:
             await asyncio.to_thread(self.exports.close)  # bounded: dead receivers are left behind
 

@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
     import duckdb
 
     from collector.query.summary import render, summarize
+    from collector.query.verdict import render as render_verdict
+    from collector.query.verdict import verdict_of
     from tracetop import procs
 
     if args.steps < 20:
@@ -126,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     con = duckdb.connect(str(db), read_only=True)
     try:
         summary = summarize(con, run_id)
+        verdict_text = render_verdict(verdict_of(con, run_id))
         alerts = con.execute("SELECT severity, rule, state, fired_step, message, kind, incident_id, id, rank FROM alerts "
                              "WHERE run_id = ? ORDER BY fired_step, rule", [run_id]).fetchall()
         actions = con.execute("SELECT action_id, kind, value, state, step, reason, outcome FROM actions WHERE run_id = ? "
@@ -151,4 +154,6 @@ def run(args: argparse.Namespace) -> int:
           f"{args.straggler_factor:g}x as long from step {strag_from}")
     print(f"explore: tracetop ui {db}   |   tracetop report {db} -o {workdir / 'report.html'}   |   "
           f'tracetop query {db} "SELECT * FROM stragglers WHERE is_straggler"')
+    print()
+    print(verdict_text)  # the last thing on the screen: what bounds the run and what to try next
     return 0

@@ -491,13 +491,44 @@ td,th{border:1px solid #ddd;padding:2px 8px;text-align:right}.none{color:#777;fo
 svg{max-width:100%;height:auto}"""
 
 
+def compare_html(d: dict) -> str:
+    """The headline figures of `tracetop compare` (collector/query/compare.py's diff) as a table."""
+    def f(x: float, fmt: str = ".2f") -> str:
+        return "-" if x != x else format(x, fmt)
+
+    rows = [(k, f(h["a"]), f(h["b"]), f(h["delta"], "+.2f"), "-" if h["pct"] != h["pct"] else f"{h['pct']:+.1f}%",
+             h["unit"]) for k, h in d["headline"].items()]
+    return (f"<p>A (baseline): {html.escape(d['a'])}<br>B (this run): {html.escape(d['b'])}</p>"
+            + _table_html(["figure", "A", "B", "B−A", "change", "unit"], rows))
+
+
 def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress: Progress | None = None,
-                 source: str = "", cost=None) -> str:
+                 source: str = "", cost=None, baseline: str | None = None) -> str:
     from collector.live.lost import CostSettings
 
     cost = cost or CostSettings()
     prog = progress or Progress(total=len(SECTIONS) + 1, enabled=False)
     parts: list[str] = []
+    from collector.query import verdict
+
+    parts.append(_section("verdict", "verdict: what bounds this run, and what to try next",
+                          f"<pre>{html.escape(verdict.render(verdict.verdict_of(con, run_id)))}</pre>"))
+    if baseline:  # `--compare`: this run against a baseline (collector/query/compare.py)
+        from collector.query import compare
+
+        path, base_run = compare.split_ref(baseline)
+        if source and os.path.realpath(path) == os.path.realpath(source):  # the same file: this connection
+            from collector.query.post_file import PostFileError, pick_run
+
+            try:
+                base_id = pick_run(con, base_run)
+            except PostFileError as e:
+                raise compare.CompareError(f"{path}: {e}") from None
+            base = compare.profile(con, base_id, f"{path}:{base_id}")
+        else:
+            base = compare.open_profile(baseline)
+        d = compare.diff(base, compare.profile(con, run_id, f"{source}:{run_id}"))
+        parts.append(_section("compare", "against the baseline", compare_html(d)))
     summary = summarize(con, run_id)
     prog.step("summary")
     text = f"<pre>{html.escape(render(summary))}</pre>"
@@ -586,6 +617,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--price-per-gpu-hour", type=float, default=None, metavar="PRICE",
                         help="show lost GPU-hours as money too (wins over $TRACETOP_PRICE_PER_GPU_HOUR and --rules)")
     parser.add_argument("--currency", default=None, help="the price's currency (default the rules file's, else USD)")
+    parser.add_argument("--compare", default=None, metavar="BASELINE",
+                        help="a section comparing this run against BASELINE (FILE or FILE:RUN), as tracetop compare")
     parser.add_argument("--rules", default=None, metavar="FILE",
                         help="a rules file whose [cost] table gives the price and the communication baseline")
 
@@ -622,7 +655,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
         big = os.path.getsize(args.file) >= PROGRESS_MIN_BYTES
         prog = Progress(total=len(SECTIONS) + 1, enabled=big and sys.stderr.isatty())
-        text = build_report(con, run_id, slo_ms=args.grad_sync_slo_ms, progress=prog, source=str(args.file), cost=cost)
+        from collector.query.compare import CompareError
+
+        try:
+            text = build_report(con, run_id, slo_ms=args.grad_sync_slo_ms, progress=prog, source=str(args.file),
+                                cost=cost, baseline=getattr(args, "compare", None))
+        except CompareError as e:
+            print(f"tracetop report: --compare: {e}", file=sys.stderr)
+            return 2
     finally:
         con.close()
     out: Path = args.output

@@ -33,6 +33,9 @@ def test_demo_headless_judges_and_acts(tmp_path) -> None:
                             [run]).fetchone()[0]
         assert early == 0
         assert "as incidents (2)" in r.stdout
+        # issue 27: the demo ends with the run's verdict: the injected straggler, and what to do about it
+        tail = r.stdout.rstrip().split("\n\n")[-1]
+        assert tail.startswith("verdict: straggler") and "rank 3" in tail and "next: " in tail, tail
         acts = con.execute("SELECT kind, value, state, step FROM actions WHERE run_id = ? AND kind = 'micro_batch' "
                            "ORDER BY proposed_ns", [run]).fetchall()
         assert acts and acts[0][2] in ("applied", "verified"), acts

@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rules": ("collector.live.rules_cli", "check a rules file, or print the built-in rules (live judgments)"),
     "alerts": ("collector.live.alerts_cli", "the alerts a collector raised (or --recompute them from a file)"),
     "demo": ("collector.demo", "collector + a 4-rank reference run, then a per-rank summary"),
+    "summary": ("collector.query.verdict", "a run's verdict (what bounds it, why, what to try next) and per-rank summary"),
+    "compare": ("collector.query.compare", "two runs side by side (FILE or FILE:RUN); --fail-if step_time_pct>5 gates CI"),
     "report": ("collector.report", "one self-contained HTML report with plots of a run in a collector's file"),
     "export": ("collector.export.timeline", "the file as a Perfetto/chrome://tracing timeline (--perfetto) or Parquet (--parquet)"),
     "plan": ("reference_trainer.plan_cli", "parallelism planner: ranked TP x PP x DP plans, memory per GPU, launch commands"),
@@ -42,6 +44,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "tui": ("tui.bench.render", "the TUI's CPU share at 2 Hz and the Ranks screen's refresh time at 16,384 ranks"),
     "e2e": ("tui.bench.e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
     "judge": ("collector.bench.judge", "the fault matrix: clean and fault runs judged live: recall, precision, culprit"),
+    "compact": ("collector.bench.compact", "a short run's file with compaction at close off and on: MB and close seconds"),
     "commands": ("trainer_hooks.bench.commands", "the command path's gloo broadcast on its own: us per K steps"),
 }
 

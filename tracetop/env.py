@@ -124,6 +124,10 @@ TRACETOP_PRICE_PER_GPU_HOUR = "TRACETOP_PRICE_PER_GPU_HOUR"
 collector's and the report's ``--price-per-gpu-hour``: lost GPU-hours are then shown as money too.
 The flag wins, then this variable, then the rules file's ``[cost] price_per_gpu_hour``. Default: none."""
 
+TRACETOP_COMPACT_MAX_MB = "TRACETOP_COMPACT_MAX_MB"
+"""The collector compacts its file at close (16 KiB blocks: collector/compact.py) when the file is at most
+this many MB; ``0`` never. Default: 64."""
+
 DEFAULT_COLLECTOR = "127.0.0.1:7000"
 DEFAULT_SPOOL_DIR = f"/var/tmp/tracetop-spool-{os.geteuid()}"
 """One per user: a shared name lets one user's folder (refused: tracetop/wire/spool.py check_owned)

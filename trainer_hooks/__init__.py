@@ -1,5 +1,6 @@
 """In-process instrumentation for training loops: timers, recorders, integrations, emitter.
 
+    tracer = trainer_hooks.auto(model, optimizer)   # no step/phase blocks: trainer_hooks/auto.py
     tracer = trainer_hooks.Tracer()            # rank, world, run id, endpoint from the launcher/env
     with tracer.step(n):
         with tracer.phase("forward"): ...
@@ -12,8 +13,9 @@ buckets are timed through its comm hook). DeepSpeed: ``trainer_hooks.deepspeed.i
 
 Never imports the collector, the agent, the TUI, duckdb or textual (checked by a test)."""
 
+from trainer_hooks.auto import Auto, auto
 from trainer_hooks.bubble import bubble_rate, expected_bubble_rate
 from trainer_hooks.identity import Identity, SetupError
 from trainer_hooks.tracer import Tracer, tracing
 
-__all__ = ["Identity", "SetupError", "Tracer", "bubble_rate", "expected_bubble_rate", "tracing"]
+__all__ = ["Auto", "Identity", "SetupError", "Tracer", "auto", "bubble_rate", "expected_bubble_rate", "tracing"]

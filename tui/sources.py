@@ -97,6 +97,7 @@ class FileSource:
         self.description = self.path.name  # the name, not the full path: screenshots stay the same anywhere
         self.con: duckdb.DuckDBPyConnection | None = None
         self._lock = threading.Lock()
+        self._verdict: str | None = None  # the finished run's verdict, worked out at the first snapshot
 
     @property
     def is_open(self) -> bool:
@@ -154,9 +155,12 @@ class FileSource:
     def snapshot_at(self, step: int | None) -> snap.Snapshot:
         with self._lock:
             try:
-                return snap.build(self.con, self.run_id, step=step, source="file")
+                s = snap.build(self.con, self.run_id, step=step, source="file")
             except snap.SnapshotError as e:
                 raise SourceError("unknown run", str(e), "pick a run with --run RUN") from e
+            if self._verdict is None:
+                self._verdict = _verdict_text(self.con, self.run_id)
+            return snap.Snapshot({**s.header, "verdict": self._verdict}, s.tables)
 
     def watch(self, interval_s: float, stop: threading.Event) -> Iterator[snap.Snapshot]:
         yield self.snapshot_at(None)
@@ -175,6 +179,16 @@ class FileSource:
 
 
 # ---- live: a collector --------------------------------------------------------------------------
+
+def _verdict_text(con, run_id: str) -> str:
+    """The run's verdict paragraph (collector/query/verdict.py), or why there is none."""
+    from collector.query import verdict
+
+    try:
+        return verdict.render(verdict.verdict_of(con, run_id))
+    except Exception as e:  # a file too old or odd for the verdict's SQL: the rest of the TUI still works
+        return f"verdict: none ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+
 
 class CollectorSource:
     """A running collector, through Query.Watch and Query.Sql only."""

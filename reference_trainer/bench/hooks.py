@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", default=None, help="keep the collector's file and the run logs in this folder")
     p.add_argument("--ddp", action="store_true",
                    help="instead: the DDP comm hook's own cost, 2 gloo ranks, timed vs plain DDP (trainer_hooks/bench/ddp.py)")
+    p.add_argument("--form", choices=("explicit", "auto"), default="explicit",
+                   help="auto: the automatic form's cost per step against the explicit API's, one process "
+                        "(trainer_hooks/bench/auto_form.py)")
+    p.add_argument("--auto-steps", type=int, default=3000, help="steps of the --form auto bench (default 3000)")
     p.add_argument("--ddp-steps", type=int, default=1200, help="steps of the --ddp bench (default 1200)")
     p.add_argument("--ddp-device-clock", action="store_true",
                    help="--ddp with the Tracer on its GPU path (its CUDA clock over host events): the device path's host cost")
@@ -317,6 +321,10 @@ def microbench(args: argparse.Namespace, endpoint: str) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "form", "explicit") == "auto":
+        from trainer_hooks.bench import auto_form
+
+        return auto_form.run(args)
     if getattr(args, "ddp", False):
         from trainer_hooks.bench import ddp as bench_ddp
 

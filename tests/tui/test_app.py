@@ -65,6 +65,8 @@ async def test_overview_shows_the_run_and_its_straggler() -> None:
         await opened(pilot)
         text = text_of(app, "#ov-figures")
         assert f"rank {STRAGGLER_RANK}" in text
+        verdict = text_of(app, "#ov-verdict")  # issue 27: a finished run's verdict opens the overview
+        assert verdict.startswith("verdict: straggler") and f"rank {STRAGGLER_RANK}" in verdict and "next:" in verdict
         world, tp, pp, dp = raw("SELECT max(world_size), max(tp), max(pp), max(dp) FROM run_start")[0]
         head = text_of(app, "#head")
         assert f"TP{tp} × PP{pp} × DP{dp}" in head and f"{world}/{world} ranks" in head

@@ -1,4 +1,4 @@
-"""1 Overview: the run's figures, its stragglers, step time by phase, firing alerts and the latest actions."""
+"""1 Overview: the run's verdict (a finished run's file), its figures, its stragglers, step time by phase, firing alerts and the latest actions."""
 
 from __future__ import annotations
 
@@ -21,12 +21,16 @@ def newest_proposal(snap: snapmod.Snapshot | None) -> dict | None:
 
 class OverviewPane(VerticalScroll):
     def compose(self) -> ComposeResult:
+        yield Static("", id="ov-verdict")
         yield Static("", id="ov-figures")
         yield Static("", id="ov-phases")
         yield Static("", id="ov-alerts")
 
     def draw(self, view: View) -> None:
         s = view.snap
+        verdict = s.header.get("verdict")  # a finished run's file (tui/sources.py FileSource); live: none yet
+        self.query_one("#ov-verdict", Static).update(
+            core.plain(verdict + "\n") if verdict else Text(""))
         t = Table(box=None, show_header=False, padding=(0, 2))
         t.add_column(style="bold")
         t.add_column()
