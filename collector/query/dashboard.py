@@ -195,25 +195,31 @@ def install(con) -> list[str]:
     return made
 
 
+def _rows(con, sql: str, params: list) -> list[dict]:
+    cur = con.execute(sql, params)
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
+
+
 def cross_node_groups(con, run_id: str, threshold: float = CROSS_NODE_SHARE, where: str = "TRUE") -> list[dict]:
     """DP/TP groups of `run_id` whose cross-node share of communication time is above `threshold`,
     worst first: the judgment of the seed's "cross-rack traffic exceeds 60%"."""
     sql = (f"SELECT * FROM ({comm_cross_share_sql(where)}) WHERE run_id = ? AND cross_time_share > ? "
            "AND list_has_any(string_split(role, '|'), ['dp', 'tp']) ORDER BY cross_time_share DESC, \"group\"")
-    return con.execute(sql, [run_id, threshold]).fetch_arrow_table().to_pylist()
+    return _rows(con, sql, [run_id, threshold])
 
 
 def slowest_links(con, run_id: str, limit: int = 5, where: str = "TRUE") -> list[dict]:
     """The (group, op, src_node -> dst_node) links of `run_id` with the highest median latency."""
     sql = (f"SELECT * FROM ({comm_topology_sql(where)}) WHERE run_id = ? "
            "ORDER BY latency_ms_p50 DESC LIMIT ?")
-    return con.execute(sql, [run_id, limit]).fetch_arrow_table().to_pylist()
+    return _rows(con, sql, [run_id, limit])
 
 
 def risky_gpus(con, until_ns: int | None = None) -> list[dict]:
     """GPUs at level fail_likely, each with a sentence: "GPU 3 on node-7: ... — likely to fail"."""
     sql = hardware_risk_sql(str(int(until_ns)) if until_ns is not None else "9223372036854775807")
-    rows = con.execute(f"SELECT * FROM ({sql}) WHERE level = 'fail_likely'").fetch_arrow_table().to_pylist()
+    rows = _rows(con, f"SELECT * FROM ({sql}) WHERE level = 'fail_likely'", [])
     for r in rows:
         r["message"] = f"GPU {r['gpu']} on {r['node']}: {r['evidence']} — likely to fail"
     return rows
