@@ -47,6 +47,13 @@ def test_demo_headless_judges_and_acts(tmp_path) -> None:
         before = con.execute("SELECT count(*) FROM step WHERE run_id = ? AND step = ? AND micro_batch <> ?",
                              [run, step - 1, value]).fetchone()[0]
         assert before == 4  # the step before it ran the old shape on every rank
+        # issue 25: the agent's GPUs at a replayed step (it ships under its own run id), and the views
+        from collector.query import dashboard, snapshot
+
+        assert snapshot.build(con, run, step=30).table("gpus").num_rows == 4  # the demo's 4 fake GPUs
+        dashboard.install(con)
+        assert con.execute("SELECT count(*) FROM hardware_risk WHERE level = 'ok'").fetchone()[0] == 4
+        assert con.execute("SELECT count(*) FROM comm_topology WHERE run_id = ?", [run]).fetchone()[0] > 0
         samples = con.execute("SELECT DISTINCT micro_batch * micro_batches FROM step WHERE run_id = ?", [run]).fetchall()
         assert samples == [(8,)]  # the global batch kept
     finally:

@@ -64,7 +64,7 @@ class TopologyPane(VerticalScroll):
         yield DataTable(id="topo-links", zebra_stripes=True)
 
     def on_mount(self) -> None:
-        self.query_one("#topo-links", DataTable).add_columns("group", "op", "link", "calls", "size", "p50", "busbw")
+        self.query_one("#topo-links", DataTable).add_columns("group", "op", "link", "calls", "bytes (all)", "p50", "busbw")
 
     def draw(self, view: View) -> None:
         nodes, links = core.topology(view.snap)
