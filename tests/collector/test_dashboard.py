@@ -76,3 +76,19 @@ def test_tracetop_query_answers_the_views(topo_file) -> None:
         assert r.returncode == 0, r.stderr
         n = json.loads(r.stdout)[0]["n"]  # 2 TP groups x 1 link, 2 DP groups x 2; no agent here
         assert n == (6 if view == "comm_topology" else 4 if view == "comm_cross_share" else 0), (view, n)
+
+
+@pytest.mark.slow
+def test_report_has_the_topology_and_risk_sections(topo_file) -> None:
+    from collector.report import build_report
+
+    con = duckdb.connect(str(topo_file), read_only=True)
+    try:
+        page = build_report(con, "topo")
+    finally:
+        con.close()
+    topo = page.split('<section id="comm-topology">', 1)[1].split("</section>", 1)[0]
+    assert "<svg" in topo and "dp[1,3]: 100% of its time cross-node" in topo and "dp[0,2]: 100%" in topo, topo[-2000:]
+    assert "tp[0,1]: " not in topo  # in-node groups are not judged
+    risk = page.split('<section id="hardware-risk">', 1)[1].split("</section>", 1)[0]
+    assert "no GPU samples from an agent" in risk  # this run had no agent
