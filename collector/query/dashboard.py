@@ -1,5 +1,5 @@
 """The seed dashboard's views (issue 25), defined at query time: communication topology, hardware
-risk ahead of failure, and the judgments read from them.
+risk ahead of failure, memory fragmentation, and the judgments read from them.
 
 They are not in the file's schema (no migration): `install(con)` creates each as a TEMP view on a
 connection (read-only ones included: a temp view lives in the connection's memory, not the file),
@@ -172,11 +172,52 @@ FROM p ORDER BY points DESC, node, gpu
 """
 
 
+def memory_fragmentation_sql(where: str = "TRUE") -> str:
+    """The memory_fragmentation view's text over the memory rows matching `where`: per (run_id,
+    rank, step), the device allocator's reserved - allocated bytes and its share of reserved (the
+    step's last row). GPU only: on CPU the hooks record the resident set but not the bytes of the
+    live tensors, so frag_bytes / frag_share are NULL there (measured = 'cpu: not measured')."""
+    return f"""
+SELECT run_id, rank, step, arg_max(reserved_bytes, start_ns) AS reserved_bytes,
+       arg_max(allocated_bytes, start_ns) AS allocated_bytes,
+       CASE WHEN arg_max(allocated_bytes, start_ns) >= 0 AND arg_max(reserved_bytes, start_ns) > 0
+            THEN arg_max(reserved_bytes, start_ns) - arg_max(allocated_bytes, start_ns) END AS frag_bytes,
+       CASE WHEN arg_max(allocated_bytes, start_ns) >= 0 AND arg_max(reserved_bytes, start_ns) > 0
+            THEN 1.0 - arg_max(allocated_bytes, start_ns) / arg_max(reserved_bytes, start_ns) END AS frag_share,
+       CASE WHEN arg_max(allocated_bytes, start_ns) >= 0 THEN 'device: reserved - allocated'
+            ELSE 'cpu: not measured' END AS measured
+FROM memory WHERE step >= 0 AND ({where}) GROUP BY run_id, rank, step
+"""
+
+
+def fragmentation_trend_sql(where: str = "TRUE") -> str:
+    """Per (run_id, rank): the fragmentation share's first, last and slope per 100 steps (GPU rows)."""
+    return f"""
+SELECT run_id, rank, count(frag_share) AS steps, arg_min(frag_share, step) AS frag_share_first,
+       arg_max(frag_share, step) AS frag_share_last, 100 * regr_slope(frag_share, step) AS frag_share_per_100_steps
+FROM ({memory_fragmentation_sql(where)}) WHERE frag_share IS NOT NULL GROUP BY run_id, rank
+"""
+
+
+#: the fragmentation judgment: the share rose by this much per 100 steps, and stands above FRAG_SHARE
+FRAG_RISE_PER_100_STEPS = 0.10
+FRAG_SHARE = 0.25
+
+
+def fragmenting_ranks(con, run_id: str) -> list[dict]:
+    """Ranks of `run_id` whose allocator fragmentation is rising: slope above FRAG_RISE_PER_100_STEPS
+    and the last share above FRAG_SHARE."""
+    return _rows(con, f"SELECT * FROM ({fragmentation_trend_sql()}) WHERE run_id = ? AND frag_share_per_100_steps > ? "
+                      "AND frag_share_last > ? ORDER BY rank", [run_id, FRAG_RISE_PER_100_STEPS, FRAG_SHARE])
+
+
 #: name -> view text; install() creates those a file does not define
 VIEWS: dict[str, str] = {
     "comm_topology": comm_topology_sql(),
     "comm_cross_share": comm_cross_share_sql(),
     "hardware_risk": hardware_risk_sql(),
+    "memory_fragmentation": memory_fragmentation_sql(),
+    "fragmentation_trend": fragmentation_trend_sql(),
 }
 
 
