@@ -520,6 +520,37 @@ def topology_html(d: dict) -> str:
             + _table_html(["group", "op", "link", "calls", "p50 ms", "p99 ms", "busbw GB/s"], slow))
 
 
+def gather_fragmentation(con, run_id: str) -> dict:
+    """Per rank, the memory_fragmentation view's share by step (GPU ranks only), and the ranks the
+    trend judges fragmenting."""
+    from collector.query import dashboard
+
+    rows = dashboard._rows(con, f"SELECT rank, step, frag_share FROM ({dashboard.memory_fragmentation_sql()}) "
+                                "WHERE run_id = ? AND frag_share IS NOT NULL ORDER BY rank, step", [run_id])
+    series: dict[int, list[tuple[int, float]]] = {}
+    for r in rows:
+        series.setdefault(int(r["rank"]), []).append((int(r["step"]), float(r["frag_share"])))
+    return {"series": series, "rising": dashboard.fragmenting_ranks(con, run_id)}
+
+
+def fragmentation_html(d: dict) -> str:
+    if not d["series"]:
+        return ("<p>fragmentation: not measured (CPU ranks: the hooks record the resident set, not the "
+                "bytes of the live tensors; on GPU it is the allocator's reserved − allocated)</p>")
+    fig = _figure(9.0, 2.8)
+    ax = fig.subplots()
+    for r, pts in list(d["series"].items())[:32]:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"rank {r}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reserved − allocated, share")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, ncol=4)
+    ax.set_title("allocator fragmentation per rank")
+    rising = "".join(f"<li>rank {r['rank']}: {r['frag_share_first']:.0%} → {r['frag_share_last']:.0%} "
+                     f"(+{r['frag_share_per_100_steps']:.0%} per 100 steps)</li>" for r in d["rising"])
+    return _svg(fig) + (f"<p><b>fragmentation rising</b></p><ul>{rising}</ul>" if rising else "")
+
+
 def gather_risk(con, run_id: str) -> list[dict]:
     """The hardware_risk view over the run's nodes' agent samples (any agent run id)."""
     from collector.query import dashboard
@@ -649,8 +680,8 @@ def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress
     prog.step("offload")
     mem = gather_memory(con, run_id)
     parts.append(_section("memory", "memory per rank", plot_memory(mem) + (
-        "" if mem["budget_gb"] else "<p>no budget declared (budget_bytes = -1)</p>") if mem["series"]
-        else _none("no memory rows")))
+        "" if mem["budget_gb"] else "<p>no budget declared (budget_bytes = -1)</p>")
+        + fragmentation_html(gather_fragmentation(con, run_id)) if mem["series"] else _none("no memory rows")))
     prog.step("memory")
     risk = gather_risk(con, run_id)
     parts.append(_section("hardware-risk", "hardware risk ahead of failure (per GPU)", risk_html(risk) if risk

@@ -683,6 +683,18 @@ def gpu_risks(snap) -> dict[tuple[str, int], GpuRisk]:
     return out
 
 
+def fragmentation(snap) -> tuple[str, dict[int, list[float]]]:
+    """(what is measured, rank -> fragmentation share per step over the window) from the
+    snapshot's fragmentation section; no ranks where nothing is measured (CPU)."""
+    out: dict[int, list[float]] = {}
+    measured = ""
+    for r in snap.table("fragmentation").to_pylist():
+        measured = measured or str(r["measured"] or "")
+        if r["frag_share"] is not None:
+            out.setdefault(int(r["rank"]), []).append(float(r["frag_share"]))
+    return measured, out
+
+
 def bar(frac: float, width: int) -> str:
     if frac is None or math.isnan(frac):
         return "?" * width

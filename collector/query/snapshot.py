@@ -35,6 +35,8 @@ Sections (columns; times in ms unless a name says otherwise):
 - topology: the comm_topology view (collector/query/dashboard.py) over the collectives section's steps
 - gpu_risk: the hardware_risk view over the run's nodes' agent samples of the RISK_WINDOW_S before
   the step's end; empty in a watcher's (live) snapshot
+- fragmentation: rank, step, frag_bytes, frag_share, measured over the window (the
+  memory_fragmentation view: reserved - allocated on GPU; NULL on CPU)
 - alerts / actions: the live engine's and controller's rows for the run where those tables exist
 - lost: GPU time lost (collector/query/lost_sql.py, the lost_time view's text) over the steps that ended in
   the LOST_WINDOW_S before the snapshot step's end (at most LOST_WINDOW_STEPS steps): a row with
@@ -276,6 +278,11 @@ _GPU_RISK_SQL = dashboard.hardware_risk_sql(
     "$t_end_ns", "(run_id = $run OR node IN (SELECT hostname FROM run_start WHERE run_id = $run)) "
     "AND start_ns >= $t_end_ns - $risk_window_ns")
 
+# The memory_fragmentation view over the window's steps (GPU ranks; NULL shares on CPU).
+_FRAGMENTATION_SQL = ("SELECT rank, step, frag_bytes, frag_share, measured FROM ("
+                      + dashboard.memory_fragmentation_sql("run_id = $run AND step BETWEEN $lo AND $step")
+                      + ") ORDER BY rank, step")
+
 SECTIONS: dict[str, str] = {
     "ranks": _RANKS_SQL,
     "steps": _STEPS_SQL,
@@ -288,6 +295,7 @@ SECTIONS: dict[str, str] = {
     "xids": _XID_SQL,
     "topology": _TOPOLOGY_SQL,
     "gpu_risk": _GPU_RISK_SQL,
+    "fragmentation": _FRAGMENTATION_SQL,
 }
 
 #: Sections a watcher's snapshot (a cursor: live) leaves empty, with their reason.

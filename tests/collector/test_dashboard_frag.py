@@ -15,9 +15,11 @@ import duckdb
 import torch
 
 import trainer_hooks
-from collector.query import dashboard
+from collector.query import dashboard, snapshot
+from collector.report import build_report
 from tests.support.services import start_collector
 from trainer_hooks.device_clock import CudaClock, HostDevice
+from tui import core
 
 STEPS = 24
 
@@ -90,3 +92,13 @@ def test_fragmentation_rises_where_the_allocator_fragments(tmp_path) -> None:
     # one live, from step 1 on: half, flat
     assert trend["steady"]["frag_share_last"] == 0.5 and abs(trend["steady"]["frag_share_per_100_steps"]) < 1e-9, trend
     assert [r["rank"] for r in flagged["grow"]] == [0] and flagged["steady"] == [], flagged
+    # the GPUs screen's panel and the report read the same view
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        snap = snapshot.build(con, "grow")
+        page = build_report(con, "grow")
+    finally:
+        con.close()
+    measured, shares = core.fragmentation(snap)
+    assert measured.startswith("device") and shares[0][-1] == trend["grow"]["frag_share_last"], shares
+    assert "allocator fragmentation per rank" in page and "fragmentation rising" in page

@@ -40,6 +40,7 @@ def gpu_tile(g: core.GpuTile, risk: core.GpuRisk | None = None) -> Text:
 class GpusPane(VerticalScroll):
     def compose(self) -> ComposeResult:
         yield Static("", id="gpu-tiles")
+        yield Static("", id="gpu-frag")
 
     def draw(self, view: View) -> None:
         tiles = core.gpu_tiles(view.snap)
@@ -65,3 +66,32 @@ class GpusPane(VerticalScroll):
             out.add_row(row)
             shown += 1
         self.query_one("#gpu-tiles", Static).update(out)
+        self.query_one("#gpu-frag", Static).update(fragmentation_panel(view))
+
+
+#: Ranks the fragmentation panel lists at most (the highest share first).
+MAX_FRAG_RANKS = 16
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def fragmentation_panel(view: View) -> Text:
+    """Beside the tiles' memory bars: each rank's allocator fragmentation (reserved − allocated, as a
+    share of reserved) over the window's steps, a sparkline from 0 to 100% and the last value."""
+    measured, shares = core.fragmentation(view.snap)
+    t = Text()
+    t.append("\nmemory fragmentation by rank (reserved − allocated, share of reserved) over recent steps\n", style="bold")
+    if not shares:
+        why = ("CPU ranks: the hooks record the resident set, not the bytes of the live tensors"
+               if measured.startswith("cpu") else "no memory rows in these steps")
+        t.append(f"  not measured: {why}\n", style="dim")
+        return t
+    ranked = sorted(shares.items(), key=lambda kv: -kv[1][-1])
+    for rank, vals in ranked[:MAX_FRAG_RANKS]:
+        last = vals[-1]
+        style = "red" if last >= 0.5 else "dark_orange" if last >= 0.25 else ""
+        t.append(f"  rank {rank:>5}  ")
+        t.append("".join(_SPARK[min(int(v * 8), 7)] for v in vals[-40:]), style="dodger_blue1")
+        t.append(f"  {last:.0%}\n", style=style)
+    if len(ranked) > MAX_FRAG_RANKS:
+        t.append(f"  … {len(ranked)} ranks\n", style="dim")
+    return t
