@@ -270,7 +270,8 @@ WHERE (run_id = $run OR node IN (SELECT hostname FROM run_start WHERE run_id = $
 """
 
 # The comm_topology view (collector/query/dashboard.py) over the collectives section's steps.
-_TOPOLOGY_SQL = dashboard.comm_topology_sql("run_id = $run AND step BETWEEN $coll_lo AND $step")
+_TOPOLOGY_SQL = ("SELECT * FROM (" + dashboard.comm_topology_sql("run_id = $run AND step BETWEEN $coll_lo AND $step")
+                 + ') ORDER BY role, "group", op, src_node, dst_node')
 
 # The hardware_risk view over the run's nodes' last RISK_WINDOW_S of agent samples (file replays
 # only: a live watcher would re-read hours of samples per snapshot; see build()).
