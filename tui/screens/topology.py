@@ -13,6 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from collector.query import snapshot as snapmod
 from collector.query.dashboard import CROSS_NODE_SHARE
 from tui import core
 from tui.screens import View
@@ -73,7 +74,9 @@ class TopologyPane(VerticalScroll):
             nodes = [n for n in nodes if flt in n.lower()]
         top = Text()
         if not links:
-            top.append("no collectives in these steps\n", style="dim")
+            big = view.live and view.snap.header.get("ranks_started", 0) > snapmod.LIVE_MAX_RANKS["topology"]
+            top.append(f"not drawn live above {snapmod.LIVE_MAX_RANKS['topology']} ranks: replay the run's file\n"
+                       if big else "no collectives in these steps\n", style="dim")
             self.query_one("#topo-matrix", Static).update(top)
         else:
             shown = nodes[:MAX_NODES]
