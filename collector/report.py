@@ -32,8 +32,8 @@ MAX_STEP_BUCKETS = 600
 MAX_RANK_BUCKETS = 256
 PHASES = (("data_wait_ns", "data wait"), ("forward_ns", "forward"), ("backward_ns", "backward"),
           ("optimizer_ns", "optimizer"), ("comm_exposed_ns", "exposed comm"))
-SECTIONS = ("step-time", "lost", "rank-heatmap", "bubble", "collectives", "grad-sync", "offload", "memory",
-            "incidents", "alerts", "actions", "gaps")
+SECTIONS = ("step-time", "lost", "rank-heatmap", "bubble", "collectives", "comm-topology", "grad-sync", "offload",
+            "memory", "hardware-risk", "incidents", "alerts", "actions", "gaps")
 LOST_TOP_RANKS = 16
 #: the progress bar appears (on a terminal) for files at least this big
 PROGRESS_MIN_BYTES = 20 * 1024 * 1024
@@ -465,6 +465,111 @@ class Progress:
         self.out.flush()
 
 
+def gather_topology(con, run_id: str) -> dict:
+    """The comm_topology view of the run (collector/query/dashboard.py): node x node median latency,
+    each group's cross-node share, the slowest links, and the groups judged over the threshold."""
+    from collector.query import dashboard
+
+    links = dashboard._rows(con, f"SELECT src_node, dst_node, sum(calls) AS calls, sum(time_ms) AS time_ms, "
+                                 f"sum(calls * latency_ms_p50) / sum(calls) AS latency_ms FROM "
+                                 f"({dashboard.comm_topology_sql()}) WHERE run_id = ? GROUP BY ALL", [run_id])
+    groups = dashboard._rows(con, f"SELECT role, \"group\", nodes, calls, time_ms, cross_time_share, cross_bytes_share "
+                                  f"FROM ({dashboard.comm_cross_share_sql()}) WHERE run_id = ? "
+                                  "ORDER BY cross_time_share DESC, time_ms DESC", [run_id])
+    return {"links": links, "groups": groups, "slowest": dashboard.slowest_links(con, run_id, limit=8),
+            "over": dashboard.cross_node_groups(con, run_id), "threshold": dashboard.CROSS_NODE_SHARE}
+
+
+def plot_topology(d: dict) -> str:
+    import numpy as np
+    nodes = sorted({r["src_node"] for r in d["links"]} | {r["dst_node"] for r in d["links"]})[:32]
+    at = {n: i for i, n in enumerate(nodes)}
+    grid = np.full((len(nodes), len(nodes)), np.nan)
+    for r in d["links"]:
+        if r["src_node"] in at and r["dst_node"] in at:
+            grid[at[r["src_node"]], at[r["dst_node"]]] = r["latency_ms"]
+    fig = _figure(4.5 + 0.2 * len(nodes), 3.0 + 0.2 * len(nodes))
+    ax = fig.subplots()
+    im = ax.imshow(grid, cmap="RdYlGn_r")
+    ax.set_xticks(range(len(nodes)), nodes, rotation=45, ha="right", fontsize=7)
+    ax.set_yticks(range(len(nodes)), nodes, fontsize=7)
+    for i in range(len(nodes)):
+        for j in range(len(nodes)):
+            if not np.isnan(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xlabel("to node")
+    ax.set_ylabel("from node")
+    fig.colorbar(im, ax=ax, label="median latency (ms)")
+    ax.set_title("communication latency by node pair")
+    return _svg(fig)
+
+
+def topology_html(d: dict) -> str:
+    th = d["threshold"]
+    verdict = ("<p><b>" + "; ".join(f"{html.escape(g['group'])}: {g['cross_time_share']:.0%} of its time cross-node"
+                                    for g in d["over"]) + f"</b> (above {th:.0%}: all-reduce timeouts follow "
+               "cross-node traffic; place the group's ranks on fewer nodes)</p>") if d["over"] else \
+        f"<p>no DP/TP group spends over {th:.0%} of its communication time on cross-node links</p>"
+    groups = [(g["role"], g["group"], g["nodes"], g["calls"], f"{g['time_ms']:.0f}", f"{g['cross_time_share']:.0%}",
+               f"{g['cross_bytes_share']:.0%}") for g in d["groups"][:20]]
+    slow = [(r["group"], r["op"], f"{r['src_node']} → {r['dst_node']}", r["calls"], f"{r['latency_ms_p50']:.2f}",
+             f"{r['latency_ms_p99']:.2f}", f"{(r['busbw_gbps'] or 0):.3f}") for r in d["slowest"]]
+    return (plot_topology(d) + verdict
+            + _table_html(["role", "group", "nodes", "calls", "time ms", "cross-node time", "cross-node bytes"], groups)
+            + "<p>the slowest links</p>"
+            + _table_html(["group", "op", "link", "calls", "p50 ms", "p99 ms", "busbw GB/s"], slow))
+
+
+def gather_fragmentation(con, run_id: str) -> dict:
+    """Per rank, the memory_fragmentation view's share by step (GPU ranks only), and the ranks the
+    trend judges fragmenting."""
+    from collector.query import dashboard
+
+    rows = dashboard._rows(con, f"SELECT rank, step, frag_share FROM ({dashboard.memory_fragmentation_sql()}) "
+                                "WHERE run_id = ? AND frag_share IS NOT NULL ORDER BY rank, step", [run_id])
+    series: dict[int, list[tuple[int, float]]] = {}
+    for r in rows:
+        series.setdefault(int(r["rank"]), []).append((int(r["step"]), float(r["frag_share"])))
+    return {"series": series, "rising": dashboard.fragmenting_ranks(con, run_id)}
+
+
+def fragmentation_html(d: dict) -> str:
+    if not d["series"]:
+        return ("<p>fragmentation: not measured (CPU ranks: the hooks record the resident set, not the "
+                "bytes of the live tensors; on GPU it is the allocator's reserved − allocated)</p>")
+    fig = _figure(9.0, 2.8)
+    ax = fig.subplots()
+    for r, pts in list(d["series"].items())[:32]:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], lw=1, label=f"rank {r}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reserved − allocated, share")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7, ncol=4)
+    ax.set_title("allocator fragmentation per rank")
+    rising = "".join(f"<li>rank {r['rank']}: {r['frag_share_first']:.0%} → {r['frag_share_last']:.0%} "
+                     f"(+{r['frag_share_per_100_steps']:.0%} per 100 steps)</li>" for r in d["rising"])
+    return _svg(fig) + (f"<p><b>fragmentation rising</b></p><ul>{rising}</ul>" if rising else "")
+
+
+def gather_risk(con, run_id: str) -> list[dict]:
+    """The hardware_risk view over the run's nodes' agent samples (any agent run id)."""
+    from collector.query import dashboard
+
+    where = "node IN (SELECT hostname FROM run_start WHERE run_id = $run) OR run_id = $run"
+    sql = dashboard.hardware_risk_sql(where=where.replace("$run", "?"))
+    return dashboard._rows(con, sql, [run_id, run_id, run_id, run_id])
+
+
+def risk_html(rows: list[dict]) -> str:
+    bad = [r for r in rows if r["level"] == "fail_likely"]
+    head = ("<p><b>" + "<br>".join(html.escape(f"GPU {r['gpu']} on {r['node']}: {r['evidence']} — likely to fail")
+                                   for r in bad) + "</b></p>") if bad else \
+        "<p>no GPU at risk (score from the agent's NVML history: ECC, remapped rows, XIDs, throttling, clocks)</p>"
+    table = [(r["node"], r["gpu"], r["samples"], f"{r['hours']:.1f}", f"{r['risk']:.2f}", r["level"], r["evidence"])
+             for r in rows[:64]]
+    return head + _table_html(["node", "gpu", "samples", "hours", "risk", "level", "evidence"], table)
+
+
 def _table_html(headers: list[str], rows: list[tuple]) -> str:
     def cell(v: object) -> str:
         if isinstance(v, float):
@@ -557,6 +662,10 @@ def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress
     parts.append(_section("collectives", "collectives: latency and bus bandwidth against message size",
                           plot_collectives(coll) if coll else _none("no collective rows")))
     prog.step("collectives")
+    topo = gather_topology(con, run_id)
+    parts.append(_section("comm-topology", "communication topology: latency by node pair, cross-node share by group",
+                          topology_html(topo) if topo["links"] else _none("no collective rows")))
+    prog.step("comm-topology")
     gs = grad_sync_by_step_from_dp_collectives(con, run_id)
     over = sum(1 for _, v in gs if v > slo_ms)
     parts.append(_section("grad-sync", "grad-sync per step",
@@ -571,9 +680,13 @@ def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress
     prog.step("offload")
     mem = gather_memory(con, run_id)
     parts.append(_section("memory", "memory per rank", plot_memory(mem) + (
-        "" if mem["budget_gb"] else "<p>no budget declared (budget_bytes = -1)</p>") if mem["series"]
-        else _none("no memory rows")))
+        "" if mem["budget_gb"] else "<p>no budget declared (budget_bytes = -1)</p>")
+        + fragmentation_html(gather_fragmentation(con, run_id)) if mem["series"] else _none("no memory rows")))
     prog.step("memory")
+    risk = gather_risk(con, run_id)
+    parts.append(_section("hardware-risk", "hardware risk ahead of failure (per GPU)", risk_html(risk) if risk
+                          else _none("no GPU samples from an agent on this run's nodes")))
+    prog.step("hardware-risk")
     inc = gather_incidents(con, run_id)
     parts.append(_section("incidents", "incidents: cause and consequence", _none(
         "this file predates incidents (schema 11 or older, or no alerts table): its alerts stand alone below")

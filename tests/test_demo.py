@@ -47,6 +47,15 @@ def test_demo_headless_judges_and_acts(tmp_path) -> None:
         before = con.execute("SELECT count(*) FROM step WHERE run_id = ? AND step = ? AND micro_batch <> ?",
                              [run, step - 1, value]).fetchone()[0]
         assert before == 4  # the step before it ran the old shape on every rank
+        # issue 25: the agent's GPUs at a replayed step (it ships under its own run id), and the views
+        from collector.query import dashboard, snapshot
+
+        cur = con.cursor()  # a cursor of its own: the fetchone() results above are left unfinished
+        assert snapshot.build(cur, run, step=30).table("gpus").num_rows == 4  # the demo's 4 fake GPUs
+        dashboard.install(cur)
+        assert cur.execute("SELECT count(*) FROM hardware_risk WHERE level = 'ok'").fetchall()[0][0] == 4
+        assert cur.execute("SELECT count(*) FROM comm_topology WHERE run_id = ?", [run]).fetchall()[0][0] > 0
+        cur.close()
         samples = con.execute("SELECT DISTINCT micro_batch * micro_batches FROM step WHERE run_id = ?", [run]).fetchall()
         assert samples == [(8,)]  # the global batch kept
     finally:

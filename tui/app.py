@@ -34,6 +34,7 @@ from tui.screens.overview import OverviewPane
 from tui.screens.pipeline import PipelinePane
 from tui.screens.rank_detail import RankDetailPane
 from tui.screens.ranks import RanksPane, RanksState
+from tui.screens.topology import TopologyPane
 from tui.sources import Decision, Source, SourceError, as_source_error
 from tui.widgets import FilterBox, HeatmapView, ScrubBar, head_text
 
@@ -95,7 +96,8 @@ class TracetopApp(App[int]):
         panes = (OverviewPane(id="overview", classes="pane"), RanksPane(self.ranks, id="ranks", classes="pane"),
                  RankDetailPane(self.ranks, id="rank-detail", classes="pane"), PipelinePane(id="pipeline", classes="pane"),
                  CollectivesPane(id="collectives", classes="pane"), OffloadPane(id="offload", classes="pane"),
-                 GpusPane(id="gpus", classes="pane"), AlertsPane(id="alerts", classes="pane"))
+                 GpusPane(id="gpus", classes="pane"), AlertsPane(id="alerts", classes="pane"),
+                 TopologyPane(id="topology", classes="pane"))
         self.panes = {str(p.id): p for p in panes}
         with ContentSwitcher(initial=self.current, id="body"):
             yield from panes
@@ -305,6 +307,11 @@ class TracetopApp(App[int]):
         self.draw_current()
 
     def action_metric(self) -> None:
+        if self.current == "topology":  # latency <-> bus bandwidth
+            pane = self.query_one(TopologyPane)
+            pane.metric = "busbw" if pane.metric == "latency" else "latency"
+            self.draw_current()
+            return
         self.ranks.next_metric()
         if self.current != "ranks":
             self.switch_to("ranks")

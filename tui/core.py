@@ -663,6 +663,38 @@ def gpu_tiles(snap) -> dict[str, list[GpuTile]]:
     return out
 
 
+@dataclass(frozen=True)
+class GpuRisk:
+    """One GPU's hardware_risk row (collector/query/dashboard.py): level ok / watch / fail_likely."""
+
+    level: str
+    risk: float
+    evidence: str
+
+
+RISK_STATUS = {"ok": OK, "watch": WARN, "fail_likely": BAD}
+
+
+def gpu_risks(snap) -> dict[tuple[str, int], GpuRisk]:
+    """(node, gpu) -> its risk, from the snapshot's gpu_risk section (empty live, or in an older one)."""
+    out = {}
+    for r in snap.table("gpu_risk").to_pylist():
+        out[(r["node"], int(r["gpu"]))] = GpuRisk(str(r["level"]), float(r["risk"] or 0.0), str(r["evidence"] or ""))
+    return out
+
+
+def fragmentation(snap) -> tuple[str, dict[int, list[float]]]:
+    """(what is measured, rank -> fragmentation share per step over the window) from the
+    snapshot's fragmentation section; no ranks where nothing is measured (CPU)."""
+    out: dict[int, list[float]] = {}
+    measured = ""
+    for r in snap.table("fragmentation").to_pylist():
+        measured = measured or str(r["measured"] or "")
+        if r["frag_share"] is not None:
+            out.setdefault(int(r["rank"]), []).append(float(r["frag_share"]))
+    return measured, out
+
+
 def bar(frac: float, width: int) -> str:
     if frac is None or math.isnan(frac):
         return "?" * width
@@ -774,3 +806,60 @@ def action_rows(snap, text: str = "") -> list[dict]:
 def firing_summary(snap) -> list[str]:
     """The firing alerts that are not consequences (causes say how many they explain)."""
     return [f"{r[1]} {r[2]} {r[3]}: {r[4]}" for r in alert_rows(snap) if r[0] == "FIRING" and not r[2].startswith("  └")]
+
+
+# ---- Topology --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    """Communication on one (src_node, dst_node) link over the snapshot's collective steps."""
+
+    src: str
+    dst: str
+    calls: int
+    bytes: float
+    time_ms: float
+    latency_ms: float  # the calls' median durations, weighted by calls
+    busbw_gbps: float  # likewise
+
+
+def topology(snap) -> tuple[list[str], dict[tuple[str, str], Link]]:
+    """The nodes (sorted) and the node x node links of the snapshot's topology section."""
+    acc: dict[tuple[str, str], list[float]] = {}
+    for r in snap.table("topology").to_pylist():
+        a = acc.setdefault((r["src_node"], r["dst_node"]), [0, 0.0, 0.0, 0.0, 0.0])
+        n = int(r["calls"] or 0)
+        a[0] += n
+        a[1] += float(r["bytes"] or 0)
+        a[2] += float(r["time_ms"] or 0.0)
+        a[3] += n * float(r["latency_ms_p50"] or 0.0)
+        a[4] += n * float(r["busbw_gbps"] or 0.0)
+    links = {k: Link(k[0], k[1], int(a[0]), a[1], a[2], a[3] / a[0] if a[0] else float("nan"),
+                     a[4] / a[0] if a[0] else float("nan")) for k, a in acc.items()}
+    nodes = sorted({n for k in links for n in k})
+    return nodes, links
+
+
+def group_shares(snap) -> list[tuple[str, str, int, float, float, float]]:
+    """(role, group, nodes, time_ms, cross-node share of time, of bytes) per group, most cross-node first."""
+    acc: dict[tuple[str, str], list] = {}
+    for r in snap.table("topology").to_pylist():
+        a = acc.setdefault((r["role"], r["group"]), [set(), 0.0, 0.0, 0.0, 0.0])
+        a[0].update((r["src_node"], r["dst_node"]))
+        t, b = float(r["time_ms"] or 0.0), float(r["bytes"] or 0)
+        a[1] += t
+        a[3] += b
+        if r["cross_node"]:
+            a[2] += t
+            a[4] += b
+    rows = [(role, grp, len(a[0]), a[1], a[2] / a[1] if a[1] else 0.0, a[4] / a[3] if a[3] else 0.0)
+            for (role, grp), a in acc.items()]
+    return sorted(rows, key=lambda r: (-r[4], r[1]))
+
+
+def slowest_links(snap, limit: int = 10) -> list[tuple[str, str, str, str, str, str, str]]:
+    """The drill-down: (group, op, src → dst, calls, size, p50, busbw) by median latency, slowest first."""
+    rows = sorted(snap.table("topology").to_pylist(), key=lambda r: -(r["latency_ms_p50"] or 0.0))[:limit]
+    return [(r["group"], r["op"], f"{r['src_node']} → {r['dst_node']}", str(r["calls"]), fmt_num(float(r["bytes"] or 0), "B"),
+             fmt_num(r["latency_ms_p50"], "ms", 2), fmt_num(r["busbw_gbps"], "GB/s", 3)) for r in rows]

@@ -13,6 +13,7 @@ SCREENS: tuple[tuple[str, str], ...] = (
     ("offload", "5 Offload"),
     ("gpus", "6 GPUs"),
     ("alerts", "7 Alerts & actions"),
+    ("topology", "8 Topology"),
 )
 SCREEN_IDS = tuple(s for s, _ in SCREENS)
 
@@ -45,10 +46,10 @@ BINDINGS: list[BindingType] = [
 
 #: Every binding with what it does, for `?` and docs/tui.md (one list, so they agree).
 HELP: tuple[tuple[str, str], ...] = (
-    ("1 … 7, tab / shift+tab", "switch screen (or click a tab)"),
+    ("1 … 8, tab / shift+tab", "switch screen (or click a tab)"),
     ("/", "filter the screen's rows (Ranks: stage=1 replica=0 tp=0 rank=3 node=NAME z>3, or a rank number)"),
     ("s", "sort (Ranks side table: z / rank / value; Collectives: p99 / calls / size / op)"),
-    ("m", "Ranks: next metric (compute, collective wait, step time, memory, GPU util)"),
+    ("m", "Ranks: next metric (compute, collective wait, step time, memory, GPU util); Topology: latency / busbw"),
     ("a", "Ranks: aggregation level (auto, rank, replica, node)"),
     ("arrows, mouse", "Ranks: move the cell cursor (click a cell to select it)"),
     ("enter", "drill down (an aggregated cell → its ranks; a rank → its phases, collectives, memory)"),

@@ -69,7 +69,7 @@ def on_file(paths: list[str], sql: str, args: argparse.Namespace) -> int:
     import duckdb
 
     from collector.ingest.schema import SchemaError, connect
-    from collector.query import readonly
+    from collector.query import dashboard, readonly
     from collector.query.multifile import MultiFileError, connect_many
 
     for path in paths:
@@ -87,6 +87,7 @@ def on_file(paths: list[str], sql: str, args: argparse.Namespace) -> int:
         return EXIT_SQL_ERROR
     try:
         if len(paths) == 1:  # connect_many locks its own configuration
+            dashboard.install(con)  # comm_topology, hardware_risk: views defined at query time
             con.execute("SET lock_configuration = true")
         table, truncated = readonly.run_read_only(con, sql, args.max_rows, max_bytes=None)  # your own file, your memory
     except Exception as e:

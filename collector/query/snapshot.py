@@ -29,7 +29,14 @@ Sections (columns; times in ms unless a name says otherwise):
   duration_ms_p50, duration_ms_p99, algbw_gbps, busbw_gbps over the window
 - offload_rate: step, direction, bytes, gbps; offload_last: the last 10 transfers at or before the
   step: start_ns, rank, direction, what, bytes, duration_ms
-- gpus: the latest sample per (node, gpu) at or before the step's end (agent rows)
+- gpus: the latest sample per (node, gpu) at or before the step's end (agent rows): the run's own,
+  and those of any agent on the run's nodes (an agent ships under its own run id, e.g. the demo's
+  `<run>-agent`, so a replay matches its GPUs by node and time, not by run id); xids likewise
+- topology: the comm_topology view (collector/query/dashboard.py) over the collectives section's steps
+- gpu_risk: the hardware_risk view over the run's nodes' agent samples of the RISK_WINDOW_S before
+  the step's end; empty in a watcher's (live) snapshot
+- fragmentation: rank, step, frag_bytes, frag_share, measured over the window (the
+  memory_fragmentation view: reserved - allocated on GPU; NULL on CPU)
 - alerts / actions: the live engine's and controller's rows for the run where those tables exist
 - lost: GPU time lost (collector/query/lost_sql.py, the lost_time view's text) over the steps that ended in
   the LOST_WINDOW_S before the snapshot step's end (at most LOST_WINDOW_STEPS steps): a row with
@@ -44,6 +51,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from collector.query import dashboard
 from tracetop.errors import TracetopError
 
 FORMAT = "1"
@@ -57,6 +65,8 @@ DEFAULT_WINDOW_STEPS = 30
 COLLECTIVE_WINDOW_STEPS = 5
 #: Seconds of agent samples before the step's end that count as "now" for the GPU tiles.
 GPU_WINDOW_S = 10.0
+#: Agent history the GPUs screen's risk column reads before the step's end (a replay).
+RISK_WINDOW_S = 24 * 3600.0
 #: The lost-time line: step time before the step's end it covers, and at most this many steps.
 LOST_WINDOW_S = 600.0
 LOST_WINDOW_STEPS = 200
@@ -160,7 +170,8 @@ m AS (SELECT rank, arg_max(CASE WHEN allocated_bytes >= 0 THEN allocated_bytes E
              arg_max(budget_bytes, start_ns) AS budget
       FROM memory WHERE run_id = $run AND step BETWEEN $step - 1 AND $step GROUP BY rank),
 g AS (SELECT node, gpu, arg_max(util_pct, start_ns) AS util FROM gpu_sample
-      WHERE run_id = $run AND start_ns BETWEEN $t_end_ns - $gpu_window_ns AND $t_end_ns GROUP BY node, gpu),
+      WHERE (run_id = $run OR node IN (SELECT hostname FROM run_start WHERE run_id = $run))
+        AND start_ns BETWEEN $t_end_ns - $gpu_window_ns AND $t_end_ns GROUP BY node, gpu),
 rl AS (SELECT rank, node, (row_number() OVER (PARTITION BY node ORDER BY rank)) - 1 AS local_rank FROM r)
 SELECT r.rank, coalesce(r.stage, -1) AS stage,
        CAST((r.rank // greatest(r.tp, 1)) % greatest(r.dp, 1) AS INTEGER) AS replica,
@@ -248,14 +259,30 @@ SELECT node, gpu, arg_max(uuid, start_ns) AS uuid, arg_max(util_pct, start_ns) A
        arg_max(temp_c, start_ns) AS temp_c, arg_max(power_mw, start_ns) AS power_mw,
        arg_max(clock_event_reasons, start_ns) AS clock_event_reasons,
        arg_max(ecc_uncorrected, start_ns) AS ecc_uncorrected, max(start_ns) AS sampled_ns
-FROM gpu_sample WHERE run_id = $run AND start_ns BETWEEN $t_end_ns - $gpu_window_ns AND $t_end_ns
+FROM gpu_sample WHERE (run_id = $run OR node IN (SELECT hostname FROM run_start WHERE run_id = $run))
+  AND start_ns BETWEEN $t_end_ns - $gpu_window_ns AND $t_end_ns
 GROUP BY node, gpu ORDER BY node, gpu
 """
 
 _XID_SQL = """
 SELECT node, gpu, xid, description, start_ns FROM xid
-WHERE run_id = $run AND start_ns BETWEEN $t_end_ns - $gpu_window_ns AND $t_end_ns ORDER BY start_ns DESC LIMIT 50
+WHERE (run_id = $run OR node IN (SELECT hostname FROM run_start WHERE run_id = $run)) AND start_ns BETWEEN $t_end_ns - $gpu_window_ns AND $t_end_ns ORDER BY start_ns DESC LIMIT 50
 """
+
+# The comm_topology view (collector/query/dashboard.py) over the collectives section's steps.
+_TOPOLOGY_SQL = ("SELECT * FROM (" + dashboard.comm_topology_sql("run_id = $run AND step BETWEEN $coll_lo AND $step")
+                 + ') ORDER BY role, "group", op, src_node, dst_node')
+
+# The hardware_risk view over the run's nodes' last RISK_WINDOW_S of agent samples (file replays
+# only: a live watcher would re-read hours of samples per snapshot; see build()).
+_GPU_RISK_SQL = dashboard.hardware_risk_sql(
+    "$t_end_ns", "(run_id = $run OR node IN (SELECT hostname FROM run_start WHERE run_id = $run)) "
+    "AND start_ns >= $t_end_ns - $risk_window_ns")
+
+# The memory_fragmentation view over the window's steps (GPU ranks; NULL shares on CPU).
+_FRAGMENTATION_SQL = ("SELECT rank, step, frag_bytes, frag_share, measured FROM ("
+                      + dashboard.memory_fragmentation_sql("run_id = $run AND step BETWEEN $lo AND $step")
+                      + ") ORDER BY rank, step")
 
 SECTIONS: dict[str, str] = {
     "ranks": _RANKS_SQL,
@@ -267,7 +294,17 @@ SECTIONS: dict[str, str] = {
     "offload_last": _OFFLOAD_LAST_SQL,
     "gpus": _GPUS_SQL,
     "xids": _XID_SQL,
+    "topology": _TOPOLOGY_SQL,
+    "gpu_risk": _GPU_RISK_SQL,
+    "fragmentation": _FRAGMENTATION_SQL,
 }
+
+#: Sections a watcher's snapshot (a cursor: live) leaves empty, with their reason.
+REPLAY_ONLY = {"gpu_risk": "hours of agent samples per snapshot"}
+#: Sections a watcher's snapshot leaves empty above this many ranks: the topology section's window
+#: functions over every rank's collectives cost ~45 ms at 1,024 ranks and ~450 ms at 16,384 (5
+#: steps x 4 collectives a rank, against ~225 ms for the collectives section; load 7, 2 cores).
+LIVE_MAX_RANKS = {"topology": 1024}
 
 #: The live engine's / controller's tables: read when present (newest first, bounded).
 OPTIONAL_TABLES = ("alerts", "actions")
@@ -423,7 +460,7 @@ def build(
     if t_end is None:
         t_end = now_ns if now_ns is not None else time.time_ns()
     params = {"run": run_id, "step": step, "lo": lo, "t_end_ns": int(t_end),
-              "gpu_window_ns": int(GPU_WINDOW_S * 1e9)}
+              "gpu_window_ns": int(GPU_WINDOW_S * 1e9), "risk_window_ns": int(RISK_WINDOW_S * 1e9)}
     params["coll_lo"] = max(step - COLLECTIVE_WINDOW_STEPS + 1, 0)
     tables = {}
     skip = set(live.provides) if live is not None and step >= 0 else set()
@@ -439,6 +476,10 @@ def build(
                 continue
         if name == "steps" and cursor is not None:
             tables[name] = _cached_steps(con, cursor, params)
+            continue
+        if cursor is not None and (name in REPLAY_ONLY or cur.world > LIVE_MAX_RANKS.get(name, cur.world)):
+            tables[name] = con.sql(f"SELECT * FROM ({sql}) LIMIT 0",
+                                   params={k: v for k, v in params.items() if "$" + k in sql}).to_arrow_table()
             continue
         used = {k: v for k, v in params.items() if "$" + k in sql}
         tables[name] = con.sql(sql, params=used).to_arrow_table()

@@ -30,6 +30,7 @@ async def _loaded(pilot) -> None:
     ("gpus", ["6"]),
     ("alerts", ["7"]),
     ("help", ["question_mark"]),
+    ("topology", ["8"]),
 ])
 def test_screen(snap_compare, screen: str, keys: list[str]) -> None:
     async def run_before(pilot) -> None:
