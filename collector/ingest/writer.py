@@ -117,6 +117,8 @@ class FlushStats:
     duplicates: int = 0
     rows_by_kind: dict[Kind, int] = field(default_factory=dict)
     latencies_s: list[float] = field(default_factory=list)
+    #: how long the oldest batch of this commit waited in the queue (s)
+    wait_s: float = 0.0
 
 
 class Writer:
@@ -129,6 +131,7 @@ class Writer:
         flush_rows: int = 10_000,
         flush_interval_s: float = 0.5,
         max_queued_rows: int = 2_000_000,
+        max_queued_bytes: int = 256 * 2**20,
         clock_ns: Callable[[], int] = time.time_ns,
         on_flush: Callable[[FlushStats], None] | None = None,
         on_queue: Callable[[int, int], None] | None = None,
@@ -138,6 +141,9 @@ class Writer:
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
         self.max_queued_rows = max_queued_rows
+        #: the queue's bound in Arrow bytes: past it (or max_queued_rows) the gRPC edge holds the
+        #: streams (backpressure), so the queue's memory stays bounded whatever is offered
+        self.max_queued_bytes = max_queued_bytes
         self.clock_ns = clock_ns
         self.on_flush = on_flush
         self.on_queue = on_queue
@@ -149,7 +155,9 @@ class Writer:
         )
         self._items: list[QueuedBatch | Barrier] = []
         self._queued_rows = 0
+        self._queued_bytes = 0
         self._oldest_mono = 0.0
+        self._wait_s = 0.0  # the oldest item's wait, at the latest take
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="tracetop-writer", daemon=True)
@@ -174,8 +182,12 @@ class Writer:
     def queued_rows(self) -> int:
         return self._queued_rows
 
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
     def full(self) -> bool:
-        return self._queued_rows >= self.max_queued_rows
+        return self._queued_rows >= self.max_queued_rows or self._queued_bytes >= self.max_queued_bytes
 
     def submit(self, item: QueuedBatch | Barrier) -> bool:
         """Queue an item; False once the writer is closing (the item is not taken)."""
@@ -187,11 +199,12 @@ class Writer:
             self._items.append(item)
             if isinstance(item, QueuedBatch):
                 self._queued_rows += item.batch.n
+                self._queued_bytes += item.table.nbytes
             if len(self._items) == 1 or self._queued_rows >= self.flush_rows or isinstance(item, Barrier):
                 self._cond.notify()
-            depth, rows = len(self._items), self._queued_rows
+            depth, rows, nbytes = len(self._items), self._queued_rows, self._queued_bytes
         if self.on_queue:
-            self.on_queue(depth, rows)
+            self.on_queue(depth, rows, nbytes)
         return True
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -226,9 +239,10 @@ class Writer:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            items, self._items, self._queued_rows = self._items, [], 0
+            self._wait_s = time.monotonic() - self._oldest_mono
+            items, self._items, self._queued_rows, self._queued_bytes = self._items, [], 0, 0
         if self.on_queue:
-            self.on_queue(0, 0)
+            self.on_queue(0, 0, 0)
         return items
 
     def _run(self) -> None:
@@ -245,7 +259,7 @@ class Writer:
     def flush(self, items: list[QueuedBatch | Barrier]) -> FlushStats:
         """Commit `items` in one transaction, then deliver acks and barriers. Called by the
         writer thread (and directly by tests of the pure ordering logic)."""
-        stats = FlushStats()
+        stats = FlushStats(wait_s=self._wait_s)
         hwm = dict(self.hwm)
         accepted: list[QueuedBatch] = []
         acks: dict[StreamReplies, dict[str, tuple[str, int]]] = defaultdict(dict)
