@@ -124,7 +124,12 @@ class AlertBook:
         alerts of the run that this evaluation attached to an incident)."""
         changed: list[Alert] = []
         seen = set()
+        # a judgment that is not breached matters only to a track of its own: with none of this
+        # rule and run (the usual case), skip building its key (16,384 a step at 16,384 ranks)
+        tracked = any(k[0] == rule.name and k[1] == run_id for k in self.tracks)
         for o in obs:
+            if not o.breached and not tracked:
+                continue
             labels = {**o.labels, **rule.labels}
             key = (rule.name, run_id, tuple(sorted(labels.items())))
             seen.add(key)
@@ -135,7 +140,7 @@ class AlertBook:
                               step if not time_based else -1, step if not time_based else -1, now_ns, now_ns, o.value,
                               rule.threshold, "", kind=rule.alert_kind)
                     t = self.tracks[key] = _Track(a, rule=rule)
-                    fresh = True
+                    tracked = fresh = True
                 else:
                     fresh = False
                 t.count += 1
