@@ -156,6 +156,7 @@ class Writer:
         self._items: list[QueuedBatch | Barrier] = []
         self._queued_rows = 0
         self._queued_bytes = 0
+        self.peak_queued_bytes = 0  # the most the queue held (Arrow bytes)
         self._oldest_mono = 0.0
         self._wait_s = 0.0  # the oldest item's wait, at the latest take
         self._cond = threading.Condition()
@@ -200,6 +201,7 @@ class Writer:
             if isinstance(item, QueuedBatch):
                 self._queued_rows += item.batch.n
                 self._queued_bytes += item.table.nbytes
+                self.peak_queued_bytes = max(self.peak_queued_bytes, self._queued_bytes)
             if len(self._items) == 1 or self._queued_rows >= self.flush_rows or isinstance(item, Barrier):
                 self._cond.notify()
             depth, rows, nbytes = len(self._items), self._queued_rows, self._queued_bytes
