@@ -11,7 +11,12 @@ Once `rollup.ROLL_EVERY_ROWS` step or collective rows are past their rollup's wa
 thread (`tracetop-rollup`, its own cursor and transactions) rolls them up for the views
 (collector/ingest/rollup.py), so commits never wait for it; the writer rolls up the rest when it closes.
 The same thread materializes the per-step views (collector/ingest/matviews.py) once ROLL_EVERY_ROWS rows of
-their inputs are past their watermarks, and everything pending at close.
+their inputs are past their watermarks, and everything pending at close. It rolls when the writer has
+no backlog (less than a commit's worth queued), waiting ROLL_DEFER_S at most, so a burst commits first.
+
+Bounded: the queue holds at most `max_queued_rows` rows and `max_queued_bytes` Arrow bytes (and one
+batch): past them `full()` is true and the gRPC edge holds the streams (backpressure, counted in the
+collector's metrics as "behind"); the shippers then keep, spool or drop and count (gap rows).
 
 Exactly once: a batch with seq <= its source's high-water mark (committed, or accepted earlier in
 the same group) is a duplicate: acked, not stored. Seqs may skip; hwm becomes the batch's seq.
@@ -38,6 +43,9 @@ from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import DecodedBatch
 
 log = logging.getLogger("tracetop.collector")
+
+#: the roll thread waits this long at most for the writer to have no backlog
+ROLL_DEFER_S = 5.0
 
 
 def batch_to_arrow(batch: DecodedBatch) -> pa.Table:
@@ -323,6 +331,11 @@ class Writer:
             while True:
                 self._roll_wanted.wait()
                 self._roll_wanted.clear()
+                # roll when the writer has no backlog (a commit's worth queued), for at most
+                # ROLL_DEFER_S: a burst commits first; the views read the tail meanwhile (exact)
+                deadline = time.monotonic() + ROLL_DEFER_S
+                while self._queued_rows >= self.flush_rows and not self._roll_stop and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 if self._roll_stop:
                     return
                 self._roll_up(self._roll_cursor, rollup.ROLL_EVERY_ROWS)
