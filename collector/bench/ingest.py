@@ -213,6 +213,8 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
         "sources_cpu_pct": round(100 * sum(r["cpu_s"] for r in results) / (wall1 - wall0), 1),
         "file_mb": round(file_mb, 1),
         "file_gb_per_hour": round(file_mb / 1024 * 3600 / duration_s, 2),
+        # the closed file's bytes over the rank-steps simulated (every kind, views and rollups included)
+        "bytes_per_rank_step": round(db.stat().st_size / (ranks * max(1.0, duration_s / step_s)), 1),
         "wall_s": round(wall1 - wall0, 2),
     }
 
