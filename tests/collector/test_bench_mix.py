@@ -47,7 +47,7 @@ def test_ab_runs_both_settings_interleaved_and_reports_medians(tmp_path) -> None
     for fig in ("events_per_s", "p99_ms", "collector_cpu_pct", "collector_peak_rss_mb"):
         for side in "AB":
             xs = [x[fig] for x in runs if x["side"] == side]
-            assert out[fig][side]["median"] == pytest.approx(sum(xs) / 2, rel=1e-3)
+            assert out[fig][side]["median"] == pytest.approx(sum(xs) / 2, rel=1e-3, abs=0.06)  # to 0.1
             assert (out[fig][side]["min"], out[fig][side]["max"]) == (min(xs), max(xs))
     assert out["ab"] == "--no-rules TRACETOP_AB_PROBE=1" and len(out["load_1m"]) == 4
 
