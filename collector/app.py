@@ -68,8 +68,11 @@ class CollectorConfig:
     #: TLS and bearer tokens (tracetop.wire.auth.ServerAuth), checked on every RPC and on /metrics;
     #: None: open, so only loopback and unix-socket addresses are accepted
     auth: ServerAuth | None = None
-    #: cap DuckDB's memory for the file (ingest and queries together); None: DuckDB's default
+    #: cap DuckDB's memory for the file (ingest and queries together); None: from memory_cap_mb
     memory_limit_mb: int | None = None
+    #: the collector's memory budget (`memory_budget`): DuckDB's limit (unless memory_limit_mb), the
+    #: writer's queue and the live inbox are sized from it; None: sized to the machine
+    memory_cap_mb: int | None = None
     #: the live judgments' rules (collector.live.rules.Rule); None: no live engine
     rules: Sequence | None = None
     #: the price of lost GPU time (collector.live.lost.CostSettings); None: the engine's default
@@ -86,6 +89,36 @@ class CollectorConfig:
     unclosed_after_s: float | None = None
     #: while a Watch stream shows a run, Push replies ask its shippers to ship this often; 0: never
     fresh_ship_s: float = 1.0
+
+
+def machine_cap_mb() -> int:
+    """The default memory budget: 1/8 of the machine's RAM, at most 1024 MB, at least 256."""
+    import os
+
+    try:
+        ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
+    except (ValueError, OSError):
+        return 1024
+    return int(max(256, min(1024, ram_mb // 8)))
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """How the collector's memory budget is spent. What grows with load is bounded by these; past
+    them the gRPC edge holds the streams (backpressure) and shippers keep, spool or drop and count.
+    The rest (interpreter, libraries, the live state of the window's steps) is outside them."""
+
+    cap_mb: int
+    duckdb_mb: int        # DuckDB's memory_limit (buffer pool, rolls, queries; it spills past it)
+    queue_bytes: int      # the writer's queue (Arrow bytes of batches waiting for their commit)
+    inbox_rows: int       # the live engine's inbox (committed batches waiting for judgment)
+
+
+def memory_budget(config: CollectorConfig) -> MemoryBudget:
+    cap = config.memory_cap_mb or machine_cap_mb()
+    duckdb_mb = config.memory_limit_mb or max(128, cap * 3 // 8)
+    # ~100 B a row in the inbox (decoded columns); an eighth of the cap each
+    return MemoryBudget(cap, duckdb_mb, cap * 2**20 // 8, max(100_000, cap * 2**20 // 8 // 100))
 
 
 @dataclass
@@ -181,7 +214,8 @@ async def start(
                         token_in_clear=auth.token_required and auth.tls_cert is None)
     if bind.startswith("unix:"):
         clear_stale_socket(unix_path(bind))
-    con = open_store(db_path, memory_limit_mb=config.memory_limit_mb)
+    budget = memory_budget(config)
+    con = open_store(db_path, memory_limit_mb=budget.duckdb_mb)
     metrics = CollectorMetrics()
     exports = exports if exports is not None else Exports()
     live = None
@@ -189,7 +223,8 @@ async def start(
         from collector.live.engine import LiveEngine
 
         live = LiveEngine(config.rules, con=con.cursor(), sinks=[*alert_sinks, exports], baseline=config.baseline,
-                          window=config.live_window_steps, cost=config.cost)  # type: ignore[arg-type]
+                          window=config.live_window_steps, cost=config.cost,  # type: ignore[arg-type]
+                          max_inbox_rows=budget.inbox_rows)
         # silence and hang checks compare heartbeat times with the collector's clock: put them on it
         # (a rank's clock 40 s off, or stepped back, raised false silent alerts: live/state.py)
         live.ev.state.receive_clock = True
@@ -201,6 +236,7 @@ async def start(
         con,
         flush_rows=config.flush_rows,
         flush_interval_s=config.flush_interval_s,
+        max_queued_bytes=budget.queue_bytes,
         on_flush=metrics.on_flush,
         on_queue=metrics.on_queue,
         on_commit=live.on_commit if live is not None else None,

@@ -45,8 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the most MiB of results one query through the collector builds; past it the query "
                         "is refused (RESOURCE_EXHAUSTED) (default 64)")
     parser.add_argument("--memory-limit-mb", type=int, default=None,
-                        help="cap DuckDB's memory for the file (ingest and queries together; default DuckDB's, "
-                        "80%% of RAM); a query needing more is refused, the collector lives on")
+                        help="cap DuckDB's memory for the file (ingest and queries together; default 3/8 of "
+                        "--memory-cap-mb); a query needing more is refused, the collector lives on")
+    parser.add_argument("--memory-cap-mb", type=int, default=None, help="the collector's memory budget: DuckDB's limit "
+                        "(unless --memory-limit-mb), the writer's queue and the live inbox are sized from it; past "
+                        "them shippers are held (backpressure) (default: 1/8 of RAM, at most 1024)")
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
     parser.add_argument("--flush-interval-s", type=float, default=0.5,
                         help="...or once the oldest waited this long (default 0.5)")
@@ -174,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
         max_query_rows=args.max_query_rows,
         max_query_bytes=int(args.max_query_mb * 2**20),
         memory_limit_mb=args.memory_limit_mb,
+        memory_cap_mb=args.memory_cap_mb,
         flush_rows=args.flush_rows,
         flush_interval_s=args.flush_interval_s,
         rules=rules,

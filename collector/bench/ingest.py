@@ -6,12 +6,20 @@ Figures, all from one run:
                          upper bound for the batch's other rows), weighted by rows
   collector_cpu_pct      collector CPU time / wall time over the run (100 = one core)
   collector_peak_rss_mb  the collector's VmHWM
+
+`--ab 'SETTING'`: interleaved runs of the collector as it is (A) and with SETTING (B: collector flags,
+and NAME=VALUE words set in the collector's environment), `--runs` of each, A B A B ...; each run's
+figures with the load average, then per figure the median and spread (min..max) of each side and
+B's median over A's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mix.add_argument("--ranks", type=int, default=16384, help="simulated ranks (default 16384)")
     mix.add_argument("--step-s", type=float, default=1.0, help="the simulated training step time (default 1 s)")
     mix.add_argument("--duration-s", type=float, default=300.0, help="how long the ranks ship (default 300)")
+    ab = parser.add_argument_group("A/B (interleaved runs of two collector settings)")
+    ab.add_argument("--ab", metavar="SETTING", default=None,
+                    help="B's setting: collector flags and NAME=VALUE environment words, e.g. '--no-rules' or "
+                    "'TRACETOP_ROLL=off'; A is the collector as it is")
+    ab.add_argument("--runs", type=int, default=5, help="runs of each side with --ab (default 5)")
 
 
 def _free_port() -> int:
@@ -123,7 +136,7 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
 
 
 def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workdir: Path,
-               listen: str | None = None) -> dict:
+               listen: str | None = None, collector_args: tuple[str, ...] = ()) -> dict:
     """The realistic mix of `ranks` ranks for `duration_s`: what one collector stores, at what delay,
     CPU and memory, and how fast its file grows. Offered vs stored says whether it keeps up."""
     import psutil
@@ -139,8 +152,9 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
     )
 
     db = workdir / "mix.duckdb"
+    db.unlink(missing_ok=True)
     listen = listen or f"127.0.0.1:{_free_port()}"
-    collector = CollectorProcess(db, listen)
+    collector = CollectorProcess(db, listen, extra_args=tuple(collector_args))
     collector.start()
     assert collector.proc is not None
     ps = psutil.Process(collector.proc.pid)
@@ -156,9 +170,18 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
     cpu1, wall1 = ps.cpu_times(), time.monotonic()
     peak_rss = _peak_rss_mb(collector.proc.pid)
     collector.stop()
-    n, p50, p99, t_first, t_last = _commit_delays(db)
+    n, p50, p99, t_first, t_last = _commit_delays(db, "WHERE kind <> 'gap'")
     sent = sum(r["sent"] for r in results)
     stored = int(n.sum())
+    dropped = sum(int(r.get("rows_dropped", 0)) for r in results)
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:  # what the shippers could not hand over, as the file records it (gap rows)
+        gap_dropped = int(con.execute("SELECT coalesce(sum(dropped), 0) FROM gap WHERE kind <> 'gap'").fetchone()[0])
+    finally:
+        con.close()
+    log_text = collector.log_path.read_text(errors="replace") if collector.log_path.exists() else ""
     per_step = sum(MIX_PER_RANK_STEP.values())
     offered = ranks * (per_step / step_s + MIX_GPU_HZ_PER_8_RANKS / 8 + 1 / MIX_HEARTBEAT_S)
     file_mb = db.stat().st_size / 2**20
@@ -175,6 +198,12 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
         "events_per_s": round(stored / ((t_last - t_first) / 1e9), 1),
         # kept up: everything stored, at the offered rate (a collector that falls behind stretches the window)
         "kept_up": bool(stored == sent and stored / ((t_last - t_first) / 1e9) >= 0.95 * offered),
+        # under overload: what the shippers dropped (counted, and recorded as gap rows), and whether
+        # every row sent is stored or counted
+        "shipper_rows_dropped": dropped,
+        "gap_rows_dropped": gap_dropped,
+        "accounted": bool(stored + dropped == sent),
+        "collector_said_behind": log_text.count("collector: behind"),
         "sources_late_steps": int(sum(r["late_steps"] for r in results)),
         "sources_max_lag_s": max(r["max_lag_s"] for r in results),
         "p50_ms": round(p50, 1),
@@ -184,11 +213,77 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
         "sources_cpu_pct": round(100 * sum(r["cpu_s"] for r in results) / (wall1 - wall0), 1),
         "file_mb": round(file_mb, 1),
         "file_gb_per_hour": round(file_mb / 1024 * 3600 / duration_s, 2),
+        # the closed file's bytes over the rank-steps simulated (every kind, views and rollups included)
+        "bytes_per_rank_step": round(db.stat().st_size / (ranks * max(1.0, duration_s / step_s)), 1),
         "wall_s": round(wall1 - wall0, 2),
     }
 
 
+def _split_setting(setting: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    """'--flag 1 NAME=VALUE' -> (collector flags, environment)."""
+    flags, env = [], {}
+    for word in shlex.split(setting):
+        name, eq, value = word.partition("=")
+        if eq and not word.startswith("-") and name.isidentifier():
+            env[name] = value
+        else:
+            flags.append(word)
+    return tuple(flags), env
+
+
+def _one(args: argparse.Namespace, workdir: Path, flags: tuple[str, ...], env: dict[str, str]) -> dict:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the collector process inherits it
+    try:
+        if args.mix == "realistic":
+            return ingest_mix(args.ranks, args.step_s, args.duration_s, args.sources, workdir, args.listen, flags)
+        return ingest(args.sources, args.events, workdir, args.listen, flags)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+#: the figures an A/B compares (those a run has)
+AB_FIGURES = ("events_per_s", "p50_ms", "p99_ms", "collector_cpu_pct", "collector_peak_rss_mb", "file_mb")
+
+
+def ab(args: argparse.Namespace) -> dict:
+    """Interleaved A B A B ... runs; medians and spread per side."""
+    b_flags, b_env = _split_setting(args.ab)
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="tracetop-ab-", dir=args.dir) as d:
+        for i in range(args.runs):
+            for side, flags, env in (("A", (), {}), ("B", b_flags, b_env)):
+                load = os.getloadavg()[0]
+                r = _one(args, Path(d), flags, env)
+                r.update(side=side, run=i, load_1m=round(load, 2), load_1m_after=round(os.getloadavg()[0], 2))
+                runs.append(r)
+                print(json.dumps(r), file=sys.stderr, flush=True)
+    out: dict = {"ab": args.ab, "runs_each": args.runs, "mix": args.mix}
+    for fig in AB_FIGURES:
+        per = {side: [r[fig] for r in runs if r["side"] == side and fig in r] for side in "AB"}
+        if not per["A"] or not per["B"]:
+            continue
+        med = {side: statistics.median(xs) for side, xs in per.items()}
+        out[fig] = {side: {"median": round(med[side], 1), "min": min(xs), "max": max(xs)} for side, xs in per.items()}
+        out[fig]["b_over_a"] = round(med["B"] / med["A"], 3) if med["A"] else None
+    if args.mix == "realistic":
+        out["kept_up"] = {side: sum(r["kept_up"] for r in runs if r["side"] == side) for side in "AB"}
+    out["load_1m"] = [r["load_1m"] for r in runs]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.ab is not None:
+        if args.runs < 1:
+            print("tracetop bench ingest: --runs must be at least 1", file=sys.stderr)
+            return 2
+        result = ab(args)
+        print(json.dumps(result) if args.json else "\n".join(f"{k:>22}: {v}" for k, v in result.items()))
+        return 0
     if args.mix == "realistic":
         for flag, value in (("--ranks", args.ranks), ("--step-s", args.step_s), ("--duration-s", args.duration_s)):
             if value <= 0:
@@ -197,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="tracetop-mix-", dir=args.dir) as d:
             result = ingest_mix(args.ranks, args.step_s, args.duration_s, args.sources, Path(d), args.listen)
         print(json.dumps(result) if args.json else "\n".join(f"{k:>24}: {v}" for k, v in result.items()))
-        return 0 if result["stored"] == result["sent"] else 1
+        return 0 if result["accounted"] else 1
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
         result = ingest(args.sources, args.events, args.dir, args.listen)

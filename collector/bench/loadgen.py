@@ -248,6 +248,10 @@ def run_mix_source(endpoint: str, run_id: str, source: int, first_rank: int, ran
     gpus = max(1, ranks // 8)
     gpu_t = _mix_template(Kind.GPU_SAMPLE, first_rank, gpus, 1)
     hb_t = _mix_template(Kind.HEARTBEAT, first_rank, ranks, 1)
+    # healthy ranks between collectives (the template's made-up op names "entered" in 1970 made every
+    # rank stuck, and the live engine judged 16,384 hangs a tick: an alert storm, not the usual load)
+    hb_t.update(phase=(np.zeros(ranks, "<i4"), ["forward"]), pending_op=(np.zeros(ranks, "<i4"), [""]),
+                pending_role=(np.zeros(ranks, "<i4"), [""]), pending_since_ns=np.full(ranks, -1, "<i8"))
     if start_file:
         Path(f"{start_file}.ready.{source}").touch()
         while not os.path.exists(start_file):

@@ -94,8 +94,10 @@ def step_ranks_sql(keys: str | None = None, lo: int | None = None, hi: int | Non
         LEFT JOIN i ON i.run_id = s.run_id AND i.step = s.step AND i.rank = s.rank"""
 
 
-def stragglers_sql(sr: str = "step_ranks") -> str:
-    """_v5's stragglers SELECT over the step_ranks relation `sr`."""
+def stragglers_lists_sql(sr: str = "step_ranks") -> str:
+    """_v5's stragglers SELECT over the step_ranks relation `sr`, as _v5 wrote it: each row carries its
+    stage's sorted values as a list, so a stage of n ranks costs n^2 (at 16,384 ranks in one stage,
+    2 GB and 129 s per step). Kept as the reference `stragglers_sql` must equal (tests)."""
     return f"""WITH g AS (
             SELECT run_id, step, stage, rank, compute_ms, wait_ms,
                    count(*) OVER w AS stage_ranks,
@@ -115,6 +117,53 @@ def stragglers_sql(sr: str = "step_ranks") -> str:
                    CASE WHEN stage_ranks > 1 THEN (wl[ia + CAST(ia >= pw AS INTEGER) + 1]
                                                    + wl[ib + CAST(ib >= pw AS INTEGER) + 1]) / 2 END AS others_wait_ms
             FROM m
+        )
+        SELECT run_id, step, stage, rank, stage_ranks, compute_ms, wait_ms, others_compute_ms, others_wait_ms,
+               compute_ms / others_compute_ms AS compute_ratio, compute_ms - others_compute_ms AS excess_ms,
+               z_compute, z_wait,
+               coalesce(compute_ms - others_compute_ms > 50 AND compute_ms / others_compute_ms > 1.5
+                        AND wait_ms < others_wait_ms AND (stage_ranks < 5 OR z_compute > 3.5), false) AS is_straggler
+        FROM (SELECT *,
+                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madc > 0 THEN (compute_ms - mc) / (1.4826 * madc)
+                          WHEN compute_ms > mc THEN 'infinity'::DOUBLE WHEN compute_ms < mc THEN '-infinity'::DOUBLE
+                          ELSE 0 END AS z_compute,
+                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madw > 0 THEN (wait_ms - mw) / (1.4826 * madw)
+                          WHEN wait_ms > mw THEN 'infinity'::DOUBLE WHEN wait_ms < mw THEN '-infinity'::DOUBLE
+                          ELSE 0 END AS z_wait
+              FROM o)"""
+
+
+def stragglers_sql(sr: str = "step_ranks") -> str:
+    """The stragglers SELECT over the step_ranks relation `sr` (_v13): `stragglers_lists_sql`'s rows,
+    exactly, in time and memory linear in the ranks. "Others" is the median of the stage without
+    this rank: the values at sorted positions ia and ib of the stage less this rank (at position pc),
+    which are the stage's sorted values at ia or ia + 1 and ib or ib + 1; those four values per
+    stage are window aggregates, not a list per row."""
+    def at(v: str, pos: str) -> str:
+        return ", ".join(f"any_value({v}) FILTER (WHERE {pos} = {j}) OVER w AS {v}_{n}"
+                         for n, j in (("a0", "ia"), ("a1", "ia + 1"), ("b0", "ib"), ("b1", "ib + 1")))
+
+    def others(v: str, pos: str) -> str:
+        return (f"CASE WHEN stage_ranks > 1 THEN ((CASE WHEN ia >= {pos} THEN {v}_a1 ELSE {v}_a0 END) "
+                f"+ (CASE WHEN ib >= {pos} THEN {v}_b1 ELSE {v}_b0 END)) / 2 END")
+
+    return f"""WITH g AS (
+            SELECT run_id, step, stage, rank, compute_ms, wait_ms,
+                   count(*) OVER w AS stage_ranks,
+                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY compute_ms) - 1 AS pc,
+                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY wait_ms) - 1 AS pw,
+                   median(compute_ms) OVER w AS mc, median(wait_ms) OVER w AS mw
+            FROM {sr} WINDOW w AS (PARTITION BY run_id, step, stage)
+        ), m AS (
+            SELECT *, median(abs(compute_ms - mc)) OVER w AS madc, median(abs(wait_ms - mw)) OVER w AS madw,
+                   (stage_ranks - 2) // 2 AS ia, (stage_ranks - 1) // 2 AS ib
+            FROM g WINDOW w AS (PARTITION BY run_id, step, stage)
+        ), k AS (
+            SELECT *, {at('compute_ms', 'pc')}, {at('wait_ms', 'pw')}
+            FROM m WINDOW w AS (PARTITION BY run_id, step, stage)
+        ), o AS (
+            SELECT *, {others('compute_ms', 'pc')} AS others_compute_ms, {others('wait_ms', 'pw')} AS others_wait_ms
+            FROM k
         )
         SELECT run_id, step, stage, rank, stage_ranks, compute_ms, wait_ms, others_compute_ms, others_wait_ms,
                compute_ms / others_compute_ms AS compute_ratio, compute_ms - others_compute_ms AS excess_ms,

@@ -483,10 +483,18 @@ def _v12() -> list[str]:
     ]
 
 
+def _v13() -> list[str]:
+    """stragglers' live part in linear time and memory (matviews.stragglers_sql; its rows unchanged):
+    the _v5 SQL held each stage's sorted values as a list per row, n^2 at n ranks a stage."""
+    from collector.ingest import matviews
+
+    return [matviews.view_sql("stragglers")]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12, _v13]
 STORE_VERSION = len(MIGRATIONS)
 
 

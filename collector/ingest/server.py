@@ -211,9 +211,20 @@ class CollectorService:
             return False
         self.metrics.received.labels(table_name(batch.kind)).inc(batch.n)
         table = batch_to_arrow(batch)
-        while self.writer.full() and not self.closing:
-            await asyncio.sleep(0.005)  # backpressure: gRPC flow control holds the shipper
+        if self.writer.full():
+            await self._held()
         return self.writer.submit(QueuedBatch(replies, batch, table))
+
+    async def _held(self) -> None:
+        """Backpressure: the writer's queue is full, so this stream waits (gRPC flow control then
+        holds its shipper, which keeps, spools or drops and counts). The collector says it is behind."""
+        t0 = time.monotonic()
+        self.metrics.hold(+1)
+        try:
+            while self.writer.full() and not self.closing:
+                await asyncio.sleep(0.005)
+        finally:
+            self.metrics.hold(-1, time.monotonic() - t0)
 
     async def _read(self, request_iterator, replies: _AioReplies) -> None:
         try:

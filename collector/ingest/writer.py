@@ -11,7 +11,12 @@ Once `rollup.ROLL_EVERY_ROWS` step or collective rows are past their rollup's wa
 thread (`tracetop-rollup`, its own cursor and transactions) rolls them up for the views
 (collector/ingest/rollup.py), so commits never wait for it; the writer rolls up the rest when it closes.
 The same thread materializes the per-step views (collector/ingest/matviews.py) once ROLL_EVERY_ROWS rows of
-their inputs are past their watermarks, and everything pending at close.
+their inputs are past their watermarks, and everything pending at close. It rolls when the writer has
+no backlog (less than a commit's worth queued), waiting ROLL_DEFER_S at most, so a burst commits first.
+
+Bounded: the queue holds at most `max_queued_rows` rows and `max_queued_bytes` Arrow bytes (and one
+batch): past them `full()` is true and the gRPC edge holds the streams (backpressure, counted in the
+collector's metrics as "behind"); the shippers then keep, spool or drop and count (gap rows).
 
 Exactly once: a batch with seq <= its source's high-water mark (committed, or accepted earlier in
 the same group) is a duplicate: acked, not stored. Seqs may skip; hwm becomes the batch's seq.
@@ -38,6 +43,9 @@ from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import DecodedBatch
 
 log = logging.getLogger("tracetop.collector")
+
+#: the roll thread waits this long at most for the writer to have no backlog
+ROLL_DEFER_S = 5.0
 
 
 def batch_to_arrow(batch: DecodedBatch) -> pa.Table:
@@ -117,6 +125,8 @@ class FlushStats:
     duplicates: int = 0
     rows_by_kind: dict[Kind, int] = field(default_factory=dict)
     latencies_s: list[float] = field(default_factory=list)
+    #: how long the oldest batch of this commit waited in the queue (s)
+    wait_s: float = 0.0
 
 
 class Writer:
@@ -129,6 +139,7 @@ class Writer:
         flush_rows: int = 10_000,
         flush_interval_s: float = 0.5,
         max_queued_rows: int = 2_000_000,
+        max_queued_bytes: int = 256 * 2**20,
         clock_ns: Callable[[], int] = time.time_ns,
         on_flush: Callable[[FlushStats], None] | None = None,
         on_queue: Callable[[int, int], None] | None = None,
@@ -138,6 +149,9 @@ class Writer:
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
         self.max_queued_rows = max_queued_rows
+        #: the queue's bound in Arrow bytes: past it (or max_queued_rows) the gRPC edge holds the
+        #: streams (backpressure), so the queue's memory stays bounded whatever is offered
+        self.max_queued_bytes = max_queued_bytes
         self.clock_ns = clock_ns
         self.on_flush = on_flush
         self.on_queue = on_queue
@@ -149,7 +163,10 @@ class Writer:
         )
         self._items: list[QueuedBatch | Barrier] = []
         self._queued_rows = 0
+        self._queued_bytes = 0
+        self.peak_queued_bytes = 0  # the most the queue held (Arrow bytes)
         self._oldest_mono = 0.0
+        self._wait_s = 0.0  # the oldest item's wait, at the latest take
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="tracetop-writer", daemon=True)
@@ -174,8 +191,12 @@ class Writer:
     def queued_rows(self) -> int:
         return self._queued_rows
 
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
     def full(self) -> bool:
-        return self._queued_rows >= self.max_queued_rows
+        return self._queued_rows >= self.max_queued_rows or self._queued_bytes >= self.max_queued_bytes
 
     def submit(self, item: QueuedBatch | Barrier) -> bool:
         """Queue an item; False once the writer is closing (the item is not taken)."""
@@ -187,11 +208,13 @@ class Writer:
             self._items.append(item)
             if isinstance(item, QueuedBatch):
                 self._queued_rows += item.batch.n
+                self._queued_bytes += item.table.nbytes
+                self.peak_queued_bytes = max(self.peak_queued_bytes, self._queued_bytes)
             if len(self._items) == 1 or self._queued_rows >= self.flush_rows or isinstance(item, Barrier):
                 self._cond.notify()
-            depth, rows = len(self._items), self._queued_rows
+            depth, rows, nbytes = len(self._items), self._queued_rows, self._queued_bytes
         if self.on_queue:
-            self.on_queue(depth, rows)
+            self.on_queue(depth, rows, nbytes)
         return True
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -226,9 +249,10 @@ class Writer:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            items, self._items, self._queued_rows = self._items, [], 0
+            self._wait_s = time.monotonic() - self._oldest_mono
+            items, self._items, self._queued_rows, self._queued_bytes = self._items, [], 0, 0
         if self.on_queue:
-            self.on_queue(0, 0)
+            self.on_queue(0, 0, 0)
         return items
 
     def _run(self) -> None:
@@ -245,7 +269,7 @@ class Writer:
     def flush(self, items: list[QueuedBatch | Barrier]) -> FlushStats:
         """Commit `items` in one transaction, then deliver acks and barriers. Called by the
         writer thread (and directly by tests of the pure ordering logic)."""
-        stats = FlushStats()
+        stats = FlushStats(wait_s=self._wait_s)
         hwm = dict(self.hwm)
         accepted: list[QueuedBatch] = []
         acks: dict[StreamReplies, dict[str, tuple[str, int]]] = defaultdict(dict)
@@ -307,6 +331,11 @@ class Writer:
             while True:
                 self._roll_wanted.wait()
                 self._roll_wanted.clear()
+                # roll when the writer has no backlog (a commit's worth queued), for at most
+                # ROLL_DEFER_S: a burst commits first; the views read the tail meanwhile (exact)
+                deadline = time.monotonic() + ROLL_DEFER_S
+                while self._queued_rows >= self.flush_rows and not self._roll_stop and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 if self._roll_stop:
                     return
                 self._roll_up(self._roll_cursor, rollup.ROLL_EVERY_ROWS)

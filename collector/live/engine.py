@@ -20,6 +20,7 @@ writer's), and every state change is handed to the sinks.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
 import logging
@@ -63,6 +64,16 @@ class _Track:
     rule: Rule | None = None
     base: str = ""          # the judge's latest message ({steps} filled), before the book's words
     note: str = ""          # for a consequence: whose incident it belongs to
+    #: (the alert it was computed for, whether that alert opened an incident): Alert.id builds a
+    #: string, and the incident checks ask it of every track of a run per alert that fires
+    cause_of: tuple = (None, False)
+
+    def is_cause(self) -> bool:
+        """Whether this track's alert is an incident's cause (its incident_id is its own id)."""
+        a = self.alert
+        if self.cause_of[0] is not a:
+            self.cause_of = (a, bool(a.incident_id) and a.incident_id == a.id)
+        return self.cause_of[1]
 
 
 #: Faults that hold every other rank up, so that the SLA breaches of the same steps (grad-sync,
@@ -113,7 +124,12 @@ class AlertBook:
         alerts of the run that this evaluation attached to an incident)."""
         changed: list[Alert] = []
         seen = set()
+        # a judgment that is not breached matters only to a track of its own: with none of this
+        # rule and run (the usual case), skip building its key (16,384 a step at 16,384 ranks)
+        tracked = any(k[0] == rule.name and k[1] == run_id for k in self.tracks)
         for o in obs:
+            if not o.breached and not tracked:
+                continue
             labels = {**o.labels, **rule.labels}
             key = (rule.name, run_id, tuple(sorted(labels.items())))
             seen.add(key)
@@ -124,7 +140,7 @@ class AlertBook:
                               step if not time_based else -1, step if not time_based else -1, now_ns, now_ns, o.value,
                               rule.threshold, "", kind=rule.alert_kind)
                     t = self.tracks[key] = _Track(a, rule=rule)
-                    fresh = True
+                    tracked = fresh = True
                 else:
                     fresh = False
                 t.count += 1
@@ -155,20 +171,30 @@ class AlertBook:
         if not fired:
             return changed
         opened: list[_Track] = []
+        # the run's open incidents, earliest fired first (ties: the book's order), found once: a step
+        # that fires on every one of 16,384 ranks asked each of them of every track (n^2)
+        book = list(self.tracks.items())
+        causes = [(c.alert.fired_ns, i, c) for i, (k, c) in enumerate(book)
+                  if k[1] == run_id and c.alert.state == FIRING and c.is_cause()]
+        causes.sort(key=lambda x: x[:2])
+        order = {id(c): i for i, (_, c) in enumerate(book)}
         for a in fired:
             t = self.tracks.get(a.key)
             if t is None or t.alert.incident_id:
                 continue
-            cause = self._cause_for(t, run_id)
+            cause = next((c for _, _, c in causes if c is not t and _explains(c, t)), None)
             if cause is not None:
                 self._attach(t, cause)
             elif t.alert.kind != "sla":
                 t.alert = replace(t.alert, incident_id=t.alert.id)
                 opened.append(t)
+                if t.alert.state == FIRING:
+                    bisect.insort(causes, (t.alert.fired_ns, order[id(t)], t), key=lambda x: x[:2])
         extra: list[Alert] = []
-        for c in opened:
-            for t in self._run_tracks(run_id):
-                if t is not c and t.alert.state == FIRING and not t.alert.incident_id and _explains(c, t):
+        alone = [t for t in self._run_tracks(run_id) if t.alert.state == FIRING and not t.alert.incident_id]
+        for c in opened if alone else ():
+            for t in alone:
+                if t is not c and not t.alert.incident_id and _explains(c, t):
                     self._attach(t, c)
                     extra.append(t.alert)
         out = [self.tracks[a.key].alert if a.state == FIRING and a.key in self.tracks else a for a in changed]
@@ -176,15 +202,6 @@ class AlertBook:
 
     def _run_tracks(self, run_id: str) -> list[_Track]:
         return [t for k, t in self.tracks.items() if k[1] == run_id]
-
-    def _cause_for(self, t: _Track, run_id: str) -> _Track | None:
-        """The open incident (its cause alert, firing) that explains t's alert, the earliest fired."""
-        open_ = [c for c in self._run_tracks(run_id) if c is not t and c.alert.state == FIRING
-                 and c.alert.incident_id and c.alert.incident_id == c.alert.id]
-        for c in sorted(open_, key=lambda c: c.alert.fired_ns):
-            if _explains(c, t):
-                return c
-        return None
 
     @staticmethod
     def _attach(t: _Track, c: _Track) -> None:
@@ -293,6 +310,28 @@ def alert_row(a: Alert) -> tuple:
 ALERT_COLUMNS = ("id", "rule", "signal", "severity", "state", "run_id", "scope", "rank", "stage", "node", "gpu",
                  "labels", "first_step", "last_step", "first_ns", "last_ns", "fired_ns", "fired_step", "value", "threshold",
                  "message", "kind", "incident_id")
+
+
+def _insert_alerts(cur, rows: list[tuple]) -> None:
+    """INSERT OR REPLACE `rows` (alert_row tuples) into `alerts` in one statement, the last row of an
+    id winning (as row-by-row inserts would). executemany ran one statement (and transaction) a row:
+    re-storing the firing alerts of 16,384 ranks every step took most of the collector's CPU."""
+    import pyarrow as pa
+
+    last = {r[0]: r for r in rows}
+    cols = list(zip(*last.values(), strict=True))
+    try:
+        table = pa.table({name: pa.array(col) for name, col in zip(ALERT_COLUMNS, cols, strict=True)})
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # a column of mixed Python types: row by row
+        marks = ", ".join("?" * len(ALERT_COLUMNS))
+        cur.executemany(f"INSERT OR REPLACE INTO alerts VALUES ({marks})", list(last.values()))
+        return
+    names = ", ".join(ALERT_COLUMNS)
+    cur.register("_tt_live_alerts", table)
+    try:
+        cur.execute(f"INSERT OR REPLACE INTO alerts ({names}) SELECT {names} FROM _tt_live_alerts")
+    finally:
+        cur.unregister("_tt_live_alerts")
 
 
 class Evaluator:
@@ -770,9 +809,8 @@ class LiveEngine:
         rows = [alert_row(a) for a in changed if a.state != PENDING]
         if not rows:
             return
-        marks = ", ".join("?" * len(ALERT_COLUMNS))
         try:
-            self._cur.executemany(f"INSERT OR REPLACE INTO alerts VALUES ({marks})", rows)
+            _insert_alerts(self._cur, rows)
         except Exception:
             self.errors += 1
             log.exception("live: could not store %d alert rows", len(rows))

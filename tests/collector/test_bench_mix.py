@@ -31,3 +31,29 @@ def test_bad_mix_arguments_exit_2(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "ingest", "--mix", "realistic", "--ranks", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--ranks must be positive" in r.stderr
+
+
+def test_ab_runs_both_settings_interleaved_and_reports_medians(tmp_path) -> None:
+    """`bench ingest --ab`: A (as it is) and B (--no-rules, and an environment word) alternate; the
+    summary has each side's median and spread of every figure, and each run's line says its side."""
+    r = subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "ingest", "--events", "20000", "--sources", "2",
+                        "--ab", "--no-rules TRACETOP_AB_PROBE=1", "--runs", "2", "--dir", str(tmp_path), "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    runs = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+    assert [x["side"] for x in runs] == ["A", "B", "A", "B"]
+    assert all(x["stored"] == x["events"] == 20000 for x in runs)
+    for fig in ("events_per_s", "p99_ms", "collector_cpu_pct", "collector_peak_rss_mb"):
+        for side in "AB":
+            xs = [x[fig] for x in runs if x["side"] == side]
+            assert out[fig][side]["median"] == pytest.approx(sum(xs) / 2, rel=1e-3, abs=0.06)  # to 0.1
+            assert (out[fig][side]["min"], out[fig][side]["max"]) == (min(xs), max(xs))
+    assert out["ab"] == "--no-rules TRACETOP_AB_PROBE=1" and len(out["load_1m"]) == 4
+
+
+def test_ab_setting_splits_flags_from_environment_words() -> None:
+    from collector.bench.ingest import _split_setting
+
+    assert _split_setting("--no-rules --memory-cap-mb 512 TRACETOP_X=a=b") == (
+        ("--no-rules", "--memory-cap-mb", "512"), {"TRACETOP_X": "a=b"})

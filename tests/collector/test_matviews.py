@@ -366,3 +366,18 @@ def test_repeated_step_rows_give_one_lost_time_row_per_rank_exactly(tmp_path) ->
             check_views(con, ref, ("lost_time",))
     finally:
         con.close()
+
+
+def test_stragglers_in_linear_time_gives_the_list_sqls_rows_with_ties_and_nulls() -> None:
+    """matviews.stragglers_sql (four sorted values a stage, no list per row) against _v5's list SQL:
+    stages of 1 to 9 ranks and one of 600, tied and NULL compute and wait times, planted stragglers."""
+    con = duckdb.connect(":memory:")
+    con.execute("SELECT setseed(0.25)")
+    con.execute("""CREATE TABLE sr AS SELECT 'r' || (i % 2) AS run_id, (i // 17) % 40 AS step,
+        CASE WHEN i < 600 THEN 9 ELSE (i % 5) END AS stage, i AS rank,
+        CASE WHEN random() < 0.1 THEN NULL WHEN i % 97 = 0 THEN 900.0 ELSE round(random() * 5) * 20 END AS compute_ms,
+        CASE WHEN random() < 0.1 THEN NULL ELSE round(random() * 4) END AS wait_ms FROM range(6000) t(i)""")
+    new, old = matviews.stragglers_sql("sr"), matviews.stragglers_lists_sql("sr")
+    assert con.execute(f"SELECT count(*) FROM ({new}) WHERE is_straggler").fetchone()[0] > 0
+    for a, b in ((new, old), (old, new)):
+        assert con.execute(f"SELECT count(*) FROM (SELECT * FROM ({a}) EXCEPT ALL SELECT * FROM ({b}))").fetchone()[0] == 0
