@@ -94,21 +94,21 @@ def feed(engine, n: int, lo: int, hi: int, *, start: bool = False) -> None:
     r = np.arange(n)
     if start:
         state.ingest(Kind.RUN_START, "big", {
-            "rank": r, "step": np.full(n, -1), "world_size": np.full(n, n), "tp": np.full(n, 8),
+            "rank": r, "step": np.full(n, -1), "start_ns": np.full(n, now), "world_size": np.full(n, n), "tp": np.full(n, 8),
             "pp": np.full(n, 16), "dp": np.full(n, max(n // 128, 1)), "micro_batches": np.full(n, 8),
             "flops_per_token": np.full(n, np.nan), "stage": r // max(n // 16, 1),
             "hostname": (r // 8, [f"node{k}" for k in range(n // 8 + 1)])}, now)
     for s in range(lo, hi):
         st = np.full(n, s)
         state.ingest(Kind.STEP, "big", {
-            "rank": r, "step": st, "duration_ns": 200000000 + (r % 7) * 1000000, "compute_ns": np.full(n, 120000000),
+            "rank": r, "step": st, "start_ns": np.full(n, now), "duration_ns": 200000000 + (r % 7) * 1000000, "compute_ns": np.full(n, 120000000),
             "forward_ns": np.full(n, 40000000), "backward_ns": np.full(n, 70000000),
             "optimizer_ns": np.full(n, 10000000), "comm_exposed_ns": np.full(n, 30000000),
             "data_wait_ns": np.full(n, 100000), "tokens": np.full(n, 4096), "samples": np.full(n, 4),
             "loss": np.full(n, np.nan)}, now)
         rr = np.repeat(r, 4)
         state.ingest(Kind.COLLECTIVE, "big", {
-            "rank": rr, "step": np.full(4 * n, s), "duration_ns": np.full(4 * n, 5000000),
+            "rank": rr, "step": np.full(4 * n, s), "start_ns": np.full(4 * n, now), "duration_ns": np.full(4 * n, 5000000),
             "op": (np.zeros(4 * n, np.int32), ["all_reduce"]), "role": (np.zeros(4 * n, np.int32), ["dp"]),
             "bytes": np.full(4 * n, 1048576)}, now)
 

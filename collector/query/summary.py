@@ -92,7 +92,10 @@ def render(s: Summary) -> str:
     out = [f"run {s.run_id}"]
     if s.layout:
         world, tp, pp, dp, zero, model, m = s.layout
-        out[0] += f": {world} ranks = TP {tp} x PP {pp} x DP {dp}, ZeRO {zero}, model {model}, {m} micro-batches"
+        out[0] += f": {world} ranks = TP {tp} x PP {pp} x DP {dp}"
+        # a plain loop declares no ZeRO stage, model or micro-batches (-1, ''): say only what was declared
+        declared = [(zero, f"ZeRO {zero}"), (model, f"model {model}"), (m, f"{m} micro-batches")]
+        out[0] += "".join(f", {text}" for v, text in declared if v not in (None, -1, ""))
     out.append(f"(medians over steps after the first {s.skipped_steps})")
     out += ["", "per rank"]
     out.append(_table(
