@@ -204,11 +204,12 @@ FRAG_RISE_PER_100_STEPS = 0.10
 FRAG_SHARE = 0.25
 
 
-def fragmenting_ranks(con, run_id: str) -> list[dict]:
-    """Ranks of `run_id` whose allocator fragmentation is rising: slope above FRAG_RISE_PER_100_STEPS
-    and the last share above FRAG_SHARE."""
-    return _rows(con, f"SELECT * FROM ({fragmentation_trend_sql()}) WHERE run_id = ? AND frag_share_per_100_steps > ? "
-                      "AND frag_share_last > ? ORDER BY rank", [run_id, FRAG_RISE_PER_100_STEPS, FRAG_SHARE])
+def fragmenting_ranks(con, run_id: str, rise: float = FRAG_RISE_PER_100_STEPS, share: float = FRAG_SHARE,
+                      where: str = "TRUE") -> list[dict]:
+    """Ranks of `run_id` whose allocator fragmentation is rising: slope above `rise` per 100 steps
+    and the last share above `share`, over the memory rows matching `where`."""
+    return _rows(con, f"SELECT * FROM ({fragmentation_trend_sql(where)}) WHERE run_id = ? "
+                      "AND frag_share_per_100_steps > ? AND frag_share_last > ? ORDER BY rank", [run_id, rise, share])
 
 
 #: name -> view text; install() creates those a file does not define
@@ -257,10 +258,17 @@ def slowest_links(con, run_id: str, limit: int = 5, where: str = "TRUE") -> list
     return _rows(con, sql, [run_id, limit])
 
 
-def risky_gpus(con, until_ns: int | None = None) -> list[dict]:
-    """GPUs at level fail_likely, each with a sentence: "GPU 3 on node-7: ... — likely to fail"."""
-    sql = hardware_risk_sql(str(int(until_ns)) if until_ns is not None else "9223372036854775807")
-    rows = _rows(con, f"SELECT * FROM ({sql}) WHERE level = 'fail_likely'", [])
+#: the points at which hardware_risk's level is fail_likely
+FAIL_LIKELY_POINTS = 4
+
+
+def risky_gpus(con, until_ns: int | None = None, *, min_points: int = FAIL_LIKELY_POINTS,
+               where: str = "TRUE") -> list[dict]:
+    """GPUs with `min_points` or more (by default level fail_likely), over the samples matching
+    `where`, each with a sentence: "GPU 3 on node-7: ... — likely to fail" (or its points below)."""
+    sql = hardware_risk_sql(str(int(until_ns)) if until_ns is not None else "9223372036854775807", where)
+    rows = _rows(con, f"SELECT * FROM ({sql}) WHERE points >= ?", [min_points])
     for r in rows:
-        r["message"] = f"GPU {r['gpu']} on {r['node']}: {r['evidence']} — likely to fail"
+        verdict = "likely to fail" if r["level"] == "fail_likely" else f"risk {r['points']} points ({r['level']})"
+        r["message"] = f"GPU {r['gpu']} on {r['node']}: {r['evidence']} — {verdict}"
     return rows
