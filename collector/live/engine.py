@@ -700,6 +700,11 @@ class LiveEngine:
         self._thread = threading.Thread(target=self._run, name="tracetop-live", daemon=True)
         self.errors = 0
         self._dash_next: dict[str, float] = {}  # rule name -> monotonic time of its next evaluation
+        self._dash_stop = threading.Event()
+        # the dashboard thread's own cursor (a DuckDB connection is not shared between threads)
+        self._dash_cur = con.cursor() if con is not None and any(
+            r.signal in DASHBOARD_SIGNALS for r in self.ev.rules) else None
+        self._dash_thread = threading.Thread(target=self._dashboard_loop, name="tracetop-live-dashboard", daemon=True)
 
     @property
     def stats(self) -> EngineStats:
@@ -719,6 +724,8 @@ class LiveEngine:
 
     def start(self) -> None:
         self._thread.start()
+        if self._dash_cur is not None:
+            self._dash_thread.start()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ingest what is queued, evaluate the steps that are in, stop."""
@@ -726,6 +733,15 @@ class LiveEngine:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout_s)
+        if self._dash_thread.is_alive():  # then the dashboard rules once more, over everything ingested
+            self._dash_stop.set()
+            self._dash_thread.join(timeout_s)
+            try:
+                self._dashboard_tick(final=True)
+            except Exception:
+                self.errors += 1
+                log.exception("live: the dashboard rules failed")
+            self._dash_cur.close()  # type: ignore[union-attr]
         for s in self.sinks:
             try:
                 s.close()
@@ -762,18 +778,24 @@ class LiveEngine:
                         self._store(changed + [a for a in firing if alert_id(a) not in ids and a.first_step >= 0])
                 if changed:
                     self._publish(changed, firing)
-                if self.ev.dashboard_rules and self._cur is not None:
-                    self._dashboard_tick(final=stop)
             except Exception:  # the engine never takes the collector down
                 self.errors += 1
                 log.exception("live: evaluation failed")
             if stop:
                 return
 
+    def _dashboard_loop(self) -> None:
+        while not self._dash_stop.wait(1.0):
+            try:
+                self._dashboard_tick()
+            except Exception:  # the engine never takes the collector down
+                self.errors += 1
+                log.exception("live: the dashboard rules failed")
+
     def _dashboard_tick(self, final: bool = False) -> None:
         """The dashboard's judgments (cross_node_share, hardware_risk, fragmentation) that are due:
-        each an SQL query over its last window_s of rows, every every_s, on this thread but outside
-        the lock (steps queue in the inbox meanwhile; readers are not held). Once more at close."""
+        each an SQL query over its last window_s of rows, every every_s, on a thread of their own,
+        outside the lock (step evaluation and readers are not held by it). Once more at close."""
         mono = time.monotonic()
         due = [r for r in self.ev.dashboard_rules if final or mono >= self._dash_next.get(r.name, 0.0)]
         if not due:
@@ -788,7 +810,7 @@ class LiveEngine:
             self._dash_next[rule.name] = mono + every
             t0 = time.perf_counter()
             try:
-                found.append((rule, dashboard_obs(self._cur, rule, runs, gpu_ns)))
+                found.append((rule, dashboard_obs(self._dash_cur, rule, runs, gpu_ns)))
             except Exception:
                 self.errors += 1
                 log.exception("live: the %s rule's query failed", rule.name)
@@ -875,7 +897,7 @@ def _sql_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-def dashboard_obs(con, rule: Rule, runs: dict[str, int], gpu_ns: int) -> dict[str, list[judge.Obs]]:
+def dashboard_obs(cur, rule: Rule, runs: dict[str, int], gpu_ns: int) -> dict[str, list[judge.Obs]]:
     """A dashboard rule's observations by run id ("" for the GPUs'): its SQL (collector/query/
     dashboard.py) over the rows of its last window_s, up to `runs`' newest step end (the ranks'
     clock) or `gpu_ns` (the agents' newest sample). Values in the hysteresis band are observed too."""
@@ -883,40 +905,36 @@ def dashboard_obs(con, rule: Rule, runs: dict[str, int], gpu_ns: int) -> dict[st
 
     _, window = dashboard_settings(rule)
     lim = min(rule.threshold, rule.clear) if rule.clear is not None else rule.threshold
-    cur = con.cursor()
     out: dict[str, list[judge.Obs]] = {}
-    try:
-        if rule.signal == "hardware_risk":
-            if gpu_ns <= 0:
-                return {}
-            where = f"start_ns >= {gpu_ns - int(window * 1e9)}"
-            rows = dashboard.risky_gpus(cur, min_points=math.floor(lim) + 1, where=where)
-            out[""] = [judge.Obs("gpu", {"node": str(r["node"]), "gpu": str(r["gpu"])}, float(r["points"]),
-                                 rule.breached(float(r["points"])), str(r["message"])) for r in rows]
-            return out
-        for run_id, newest in runs.items():
-            where = f"run_id = {_sql_str(run_id)} AND start_ns >= {newest - int(window * 1e9)}"
-            obs = out[run_id] = []
-            if rule.signal == "cross_node_share":
-                for r in dashboard.cross_node_groups(cur, run_id, threshold=lim, where=where):
-                    val = float(r["cross_time_share"])
-                    obs.append(judge.Obs("role", {"role": str(r["role"]), "group": str(r["group"])}, val,
-                                         rule.breached(val),
-                                         f"group {r['group']} ({r['role']}, {r['nodes']} nodes) spends {val:.0%} of its "
-                                         f"communication time ({r['time_ms']:.0f} ms in the last {window:.0f} s) on "
-                                         f"cross-node links, above {rule.threshold:.0%}; {r['cross_bytes_share']:.0%} "
-                                         f"of its bytes cross"))
-            elif rule.signal == "fragmentation":
-                share = rule.params.get("frag_share_above", dashboard.FRAG_SHARE)
-                for r in dashboard.fragmenting_ranks(cur, run_id, rise=lim, share=share, where=where):
-                    val = float(r["frag_share_per_100_steps"])
-                    obs.append(judge.Obs("rank", {"rank": str(r["rank"])}, val, rule.breached(val),
-                                         f"rank {r['rank']}'s allocator fragmentation ((reserved - allocated) / "
-                                         f"reserved) rose from {r['frag_share_first']:.0%} to {r['frag_share_last']:.0%} "
-                                         f"over {r['steps']} steps ({val:+.2f} per 100 steps, above "
-                                         f"{rule.threshold:g}): memory is held but not usable"))
-    finally:
-        cur.close()
+    if rule.signal == "hardware_risk":
+        if gpu_ns <= 0:
+            return {}
+        where = f"start_ns >= {gpu_ns - int(window * 1e9)}"
+        rows = dashboard.risky_gpus(cur, min_points=math.floor(lim) + 1, where=where)
+        out[""] = [judge.Obs("gpu", {"node": str(r["node"]), "gpu": str(r["gpu"])}, float(r["points"]),
+                             rule.breached(float(r["points"])), str(r["message"])) for r in rows]
+        return out
+    for run_id, newest in runs.items():
+        where = f"run_id = {_sql_str(run_id)} AND start_ns >= {newest - int(window * 1e9)}"
+        obs = out[run_id] = []
+        if rule.signal == "cross_node_share":
+            for r in dashboard.cross_node_groups(cur, run_id, threshold=lim, where=where):
+                val = float(r["cross_time_share"])
+                obs.append(judge.Obs("role", {"role": str(r["role"]), "group": str(r["group"])}, val,
+                                     rule.breached(val),
+                                     f"group {r['group']} ({r['role']}, {r['nodes']} nodes) spends {val:.0%} of its "
+                                     f"communication time ({r['time_ms']:.0f} ms in the last {window:.0f} s) on "
+                                     f"cross-node links, above {rule.threshold:.0%}; {r['cross_bytes_share']:.0%} "
+                                     f"of its bytes cross"))
+        elif rule.signal == "fragmentation":
+            share = rule.params.get("frag_share_above", dashboard.FRAG_SHARE)
+            for r in dashboard.fragmenting_ranks(cur, run_id, rise=lim, share=share, where=where):
+                val = float(r["frag_share_per_100_steps"])
+                obs.append(judge.Obs("rank", {"rank": str(r["rank"])}, val, rule.breached(val),
+                                     f"rank {r['rank']}'s allocator fragmentation ((reserved - allocated) / "
+                                     f"reserved) rose from {r['frag_share_first']:.0%} to {r['frag_share_last']:.0%} "
+                                     f"over {r['steps']} steps ({val:+.2f} per 100 steps, above "
+                                     f"{rule.threshold:g}): memory is held but not usable"))
     return out
 
 
