@@ -918,6 +918,10 @@ def dashboard_obs(cur, rule: Rule, runs: dict[str, int], gpu_ns: int) -> dict[st
         where = f"run_id = {_sql_str(run_id)} AND start_ns >= {newest - int(window * 1e9)}"
         obs = out[run_id] = []
         if rule.signal == "cross_node_share":
+            # a run on one node has nothing to judge: a cheap look (run_start: a row per rank) first
+            if cur.execute("SELECT count(DISTINCT hostname) FROM run_start WHERE run_id = ?",
+                           [run_id]).fetchone()[0] < 2:
+                continue
             for r in dashboard.cross_node_groups(cur, run_id, threshold=lim, where=where):
                 val = float(r["cross_time_share"])
                 obs.append(judge.Obs("role", {"role": str(r["role"]), "group": str(r["group"])}, val,
@@ -927,6 +931,10 @@ def dashboard_obs(cur, rule: Rule, runs: dict[str, int], gpu_ns: int) -> dict[st
                                      f"cross-node links, above {rule.threshold:.0%}; {r['cross_bytes_share']:.0%} "
                                      f"of its bytes cross"))
         elif rule.signal == "fragmentation":
+            # nor a run without the device allocator's figures (CPU): the first such row decides
+            if not cur.execute(f"SELECT 1 FROM memory WHERE {where} AND allocated_bytes >= 0 AND reserved_bytes > 0 "
+                               "LIMIT 1").fetchall():
+                continue
             share = rule.params.get("frag_share_above", dashboard.FRAG_SHARE)
             for r in dashboard.fragmenting_ranks(cur, run_id, rise=lim, share=share, where=where):
                 val = float(r["frag_share_per_100_steps"])

@@ -159,8 +159,8 @@ SIGNALS: dict[str, SignalSpec] = {s.name: s for s in (
 )}
 #: the signals judged by the dashboard's SQL on a slow cadence (engine.py, LiveEngine), not by the
 #: evaluator's tick; their defaults: (every_s, window_s)
-DASHBOARD_SIGNALS = {"cross_node_share": (30.0, 120.0), "hardware_risk": (300.0, 12 * 3600.0),
-                     "fragmentation": (30.0, 600.0)}
+DASHBOARD_SIGNALS = {"cross_node_share": (60.0, 30.0), "hardware_risk": (300.0, 12 * 3600.0),
+                     "fragmentation": (60.0, 120.0)}
 
 #: keys every rule may have besides its signal's
 COMMON_KEYS = ("signal", "scope", "for_steps", "for_s", "clear_below", "clear_above", "keep_firing_steps",
@@ -638,8 +638,8 @@ severity = "critical"
 signal = "cross_node_share"   # a DP/TP group's communication time mostly between nodes, the group named
 scope = "role"
 cross_share_above = 0.60      # the seed: "all-reduce timeouts because cross-rack traffic exceeds 60%"
-every_s = 30                  # an SQL query over the last window_s of collective rows, this often
-window_s = 120
+every_s = 60                  # an SQL query over the last window_s of collective rows, this often
+window_s = 30                 # (16,384 ranks: 0.5 M rows a query; docs/dashboard.md, "what they cost")
 severity = "warning"
 
 [rule.hardware_risk]
@@ -655,8 +655,8 @@ signal = "fragmentation"      # a rank's device allocator fragmentation rising (
 scope = "rank"
 frag_rise_per_100_steps_above = 0.10  # (reserved - allocated) / reserved rising this much per 100 steps
 frag_share_above = 0.25       # ... and standing above this
-every_s = 30
-window_s = 600
+every_s = 60
+window_s = 120
 severity = "warning"
 
 [rule.throughput_per_gpu]

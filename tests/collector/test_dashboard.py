@@ -4,7 +4,7 @@ Topology: a 4-rank gloo loop (tests/collector/topology_loop.py) on two node name
 DP pair (1,3) delayed by rank 3 sleeping DELAY_MS before its all-reduce, into a real collector.
 Ground truth from the loop: the TP groups stay in a node, the DP groups cross; the slow pair's
 link is node-a → node-b in dp[1,3] (rank 1 waits on it). The collector runs the built-in rules with
-the live cross_node_share rule's cadence at 2 s (every_s; 30 s built in): its alerts name the two DP
+the live cross_node_share rule's cadence at 2 s (every_s; 60 s built in): its alerts name the two DP
 groups, not the TP ones."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ STEPS, DELAY_MS = 16, 60.0
 def topo_file(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("topology")
     rules = tmp / "rules.toml"
-    line = "every_s = 30                  # an SQL query over the last window_s of collective rows, this often"
+    line = "every_s = 60                  # an SQL query over the last window_s of collective rows, this often"
     assert DEFAULTS_TOML.count(line) == 1
     rules.write_text(DEFAULTS_TOML.replace(line, "every_s = 2"))
     c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules)])
