@@ -92,6 +92,14 @@ def test_fragmentation_rises_where_the_allocator_fragments(tmp_path) -> None:
     # one live, from step 1 on: half, flat
     assert trend["steady"]["frag_share_last"] == 0.5 and abs(trend["steady"]["frag_share_per_100_steps"]) < 1e-9, trend
     assert [r["rank"] for r in flagged["grow"]] == [0] and flagged["steady"] == [], flagged
+    # the live rule (built in) alerted the same: rank 0 of `grow`, nothing on `steady`
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        alerts = dashboard._rows(con, "SELECT * FROM alerts WHERE signal = 'fragmentation'", [])
+    finally:
+        con.close()
+    assert [(a["run_id"], a["rank"], a["state"], a["kind"]) for a in alerts] == [("grow", 0, "firing", "sla")], alerts
+    assert alerts[0]["message"].startswith("rank 0's allocator fragmentation") and "per 100 steps" in alerts[0]["message"]
     # the GPUs screen's panel and the report read the same view
     con = duckdb.connect(str(c.db), read_only=True)
     try:
