@@ -191,10 +191,11 @@ FROM memory WHERE step >= 0 AND ({where}) GROUP BY run_id, rank, step
 
 
 def fragmentation_trend_sql(where: str = "TRUE") -> str:
-    """Per (run_id, rank): the fragmentation share's first, last and slope per 100 steps (GPU rows)."""
+    """Per (run_id, rank): the fragmentation share's first, last, median and slope per 100 steps (GPU rows)."""
     return f"""
 SELECT run_id, rank, count(frag_share) AS steps, arg_min(frag_share, step) AS frag_share_first,
-       arg_max(frag_share, step) AS frag_share_last, 100 * regr_slope(frag_share, step) AS frag_share_per_100_steps
+       arg_max(frag_share, step) AS frag_share_last, median(frag_share) AS frag_share_median,
+       100 * regr_slope(frag_share, step) AS frag_share_per_100_steps
 FROM ({memory_fragmentation_sql(where)}) WHERE frag_share IS NOT NULL GROUP BY run_id, rank
 """
 
@@ -206,10 +207,13 @@ FRAG_SHARE = 0.25
 
 def fragmenting_ranks(con, run_id: str, rise: float = FRAG_RISE_PER_100_STEPS, share: float = FRAG_SHARE,
                       where: str = "TRUE") -> list[dict]:
-    """Ranks of `run_id` whose allocator fragmentation is rising: slope above `rise` per 100 steps
-    and the last share above `share`, over the memory rows matching `where`."""
+    """Ranks of `run_id` whose allocator fragmentation is rising: slope above `rise` per 100 steps,
+    the last share above `share` and above the window's median (still rising at its end: a rank
+    whose first step read 0 and then stays flat has a slope, not a rise), over the memory rows
+    matching `where`."""
     return _rows(con, f"SELECT * FROM ({fragmentation_trend_sql(where)}) WHERE run_id = ? "
-                      "AND frag_share_per_100_steps > ? AND frag_share_last > ? ORDER BY rank", [run_id, rise, share])
+                      "AND frag_share_per_100_steps > ? AND frag_share_last > ? "
+                      "AND frag_share_last > frag_share_median ORDER BY rank", [run_id, rise, share])
 
 
 #: name -> view text; install() creates those a file does not define
