@@ -32,6 +32,10 @@ that is a symlink, another user's, or writable by others is refused."""
 TRACETOP_HEARTBEAT_S = "TRACETOP_HEARTBEAT_S"
 """Seconds between a rank's heartbeats. Default: 5."""
 
+TRACETOP_NODE = "TRACETOP_NODE"
+"""The node name the hooks report for the rank (run_start.hostname: comm_topology's nodes).
+Default: the host's name (socket.gethostname())."""
+
 TRACETOP_FLUSH_S = "TRACETOP_FLUSH_S"
 """Seconds between a rank's shipments (one batch per kind each time); the hooks' emitter also
 drains its rows into the shipper at this interval, so a step's row leaves the rank at most this

@@ -55,7 +55,7 @@ class Emitter:
         self.follows_sink = drain_interval_s is None
         self.drain_interval_s = fallback_drain_s if drain_interval_s is None else drain_interval_s
         self.memory_budget_bytes = memory_budget_bytes
-        self.hostname = socket.gethostname()
+        self.hostname = os.environ.get("TRACETOP_NODE") or socket.gethostname()  # the rank's node name
         self.pid = os.getpid()
         self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
         try:

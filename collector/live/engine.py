@@ -45,7 +45,7 @@ from collector.live.model import (
     cause_text,
     culprit_text,
 )
-from collector.live.rules import Rule
+from collector.live.rules import DASHBOARD_SIGNALS, Rule
 from collector.live.state import LiveState, RunState
 from tracetop.events import Kind
 
@@ -100,6 +100,7 @@ class EngineStats:
     steps_skipped: int = 0
     steps_incomplete: int = 0
     eval_s: list[float] | None = None
+    dashboard_s: float = 0.0  # the latest dashboard rule's query, seconds (LiveEngine._dashboard_tick)
 
 
 class AlertBook:
@@ -357,7 +358,9 @@ class Evaluator:
         self.stats = EngineStats(eval_s=[])
         self.gauges_by_run: dict[str, RunGauges] = {}
         self.step_rules = [r for r in self.rules if not _time_based(r)]
-        self.timer_rules = [r for r in self.rules if _time_based(r)]
+        self.timer_rules = [r for r in self.rules if _time_based(r) and r.signal not in DASHBOARD_SIGNALS]
+        #: judged by the dashboard's SQL on their own cadence (LiveEngine._dashboard_tick), not here
+        self.dashboard_rules = [r for r in self.rules if r.signal in DASHBOARD_SIGNALS]
 
     def baseline(self, mono_s: float) -> judge.Baseline | None:
         if self.baseline_id is None or self.baseline_lookup is None:
@@ -735,6 +738,12 @@ class LiveEngine:
         self._lock = threading.Lock()  # guards the evaluator against readers (gauges/alerts)
         self._thread = threading.Thread(target=self._run, name="tracetop-live", daemon=True)
         self.errors = 0
+        self._dash_next: dict[str, float] = {}  # rule name -> monotonic time of its next evaluation
+        self._dash_stop = threading.Event()
+        # the dashboard thread's own cursor (a DuckDB connection is not shared between threads)
+        self._dash_cur = con.cursor() if con is not None and any(
+            r.signal in DASHBOARD_SIGNALS for r in self.ev.rules) else None
+        self._dash_thread = threading.Thread(target=self._dashboard_loop, name="tracetop-live-dashboard", daemon=True)
 
     @property
     def stats(self) -> EngineStats:
@@ -754,6 +763,8 @@ class LiveEngine:
 
     def start(self) -> None:
         self._thread.start()
+        if self._dash_cur is not None:
+            self._dash_thread.start()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ingest what is queued, evaluate the steps that are in, stop."""
@@ -761,6 +772,15 @@ class LiveEngine:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout_s)
+        if self._dash_thread.is_alive():  # then the dashboard rules once more, over everything ingested
+            self._dash_stop.set()
+            self._dash_thread.join(timeout_s)
+            try:
+                self._dashboard_tick(final=True)
+            except Exception:
+                self.errors += 1
+                log.exception("live: the dashboard rules failed")
+            self._dash_cur.close()  # type: ignore[union-attr]
         for s in self.sinks:
             try:
                 s.close()
@@ -802,6 +822,48 @@ class LiveEngine:
                 log.exception("live: evaluation failed")
             if stop:
                 return
+
+    def _dashboard_loop(self) -> None:
+        while not self._dash_stop.wait(1.0):
+            try:
+                self._dashboard_tick()
+            except Exception:  # the engine never takes the collector down
+                self.errors += 1
+                log.exception("live: the dashboard rules failed")
+
+    def _dashboard_tick(self, final: bool = False) -> None:
+        """The dashboard's judgments (cross_node_share, hardware_risk, fragmentation) that are due:
+        each an SQL query over its last window_s of rows, every every_s, on a thread of their own,
+        outside the lock (step evaluation and readers are not held by it). Once more at close."""
+        mono = time.monotonic()
+        due = [r for r in self.ev.dashboard_rules if final or mono >= self._dash_next.get(r.name, 0.0)]
+        if not due:
+            return
+        with self._lock:  # what is live: runs not ended (their newest step end, the ranks' clock), GPUs
+            runs = {r.run_id: int(r.slot_end_ns.max()) for r in self.ev.state.runs.values()
+                    if not r.ended and len(r.slot_end_ns)}
+            gpu_ns = max((g.last_ns for g in self.ev.state.gpus.values()), default=0)
+        found = []
+        for rule in due:
+            every, _ = dashboard_settings(rule)
+            self._dash_next[rule.name] = mono + every
+            t0 = time.perf_counter()
+            try:
+                found.append((rule, dashboard_obs(self._dash_cur, rule, runs, gpu_ns)))
+            except Exception:
+                self.errors += 1
+                log.exception("live: the %s rule's query failed", rule.name)
+            self.ev.stats.dashboard_s = time.perf_counter() - t0
+        changed: list[Alert] = []
+        with self._lock:
+            now = self.clock_ns()
+            for rule, by_run in found:
+                for run_id, obs in by_run.items():
+                    changed += self.ev.book.update(rule, run_id, obs, -1, now, True)
+            firing = self.ev.book.firing()
+            self._store(changed)
+        if changed:
+            self._publish(changed, firing)
 
     def _store(self, changed: list[Alert]) -> None:
         if self._cur is None:
@@ -861,6 +923,65 @@ class LiveEngine:
     def live_state_bytes(self) -> int:
         with self._lock:
             return self.ev.state.nbytes
+
+
+def dashboard_settings(rule: Rule) -> tuple[float, float]:
+    """(every_s, window_s) of a dashboard rule: its own, else its signal's defaults."""
+    every, window = DASHBOARD_SIGNALS[rule.signal]
+    return rule.params.get("every_s", every), rule.params.get("window_s", window)
+
+
+def _sql_str(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def dashboard_obs(cur, rule: Rule, runs: dict[str, int], gpu_ns: int) -> dict[str, list[judge.Obs]]:
+    """A dashboard rule's observations by run id ("" for the GPUs'): its SQL (collector/query/
+    dashboard.py) over the rows of its last window_s, up to `runs`' newest step end (the ranks'
+    clock) or `gpu_ns` (the agents' newest sample). Values in the hysteresis band are observed too."""
+    from collector.query import dashboard
+
+    _, window = dashboard_settings(rule)
+    lim = min(rule.threshold, rule.clear) if rule.clear is not None else rule.threshold
+    out: dict[str, list[judge.Obs]] = {}
+    if rule.signal == "hardware_risk":
+        if gpu_ns <= 0:
+            return {}
+        where = f"start_ns >= {gpu_ns - int(window * 1e9)}"
+        rows = dashboard.risky_gpus(cur, min_points=math.floor(lim) + 1, where=where)
+        out[""] = [judge.Obs("gpu", {"node": str(r["node"]), "gpu": str(r["gpu"])}, float(r["points"]),
+                             rule.breached(float(r["points"])), str(r["message"])) for r in rows]
+        return out
+    for run_id, newest in runs.items():
+        where = f"run_id = {_sql_str(run_id)} AND start_ns >= {newest - int(window * 1e9)}"
+        obs = out[run_id] = []
+        if rule.signal == "cross_node_share":
+            # a run on one node has nothing to judge: a cheap look (run_start: a row per rank) first
+            if cur.execute("SELECT count(DISTINCT hostname) FROM run_start WHERE run_id = ?",
+                           [run_id]).fetchone()[0] < 2:
+                continue
+            for r in dashboard.cross_node_groups(cur, run_id, threshold=lim, where=where):
+                val = float(r["cross_time_share"])
+                obs.append(judge.Obs("role", {"role": str(r["role"]), "group": str(r["group"])}, val,
+                                     rule.breached(val),
+                                     f"group {r['group']} ({r['role']}, {r['nodes']} nodes) spends {val:.0%} of its "
+                                     f"communication time ({r['time_ms']:.0f} ms in the last {window:.0f} s) on "
+                                     f"cross-node links, above {rule.threshold:.0%}; {r['cross_bytes_share']:.0%} "
+                                     f"of its bytes cross"))
+        elif rule.signal == "fragmentation":
+            # nor a run without the device allocator's figures (CPU): the first such row decides
+            if not cur.execute(f"SELECT 1 FROM memory WHERE {where} AND allocated_bytes >= 0 AND reserved_bytes > 0 "
+                               "LIMIT 1").fetchall():
+                continue
+            share = rule.params.get("frag_share_above", dashboard.FRAG_SHARE)
+            for r in dashboard.fragmenting_ranks(cur, run_id, rise=lim, share=share, where=where):
+                val = float(r["frag_share_per_100_steps"])
+                obs.append(judge.Obs("rank", {"rank": str(r["rank"])}, val, rule.breached(val),
+                                     f"rank {r['rank']}'s allocator fragmentation ((reserved - allocated) / "
+                                     f"reserved) rose from {r['frag_share_first']:.0%} to {r['frag_share_last']:.0%} "
+                                     f"over {r['steps']} steps ({val:+.2f} per 100 steps, above "
+                                     f"{rule.threshold:g}): memory is held but not usable"))
+    return out
 
 
 def lookup_baseline(cur, run_id: str) -> judge.Baseline | None:

@@ -135,7 +135,32 @@ SIGNALS: dict[str, SignalSpec] = {s.name: s for s in (
     SignalSpec("ecc", ("gpu",), (
         Key("ecc_errors_above", "above", doc="uncorrected ECC errors"),
     ), time_based=True),
+    # the seed dashboard's judgments (collector/query/dashboard.py), live: evaluated every `every_s`
+    # on the engine's thread, outside its lock, by the dashboard's SQL over the last `window_s` of rows
+    SignalSpec("cross_node_share", ("role",), (
+        Key("cross_share_above", "above", hi=1.0,
+            doc="share of a DP/TP group's communication time on cross-node links (comm_cross_share)"),
+        Key("every_s", "param", lo=1.0, doc="seconds between evaluations (each one is an SQL query)"),
+        Key("window_s", "param", lo=1.0, doc="seconds of collective rows judged, up to the newest"),
+    ), time_based=True, doc="a DP/TP group whose communication runs mostly between nodes (the seed's "
+                            "\"cross-rack traffic exceeds 60%\"), the group named"),
+    SignalSpec("hardware_risk", ("gpu",), (
+        Key("risk_points_above", "above", doc="the hardware_risk view's points; 4 or more is 'likely to fail'"),
+        Key("every_s", "param", lo=1.0, doc="seconds between evaluations (each one is an SQL query)"),
+        Key("window_s", "param", lo=1.0, doc="seconds of the GPU's samples judged, up to the newest"),
+    ), time_based=True, doc="a GPU likely to fail, ahead of the failure, with the evidence (hardware_risk)"),
+    SignalSpec("fragmentation", ("rank",), (
+        Key("frag_rise_per_100_steps_above", "above", lo=0.0,
+            doc="the allocator's (reserved - allocated) / reserved, its rise per 100 steps"),
+        Key("frag_share_above", "param", lo=0.0, hi=1.0, doc="... and the latest share above this"),
+        Key("every_s", "param", lo=1.0, doc="seconds between evaluations (each one is an SQL query)"),
+        Key("window_s", "param", lo=1.0, doc="seconds of memory rows judged, up to the newest"),
+    ), time_based=True, doc="a rank's device-memory fragmentation rising (fragmentation_trend; GPU runs only)"),
 )}
+#: the signals judged by the dashboard's SQL on a slow cadence (engine.py, LiveEngine), not by the
+#: evaluator's tick; their defaults: (every_s, window_s)
+DASHBOARD_SIGNALS = {"cross_node_share": (60.0, 30.0), "hardware_risk": (300.0, 12 * 3600.0),
+                     "fragmentation": (60.0, 120.0)}
 
 #: keys every rule may have besides its signal's
 COMMON_KEYS = ("signal", "scope", "for_steps", "for_s", "clear_below", "clear_above", "keep_firing_steps",
@@ -148,7 +173,8 @@ DEFAULT_KIND = {
     "unheard_rank": "fault", "stuck_collective": "fault", "memory": "fault", "loss_spike": "fault",
     "grad_sync": "sla", "grad_sync_scaling": "sla", "comm_share": "sla", "bubble": "sla", "stage_imbalance": "sla",
     "scaling_efficiency": "sla", "throughput_per_gpu": "sla", "offload_bandwidth": "sla",
-    "xid": "hardware", "thermal_throttle": "hardware", "ecc": "hardware",
+    "xid": "hardware", "thermal_throttle": "hardware", "ecc": "hardware", "hardware_risk": "hardware",
+    "cross_node_share": "sla", "fragmentation": "sla",
 }
 #: a firing step rule keeps firing through this many cleared steps (Prometheus' keep_firing_for): a
 #: breach again within them is the same alert, not a new one (the demo's memory pressure fired and
@@ -607,6 +633,31 @@ severity = "warning"
 signal = "ecc"
 ecc_errors_above = 0
 severity = "critical"
+
+[rule.cross_node_share]
+signal = "cross_node_share"   # a DP/TP group's communication time mostly between nodes, the group named
+scope = "role"
+cross_share_above = 0.60      # the seed: "all-reduce timeouts because cross-rack traffic exceeds 60%"
+every_s = 60                  # an SQL query over the last window_s of collective rows, this often
+window_s = 30                 # (16,384 ranks: 0.5 M rows a query; docs/dashboard.md, "what they cost")
+severity = "warning"
+
+[rule.hardware_risk]
+signal = "hardware_risk"      # a GPU likely to fail (the hardware_risk view's level fail_likely), with evidence
+scope = "gpu"
+risk_points_above = 3         # 4 points or more: "likely to fail"
+every_s = 300                 # an SQL query over the last window_s of the agents' GPU samples, this often
+window_s = 43200              # 12 h: the ECC doubling time and the remaps' rise are read over it
+severity = "warning"
+
+[rule.fragmentation]
+signal = "fragmentation"      # a rank's device allocator fragmentation rising (GPU runs; CPU is not measured)
+scope = "rank"
+frag_rise_per_100_steps_above = 0.10  # (reserved - allocated) / reserved rising this much per 100 steps
+frag_share_above = 0.25       # ... and standing above this
+every_s = 60
+window_s = 120
+severity = "warning"
 
 [rule.throughput_per_gpu]
 signal = "throughput_per_gpu"  # off unless declared: set your SLA and enabled = true

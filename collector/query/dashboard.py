@@ -191,10 +191,11 @@ FROM memory WHERE step >= 0 AND ({where}) GROUP BY run_id, rank, step
 
 
 def fragmentation_trend_sql(where: str = "TRUE") -> str:
-    """Per (run_id, rank): the fragmentation share's first, last and slope per 100 steps (GPU rows)."""
+    """Per (run_id, rank): the fragmentation share's first, last, median and slope per 100 steps (GPU rows)."""
     return f"""
 SELECT run_id, rank, count(frag_share) AS steps, arg_min(frag_share, step) AS frag_share_first,
-       arg_max(frag_share, step) AS frag_share_last, 100 * regr_slope(frag_share, step) AS frag_share_per_100_steps
+       arg_max(frag_share, step) AS frag_share_last, median(frag_share) AS frag_share_median,
+       100 * regr_slope(frag_share, step) AS frag_share_per_100_steps
 FROM ({memory_fragmentation_sql(where)}) WHERE frag_share IS NOT NULL GROUP BY run_id, rank
 """
 
@@ -204,11 +205,15 @@ FRAG_RISE_PER_100_STEPS = 0.10
 FRAG_SHARE = 0.25
 
 
-def fragmenting_ranks(con, run_id: str) -> list[dict]:
-    """Ranks of `run_id` whose allocator fragmentation is rising: slope above FRAG_RISE_PER_100_STEPS
-    and the last share above FRAG_SHARE."""
-    return _rows(con, f"SELECT * FROM ({fragmentation_trend_sql()}) WHERE run_id = ? AND frag_share_per_100_steps > ? "
-                      "AND frag_share_last > ? ORDER BY rank", [run_id, FRAG_RISE_PER_100_STEPS, FRAG_SHARE])
+def fragmenting_ranks(con, run_id: str, rise: float = FRAG_RISE_PER_100_STEPS, share: float = FRAG_SHARE,
+                      where: str = "TRUE") -> list[dict]:
+    """Ranks of `run_id` whose allocator fragmentation is rising: slope above `rise` per 100 steps,
+    the last share above `share` and above the window's median (still rising at its end: a rank
+    whose first step read 0 and then stays flat has a slope, not a rise), over the memory rows
+    matching `where`."""
+    return _rows(con, f"SELECT * FROM ({fragmentation_trend_sql(where)}) WHERE run_id = ? "
+                      "AND frag_share_per_100_steps > ? AND frag_share_last > ? "
+                      "AND frag_share_last > frag_share_median ORDER BY rank", [run_id, rise, share])
 
 
 #: name -> view text; install() creates those a file does not define
@@ -257,10 +262,17 @@ def slowest_links(con, run_id: str, limit: int = 5, where: str = "TRUE") -> list
     return _rows(con, sql, [run_id, limit])
 
 
-def risky_gpus(con, until_ns: int | None = None) -> list[dict]:
-    """GPUs at level fail_likely, each with a sentence: "GPU 3 on node-7: ... — likely to fail"."""
-    sql = hardware_risk_sql(str(int(until_ns)) if until_ns is not None else "9223372036854775807")
-    rows = _rows(con, f"SELECT * FROM ({sql}) WHERE level = 'fail_likely'", [])
+#: the points at which hardware_risk's level is fail_likely
+FAIL_LIKELY_POINTS = 4
+
+
+def risky_gpus(con, until_ns: int | None = None, *, min_points: int = FAIL_LIKELY_POINTS,
+               where: str = "TRUE") -> list[dict]:
+    """GPUs with `min_points` or more (by default level fail_likely), over the samples matching
+    `where`, each with a sentence: "GPU 3 on node-7: ... — likely to fail" (or its points below)."""
+    sql = hardware_risk_sql(str(int(until_ns)) if until_ns is not None else "9223372036854775807", where)
+    rows = _rows(con, f"SELECT * FROM ({sql}) WHERE points >= ?", [min_points])
     for r in rows:
-        r["message"] = f"GPU {r['gpu']} on {r['node']}: {r['evidence']} — likely to fail"
+        verdict = "likely to fail" if r["level"] == "fail_likely" else f"risk {r['points']} points ({r['level']})"
+        r["message"] = f"GPU {r['gpu']} on {r['node']}: {r['evidence']} — {verdict}"
     return rows

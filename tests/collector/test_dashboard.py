@@ -3,7 +3,9 @@
 Topology: a 4-rank gloo loop (tests/collector/topology_loop.py) on two node names, tp=2 x dp=2, the
 DP pair (1,3) delayed by rank 3 sleeping DELAY_MS before its all-reduce, into a real collector.
 Ground truth from the loop: the TP groups stay in a node, the DP groups cross; the slow pair's
-link is node-a → node-b in dp[1,3] (rank 1 waits on it)."""
+link is node-a → node-b in dp[1,3] (rank 1 waits on it). The collector runs the built-in rules with
+the live cross_node_share rule's cadence at 2 s (every_s; 60 s built in): its alerts name the two DP
+groups, not the TP ones."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sys
 import duckdb
 import pytest
 
+from collector.live.rules import DEFAULTS_TOML
 from collector.query import dashboard
 from tests.collector.live.test_live_runs import _env
 from tests.support import ROOT
@@ -27,7 +30,11 @@ STEPS, DELAY_MS = 16, 60.0
 @pytest.fixture(scope="module")
 def topo_file(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("topology")
-    c = start_collector(tmp, listen="unix")
+    rules = tmp / "rules.toml"
+    line = "every_s = 60                  # an SQL query over the last window_s of collective rows, this often"
+    assert DEFAULTS_TOML.count(line) == 1
+    rules.write_text(DEFAULTS_TOML.replace(line, "every_s = 2"))
+    c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules)])
     try:
         with _env(TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID="topo", TRACETOP_FLUSH_S="1"):
             run = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", LOOP,
@@ -92,3 +99,24 @@ def test_report_has_the_topology_and_risk_sections(topo_file) -> None:
     assert "tp[0,1]: " not in topo  # in-node groups are not judged
     risk = page.split('<section id="hardware-risk">', 1)[1].split("</section>", 1)[0]
     assert "no GPU samples from an agent" in risk  # this run had no agent
+
+
+@pytest.mark.slow
+def test_live_rule_alerted_the_cross_node_dp_groups_not_the_tp_ones(topo_file) -> None:
+    con = duckdb.connect(str(topo_file), read_only=True)
+    try:
+        rows = dashboard._rows(con, "SELECT * FROM alerts WHERE signal = 'cross_node_share' ORDER BY labels", [])
+        others = con.execute("SELECT rule, labels, message FROM alerts WHERE run_id = 'topo' AND "
+                             "signal NOT IN ('cross_node_share')").fetchall()
+    finally:
+        con.close()
+    by_group = {json.loads(r["labels"])["group"]: r for r in rows}
+    # the DP groups' all-reduces run between node-a and node-b only: 100% cross-node, above 0.60
+    assert set(by_group) == {"dp[0,2]", "dp[1,3]"}, rows
+    for g, a in by_group.items():
+        assert (a["state"], a["kind"], a["severity"], a["run_id"], a["scope"]) == ("firing", "sla", "warning", "topo",
+                                                                                   "role"), a
+        assert a["value"] == 1.0 and a["threshold"] == 0.60, a
+        assert a["message"].startswith(f"group {g} (dp") and "100% of its communication time" in a["message"], a
+    # a clean run otherwise: no other rule fired on it (no straggler: the delay is in a collective)
+    assert not [o for o in others if o[0] in ("hardware_risk", "fragmentation")], others

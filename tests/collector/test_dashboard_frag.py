@@ -81,6 +81,8 @@ def test_fragmentation_rises_where_the_allocator_fragments(tmp_path) -> None:
                                "WHERE run_id = ?", [r]).fetchone() for r in books}
         trend = {r["run_id"]: r for r in dashboard._rows(con, "SELECT * FROM fragmentation_trend", [])}
         flagged = {r: dashboard.fragmenting_ranks(con, r) for r in books}
+        steady_from_1 = con.execute("SELECT min(frag_share), max(frag_share) FROM memory_fragmentation "
+                                    "WHERE run_id = 'steady' AND step >= 1").fetchone()
     finally:
         con.close()
     for run, a in books.items():
@@ -89,9 +91,17 @@ def test_fragmentation_rises_where_the_allocator_fragments(tmp_path) -> None:
         assert abs(last[run][0] - (1 - alloc / reserved)) < 1e-9, (run, last[run], a.stats())  # the last drain's books
     assert trend["grow"]["frag_share_last"] > 0.8 and trend["grow"]["frag_share_per_100_steps"] > 1.0, trend
     # steady: two blocks cached (the next step's activation is made before the last one is freed),
-    # one live, from step 1 on: half, flat
-    assert trend["steady"]["frag_share_last"] == 0.5 and abs(trend["steady"]["frag_share_per_100_steps"]) < 1e-9, trend
+    # one live, from step 1 on: half, flat (step 0 holds one block: 0, where a drain sampled it)
+    assert trend["steady"]["frag_share_last"] == 0.5 and steady_from_1 == (0.5, 0.5), (trend, steady_from_1)
     assert [r["rank"] for r in flagged["grow"]] == [0] and flagged["steady"] == [], flagged
+    # the live rule (built in) alerted the same: rank 0 of `grow`, nothing on `steady`
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        alerts = dashboard._rows(con, "SELECT * FROM alerts WHERE signal = 'fragmentation'", [])
+    finally:
+        con.close()
+    assert [(a["run_id"], a["rank"], a["state"], a["kind"]) for a in alerts] == [("grow", 0, "firing", "sla")], alerts
+    assert alerts[0]["message"].startswith("rank 0's allocator fragmentation") and "per 100 steps" in alerts[0]["message"]
     # the GPUs screen's panel and the report read the same view
     con = duckdb.connect(str(c.db), read_only=True)
     try:

@@ -122,3 +122,17 @@ def test_degrading_gpus_are_flagged_12h_ahead_healthy_ones_are_not(tmp_path) -> 
     # each healthy GPU's noise is seen, not judged a failure
     assert levels[("node-8", 0)] == "ok" or levels[("node-8", 0)] == "watch"
     assert all(levels[k] != "fail_likely" for k in levels if k not in DEGRADING), levels
+    # the live rule (built in: risk points above 3, over the last 12 h of samples) alerted the same
+    # three, each with its evidence, as hardware alerts with an incident of their own; no healthy one
+    con = duckdb.connect(str(collector.db), read_only=True)
+    try:
+        alerts = dashboard._rows(con, "SELECT * FROM alerts WHERE signal = 'hardware_risk'", [])
+    finally:
+        con.close()
+    live = {(a["node"], a["gpu"]): a for a in alerts}
+    assert set(live) == DEGRADING, alerts
+    for a in alerts:
+        assert (a["state"], a["kind"], a["rule"]) == ("firing", "hardware", "hardware_risk"), a
+        assert a["incident_id"] == a["id"] and a["value"] >= 4, a
+    assert live[("node-7", 3)]["message"] == msg, (live[("node-7", 3)], msg)
+    assert all(a["message"].endswith("likely to fail") for a in alerts), alerts

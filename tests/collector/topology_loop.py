@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc_per_node 4 tests/collector/topology_loop.py --steps 16 --delay-ms 60
 
-Ranks 0, 1 call themselves node-a and ranks 2, 3 node-b (socket.gethostname, which the hooks
-report as the rank's hostname, is answered per rank: the host's identity is the hardware edge).
+Ranks 0, 1 call themselves node-a and ranks 2, 3 node-b (TRACETOP_NODE, set per rank before the
+Tracer reads it: the node name the hooks report instead of the host's).
 Layout tp=2 x dp=2: the TP groups (0,1) and (2,3) stay in a node, the DP groups (0,2) and (1,3)
 cross. Each step: an all-reduce in the rank's TP group, then one in its DP group; from the first
 step, rank 3 sleeps --delay-ms before its DP all-reduce, so the pair (1,3)'s transfers are late and
@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 RANK = int(os.environ.get("RANK", "0"))
 NODE = "node-a" if RANK < 2 else "node-b"
-socket.gethostname = lambda: NODE  # before the Tracer reads it
+os.environ["TRACETOP_NODE"] = NODE  # before the Tracer reads it
 
 
 def main() -> None:
