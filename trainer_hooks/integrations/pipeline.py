@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
     slot, phase, has_mb = INSTRUCTIONS.get(instr, (4, "comm", False))
     code = rec.instr_code(instr)
-    counts = rec.instr_counts
+    # the Recorder's objects that live as long as it (reset in place): bound once, not looked up per call
+    counts, acc, rows = rec.instr_counts, rec.acc, rec.instr_rows
+    sums = acc.sums
     clock = perf_counter_ns
 
     def timed(engine: Any, *args: Any, **kwargs: Any) -> Any:
@@ -34,11 +36,13 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
             return _device_timed(r, instr, slot, has_mb, handler, engine, args, kwargs)
         # CPU: the hot path, inlined. Self time = wall time minus the collectives inside.
         try:
-            mb = counts.get(instr, 0)
-            counts[instr] = mb + 1
+            if has_mb:
+                mb = counts.get(instr, 0)
+                counts[instr] = mb + 1
+            else:
+                mb = -1
             prev = r.current_phase
             r.current_phase = phase
-            acc = r.acc
             comm0 = acc.comm_ns
         except Exception as e:  # a hook never breaks the instruction it observes
             r.hook_error("pipeline", e)
@@ -50,8 +54,8 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
             dur = clock() - t0
             try:
                 r.current_phase = prev
-                acc.sums[slot] += dur - (acc.comm_ns - comm0)
-                r.instr_rows.append((r.step_n, r.step_wall0 + (t0 - r.step_perf0), dur, mb if has_mb else -1, code))
+                sums[slot] += dur - (acc.comm_ns - comm0)
+                rows.append((r.step_n, r.step_wall0 + (t0 - r.step_perf0), dur, mb, code))
                 r.events += 1
             except Exception as e:
                 r.hook_error("pipeline", e)
