@@ -24,8 +24,8 @@ from __future__ import annotations
 import inspect
 import sys
 import time
-from threading import get_ident
 from collections.abc import Callable, Iterable
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 from trainer_hooks.integrations import async_done
