@@ -157,6 +157,7 @@ class Recorder:
         self.in_step = False
         self.step_wall0 = 0
         self.step_perf0 = 0
+        self.step_off = 0  # step_wall0 - step_perf0: a perf_counter_ns reading + step_off = its wall ns
         self.step_t0: Any = 0  # perf_counter ns, or the start event on the device clock
         self.acc = StepAccumulator()
         self.deferred: collections.deque[tuple[DeferredOp, Any, Any, Any]] = collections.deque()
@@ -193,7 +194,7 @@ class Recorder:
     # ------------------------------------------------------------------ steps and phases
     def wall(self, perf_ns: int) -> int:
         """Wall-clock ns of a ``perf_counter_ns`` reading in the current step."""
-        return self.step_wall0 + (perf_ns - self.step_perf0)
+        return self.step_off + perf_ns
 
     def phase(self, name: str) -> PhaseContext:
         ctx = self._phases.get(name)
@@ -205,8 +206,9 @@ class Recorder:
         self.step_n = n
         self.in_step = True
         self.instr_counts.clear()
-        self.step_wall0 = self.clock_ns()
-        self.step_perf0 = perf_counter_ns()
+        self.step_wall0 = wall0 = self.clock_ns()
+        self.step_perf0 = perf0 = perf_counter_ns()
+        self.step_off = wall0 - perf0
         clock = self.device_clock
         if clock is None:
             self.acc.reset()

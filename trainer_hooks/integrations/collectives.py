@@ -214,7 +214,7 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
         ret = None
         t0 = sink.pending_t0 = clock()
         try:
-            ret = fn(*args, **kwargs)
+            ret = fn(*args, **kwargs) if kwargs else fn(*args)
             return ret
         finally:
             dur = clock() - t0
@@ -222,7 +222,7 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
             sink.pending_sig = -1
             try:
                 sink.acc.comm_ns += dur
-                wall0 = sink.step_wall0 + (t0 - sink.step_perf0)
+                wall0 = sink.step_off + t0
                 # an async call's Work: its row is written at completion (trainer_hooks.integrations.async_done)
                 if ret is None or not async_done.track(sink, ret, sink.step_n, wall0, t0, nbytes, sig):
                     sink.collective_rows.append((sink.step_n, wall0, dur, nbytes, sig))

@@ -22,6 +22,17 @@ if TYPE_CHECKING:
     from trainer_hooks.tracer import Tracer
 
 
+#: "no such argument": DeepSpeed calls most handlers as ``handler(engine, buffer_id=i)``
+_ABSENT: Any = object()
+
+
+def _call(handler: Any, engine: Any, buffer_id: Any, args: tuple, kwargs: dict) -> Any:
+    """The handler called with exactly what the timed wrapper was given."""
+    if buffer_id is _ABSENT:
+        return handler(engine, *args, **kwargs)
+    return handler(engine, buffer_id, *args, **kwargs)
+
+
 def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
     slot, phase, has_mb = INSTRUCTIONS.get(instr, (4, "comm", False))
     code = rec.instr_code(instr)
@@ -30,10 +41,13 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
     sums = acc.sums
     clock = perf_counter_ns
 
-    def timed(engine: Any, *args: Any, **kwargs: Any) -> Any:
+    # ``buffer_id`` named: DeepSpeed's ``handler(engine, buffer_id=i)`` (12 of a step's 15
+    # instructions with 4 micro-batches) is then passed on as ``handler(engine, buffer_id)``, without
+    # building and unpacking a keyword dict (~2.5 us a call between steps of tensor work, measured)
+    def timed(engine: Any, buffer_id: Any = _ABSENT, *args: Any, **kwargs: Any) -> Any:
         r = rec
         if r.device_clock is not None:
-            return _device_timed(r, instr, slot, has_mb, handler, engine, args, kwargs)
+            return _device_timed(r, instr, slot, has_mb, handler, engine, buffer_id, args, kwargs)
         # CPU: the hot path, inlined. Self time = wall time minus the collectives inside.
         try:
             if has_mb:
@@ -46,16 +60,19 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
             comm0 = acc.comm_ns
         except Exception as e:  # a hook never breaks the instruction it observes
             r.hook_error("pipeline", e)
-            return handler(engine, *args, **kwargs)
+            return _call(handler, engine, buffer_id, args, kwargs)
         t0 = clock()
         try:
-            return handler(engine, *args, **kwargs)
+            if args or kwargs or buffer_id is _ABSENT:
+                return _call(handler, engine, buffer_id, args, kwargs)
+            return handler(engine, buffer_id)
         finally:
             dur = clock() - t0
             try:
                 r.current_phase = prev
-                sums[slot] += dur - (acc.comm_ns - comm0)
-                rows.append((r.step_n, r.step_wall0 + (t0 - r.step_perf0), dur, mb, code))
+                comm = acc.comm_ns
+                sums[slot] += dur if comm == comm0 else dur - (comm - comm0)
+                rows.append((r.step_n, r.step_off + t0, dur, mb, code))
                 r.events += 1
             except Exception as e:
                 r.hook_error("pipeline", e)
@@ -65,16 +82,16 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
     return timed
 
 
-def _device_timed(r: Recorder, instr: str, slot: int, has_mb: bool, handler: Any, engine: Any, args: tuple,
-                  kwargs: dict) -> Any:
+def _device_timed(r: Recorder, instr: str, slot: int, has_mb: bool, handler: Any, engine: Any, buffer_id: Any,
+                  args: tuple, kwargs: dict) -> Any:
     """GPU: CUDA events around the instruction, resolved later by the emitter."""
     try:
         token = r.instr_enter(instr)
     except Exception as e:
         r.hook_error("pipeline", e)
-        return handler(engine, *args, **kwargs)
+        return _call(handler, engine, buffer_id, args, kwargs)
     try:
-        return handler(engine, *args, **kwargs)
+        return _call(handler, engine, buffer_id, args, kwargs)
     finally:
         try:
             r.instr_exit(instr, slot, token, has_mb)
