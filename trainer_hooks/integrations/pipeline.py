@@ -77,9 +77,11 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
             return _call(handler, engine, buffer_id, args, kwargs)
         t0 = clock()
         try:
-            if positional and buffer_id is not _ABSENT and not args and not kwargs:
-                return handler(engine, buffer_id)
-            return _call(handler, engine, buffer_id, args, kwargs)
+            if args or kwargs:
+                return _call(handler, engine, buffer_id, args, kwargs)
+            if buffer_id is _ABSENT:  # OptimizerStep, ReduceGrads: no arguments
+                return handler(engine)
+            return handler(engine, buffer_id) if positional else handler(engine, buffer_id=buffer_id)
         finally:
             dur = clock() - t0
             try:
