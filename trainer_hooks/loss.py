@@ -1,7 +1,8 @@
 """The step's loss, without ever synchronizing the device on the training thread.
 
-A float (or an int) is taken as it is; a CPU tensor is read at once (``item()``: no device
-involved). A CUDA tensor is never read here (`.item()` waits for the device): with the tracer's
+The Tracer keeps what ``set_loss`` is given and calls :func:`loss_value` once, at the step's end,
+on the last value (a tensor replaced before then is never read). A float (or an int) is taken as
+it is; a CPU tensor is read then (``item()``: no device involved). A CUDA tensor is never read here (`.item()` waits for the device): with the tracer's
 device clock the value is copied to pinned host memory asynchronously (`to("cpu", non_blocking=True)` on the
 current stream) and the copy is read by the emitter once the step's end event, recorded after
 it on the same stream, says the device got there (`resolve`). Without a device clock (CPU timers

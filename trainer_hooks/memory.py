@@ -50,6 +50,7 @@ from typing import Any
 
 #: getrusage(RUSAGE_THREAD) (Linux): this thread's rusage, the process's memory mark (no walk over threads)
 _RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+_getrusage = resource.getrusage  # [2] is ru_maxrss (a struct sequence: the index is the cheap read)
 
 
 class StepPeak:
@@ -91,7 +92,7 @@ class StepPeak:
         if self._clear < 0:
             return -1
         try:
-            kib = resource.getrusage(_RUSAGE).ru_maxrss  # max(S, the mark): the mark when above floor
+            kib = _getrusage(_RUSAGE)[2]  # ru_maxrss = max(S, the mark): the mark when above floor
             if kib > self._floor_kib:
                 peak = kib * 1024
             else:  # S may be what it shows: read the mark itself; this reading bounds S more tightly

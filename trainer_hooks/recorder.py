@@ -46,6 +46,7 @@ _STEP_BEGIN, _STEP_END, _COLLECTIVE = DeferredOp.STEP_BEGIN, DeferredOp.STEP_END
 #: phase name -> accumulator slot. Other names are tracked for the heartbeat only.
 PHASE_SLOTS = {"data": 0, "data_wait": 0, "forward": 1, "backward": 2, "optimizer": 3}
 N_SLOTS = 5  # 4 = anything else (comm instructions, user phases)
+_ZEROS = (0,) * N_SLOTS
 
 #: pipeline instruction -> (accumulator slot, heartbeat phase, has a micro-batch)
 INSTRUCTIONS: dict[str, tuple[int, str, bool]] = {
@@ -81,7 +82,7 @@ class StepAccumulator:
 
     def reset(self) -> None:
         self.comm_ns = 0
-        self.sums = [0] * N_SLOTS
+        self.sums[:] = _ZEROS  # in place: nothing allocated (finish_step copies the sums into its row)
         self.stack.clear()
 
 
@@ -156,6 +157,7 @@ class Recorder:
         self.in_step = False
         self.step_wall0 = 0
         self.step_perf0 = 0
+        self.step_off = 0  # step_wall0 - step_perf0: a perf_counter_ns reading + step_off = its wall ns
         self.step_t0: Any = 0  # perf_counter ns, or the start event on the device clock
         self.acc = StepAccumulator()
         self.deferred: collections.deque[tuple[DeferredOp, Any, Any, Any]] = collections.deque()
@@ -170,6 +172,8 @@ class Recorder:
         self.signature_table: list[tuple] = []
         self._sigs: dict[tuple, int] = {}
         self._sig_cache: dict[tuple, int] = {}  # (spec, group, dtype, async, peer) -> signature
+        #: spec -> dtype -> signature of a call whose one argument is its tensor (integrations.collectives)
+        self.fast_sigs: dict[Any, dict[Any, int]] = {}
         self.axes: dict[str, list[tuple[int, ...]]] = {}  # role -> rank sets of its groups
         self._axis_roles: dict[str, str] = {}
         self._coord_of: Callable[[int], dict[str, int]] | None = None
@@ -190,7 +194,7 @@ class Recorder:
     # ------------------------------------------------------------------ steps and phases
     def wall(self, perf_ns: int) -> int:
         """Wall-clock ns of a ``perf_counter_ns`` reading in the current step."""
-        return self.step_wall0 + (perf_ns - self.step_perf0)
+        return self.step_off + perf_ns
 
     def phase(self, name: str) -> PhaseContext:
         ctx = self._phases.get(name)
@@ -202,8 +206,9 @@ class Recorder:
         self.step_n = n
         self.in_step = True
         self.instr_counts.clear()
-        self.step_wall0 = self.clock_ns()
-        self.step_perf0 = perf_counter_ns()
+        self.step_wall0 = wall0 = self.clock_ns()
+        self.step_perf0 = perf0 = perf_counter_ns()
+        self.step_off = wall0 - perf0
         clock = self.device_clock
         if clock is None:
             self.acc.reset()
@@ -370,6 +375,7 @@ class Recorder:
         self._roles.clear()
         self._peer_roles.clear()
         self._sig_cache.clear()
+        self.fast_sigs.clear()
 
     def _group_info(self, group: Any) -> tuple[str, int]:
         info = self._roles.get(group)

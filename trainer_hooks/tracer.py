@@ -73,7 +73,12 @@ class _StepCtx:
     def __enter__(self) -> None:
         t = self.t
         try:
-            t._step_begin(self.n)
+            if not t._described:
+                t.describe()
+            commands = t.commands
+            if commands is not None and commands.handlers and commands.driving:  # before the step's clock starts
+                commands.boundary(self.n)
+            t.recorder.begin_step(self.n)
         except Exception as e:
             t.recorder.hook_error("step", e)
 
@@ -277,12 +282,11 @@ class Tracer:
 
     def set_loss(self, value: Any) -> None:
         """The current step's loss (a float or a tensor; a CUDA tensor is read by the emitter once
-        the step's end event is done, never synced here: trainer_hooks/loss.py)."""
+        the step's end event is done, never synced here: trainer_hooks/loss.py). Only kept here:
+        the value in force at the step's end is read then (``_step_end``), so a tensor replaced
+        before that (DeepSpeed's ``train_batch`` result, then the trainer's own float) is never read."""
         if self.enabled:
-            try:
-                self._loss = loss_value(value, deferred=self.recorder.device_clock is not None)
-            except Exception as e:
-                self.recorder.hook_error("loss", e)
+            self._loss = value
 
     def on_command(self, kind: str, fn: Callable[[Any], Any], current: Callable[[], Any] | None = None) -> None:
         """Apply ``kind`` (``micro_batch``: an int, ``offload``: a bool) commands with ``fn(value)``,
@@ -466,20 +470,19 @@ class Tracer:
         return {"errors": self.errors, "events": self.events, "shipper": self.shipper.stats()}
 
     # ------------------------------------------------------------------ steps
-    def _step_begin(self, n: int) -> None:
-        if not self._described:
-            self.describe()
-        commands = self.commands
-        if commands is not None and commands.driving:  # before the step's clock starts
-            commands.boundary(n)
-        self.recorder.begin_step(n)
-
     def _step_end(self, tokens: int, samples: int) -> None:
         # as in force at this step's end, and the step's memory peak (reset for the next step)
-        peak = self.step_peak.take() if self.step_peak is not None else -1
-        shape = (self._loss, self.micro_batch, self.micro_batches, peak)
+        rec = self.recorder
+        loss = self._loss
+        if type(loss) is not float:  # a tensor (read now; a device one copied, read by the emitter), None, an int
+            try:
+                loss = loss_value(loss, deferred=rec.device_clock is not None)
+            except Exception as e:
+                rec.hook_error("loss", e)
+                loss = _NAN
         self._loss = _NAN
-        self.recorder.end_step(tokens, samples, shape)
+        peak = self.step_peak.take() if self.step_peak is not None else -1
+        rec.end_step(tokens, samples, (loss, self.micro_batch, self.micro_batches, peak))
         if self.progress is not None:
             self.progress.step_done(self.recorder.step_n)
         if self._handover_s:

@@ -51,7 +51,8 @@ def _losses(device_clock, values) -> list[float]:
     try:
         for n, v in enumerate(values):
             with t.step(n):
-                t.set_loss(v)
+                for each in v if isinstance(v, tuple) else (v,):  # a tuple: set_loss called once per item
+                    t.set_loss(each)
         if device_clock is not None:
             time.sleep(0.3)
             t.emitter.drain()
@@ -86,3 +87,28 @@ def test_device_loss_without_a_device_clock_stays_nan():
     loss = FakeDeviceLoss(3.75)
     got = _losses(None, [loss])
     assert math.isnan(got[0]) and loss.copies == []
+
+
+class CountedLoss:
+    """A CPU tensor stand-in that counts its reads (``item()``)."""
+
+    is_cpu = True
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+        self.reads = 0
+
+    def numel(self) -> int:
+        return 1
+
+    def item(self) -> float:
+        self.reads += 1
+        return self.value
+
+
+def test_the_last_loss_of_a_step_is_read_once_at_its_end_and_a_replaced_one_never():
+    # DeepSpeed's train_batch result, then the trainer's own float: the tensor is never read
+    replaced, kept = CountedLoss(9.0), CountedLoss(0.5)
+    got = _losses(None, [(replaced, 1.75), (kept,), (CountedLoss(9.0), None)])
+    assert got[:2] == [1.75, 0.5] and math.isnan(got[2])
+    assert replaced.reads == 0 and kept.reads == 1

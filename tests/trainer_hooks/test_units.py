@@ -248,3 +248,52 @@ def test_heartbeat_names_the_pending_collective() -> None:
     assert (hb["phase"][i], hb["pending_role"][i], hb["step"][i]) == ("comm", "tp", 3)
     assert before - 5_000_000 <= hb["pending_since_ns"][i] <= hb["start_ns"][i]
     assert hb["pending_op"][-1] == "" and hb["pending_since_ns"][-1] == -1  # the closing heartbeat
+
+
+def test_pipeline_handlers_get_exactly_what_the_engine_passes() -> None:
+    """DeepSpeed calls ``handler(engine, buffer_id=i)``, ``handler(engine)`` or with other keywords;
+    the timed handler passes each on unchanged and writes one PIPE_INSTR row per call."""
+    from trainer_hooks.integrations import pipeline
+
+    calls: list[tuple] = []
+
+    class Engine:
+        pass
+
+    def forward(self, buffer_id):
+        calls.append(("forward", buffer_id))
+        return buffer_id
+
+    def step(self, lr_kwargs=None):
+        calls.append(("step", lr_kwargs))
+
+    def reduce(self, *args, **kwargs):
+        calls.append(("reduce", args, kwargs))
+
+    def recv(self, other=None, buffer_id=None):  # buffer_id not first: it must stay a keyword
+        calls.append(("recv", other, buffer_id))
+
+    Engine._INSTRUCTION_MAP = {type("ForwardPass", (), {}): forward, type("OptimizerStep", (), {}): step,
+                               type("ReduceGrads", (), {}): reduce, type("RecvGrad", (), {}): recv}
+    engine = Engine()
+    tracer, mem = _tracer()
+    assert pipeline.wrap(engine, tracer)
+    timed = {fn.__wrapped__.__name__: fn for fn in engine._INSTRUCTION_MAP.values()}
+    with tracer.step(0):
+        assert timed["forward"](engine, buffer_id=3) == 3
+        assert timed["forward"](engine, 5) == 5
+        timed["step"](engine)
+        timed["step"](engine, lr_kwargs={"lr": 0.1})
+        timed["reduce"](engine, 1, 2, x=3)
+        timed["reduce"](engine, buffer_id=7)
+        timed["recv"](engine, buffer_id=4)
+        with pytest.raises(TypeError):  # a call the handler refuses fails as it would unwrapped
+            timed["forward"](engine, buffer_id=1, other=2)
+    tracer.close()
+    assert calls == [("forward", 3), ("forward", 5), ("step", None), ("step", {"lr": 0.1}),
+                     ("reduce", (1, 2), {"x": 3}), ("reduce", (), {"buffer_id": 7}), ("recv", None, 4)]
+    rows = mem.rows(Kind.PIPE_INSTR)
+    assert list(rows["instr"]) == ["ForwardPass", "ForwardPass", "OptimizerStep", "OptimizerStep", "ReduceGrads",
+                                   "ReduceGrads", "RecvGrad", "ForwardPass"]
+    assert list(rows["micro_batch"]) == [0, 1, -1, -1, -1, -1, 0, 2]
+    assert tracer.errors == 0
