@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 #: Bumped whenever a column is added, removed or retyped. The collector refuses other versions
 #: with a message saying which side to upgrade.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 class Kind(IntEnum):
@@ -147,6 +147,14 @@ SCHEMAS: dict[Kind, tuple[Col, ...]] = {
         Col("nvlink_rx_bytes", "f8"),
         Col("ecc_uncorrected", "f8"),
         Col("remapped_rows", "f8"),
+        # schema 3: appended (a file migrates with ALTER TABLE ... ADD COLUMN): hardware risk's inputs
+        Col("ecc_corrected", "f8"),        # volatile corrected ECC errors, since the driver loaded
+        Col("remap_pending", "f8"),        # 1: a row remap waits for a GPU reset (NVML gives a flag, not a count)
+        Col("remap_failure", "f8"),        # 1: a row remapping failed
+        Col("pcie_replays", "f8"),         # cumulative PCIe replay counter
+        Col("pcie_correctable", "f8"),     # cumulative PCIe correctable errors
+        Col("temp_slowdown_c", "f8"),      # the GPU's slowdown temperature (thermal margin = this - temp_c)
+        Col("power_limit_mw", "f8"),       # enforced power limit
     ),
     Kind.HOST_SAMPLE: _COMMON
     + (
