@@ -51,6 +51,13 @@ class FakeGPU:
     ecc_uncorrected: int = 0
     remapped_correctable: int = 0
     remapped_uncorrectable: int = 0
+    ecc_corrected: int = 0
+    remap_pending: bool = False
+    remap_failure: bool = False
+    pcie_replays: int = 0
+    pcie_correctable: int = 0
+    temp_slowdown_c: int = 90
+    power_limit_mw: int = 700_000
     processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, used bytes)
     unsupported: set[Any] = field(default_factory=set)
 
@@ -226,12 +233,28 @@ class FakeNVML:
         return self._enter("nvmlDeviceGetCurrentClocksEventReasons", handle).clock_event_reasons  # type: ignore[union-attr]
 
     def nvmlDeviceGetTotalEccErrors(self, handle: FakeHandle, errorType: int, counterType: int) -> int:
-        return self._enter("nvmlDeviceGetTotalEccErrors", handle).ecc_uncorrected  # type: ignore[union-attr]
+        g = self._enter("nvmlDeviceGetTotalEccErrors", handle)
+        assert g is not None
+        if errorType == pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED:
+            return g.ecc_corrected
+        return g.ecc_uncorrected
 
     def nvmlDeviceGetRemappedRows(self, device: FakeHandle) -> tuple[int, int, int, int]:
         g = self._enter("nvmlDeviceGetRemappedRows", device)
         assert g is not None
-        return (g.remapped_correctable, g.remapped_uncorrectable, 0, 0)
+        return (g.remapped_correctable, g.remapped_uncorrectable, int(g.remap_pending), int(g.remap_failure))
+
+    def nvmlDeviceGetPcieReplayCounter(self, handle: FakeHandle) -> int:
+        return self._enter("nvmlDeviceGetPcieReplayCounter", handle).pcie_replays  # type: ignore[union-attr]
+
+    def nvmlDeviceGetTemperatureThreshold(self, handle: FakeHandle, thresholdType: int) -> int:
+        g = self._enter("nvmlDeviceGetTemperatureThreshold", handle)
+        if thresholdType != pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN:
+            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return g.temp_slowdown_c  # type: ignore[union-attr]
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: FakeHandle) -> int:
+        return self._enter("nvmlDeviceGetEnforcedPowerLimit", handle).power_limit_mw  # type: ignore[union-attr]
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: FakeHandle) -> list[Any]:
         g = self._enter("nvmlDeviceGetComputeRunningProcesses", handle)
@@ -252,6 +275,7 @@ class FakeNVML:
             pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES: g.pcie_rx_bytes,
             pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX: g.nvlink_tx_kib,
             pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX: g.nvlink_rx_kib,
+            pynvml.NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS: g.pcie_correctable,
         }
         for i, fid in enumerate(fieldIds):
             fid, scope = fid if isinstance(fid, tuple) else (fid, 0)

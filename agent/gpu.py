@@ -47,6 +47,13 @@ class GpuReading(NamedTuple):
     nvlink_rx_bytes: float | None
     ecc_uncorrected: float | None  # volatile, since the driver loaded
     remapped_rows: float | None  # correctable + uncorrectable
+    ecc_corrected: float | None  # volatile, since the driver loaded
+    remap_pending: float | None  # 1.0: a row remap waits for a reset (a flag in NVML, not a count)
+    remap_failure: float | None  # 1.0: a remapping failed
+    pcie_replays: float | None  # cumulative
+    pcie_correctable: float | None  # cumulative
+    temp_slowdown_c: float | None  # the slowdown threshold: thermal margin = this - temp_c
+    power_limit_mw: float | None  # enforced
 
 
 class ProcReading(NamedTuple):
@@ -123,12 +130,15 @@ class GPUSampler:
             "sm": b.NVML_CLOCK_SM,
             "ecc_type": b.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
             "ecc_counter": b.NVML_VOLATILE_ECC,
+            "ecc_corrected": b.NVML_MEMORY_ERROR_TYPE_CORRECTED,
+            "slowdown": b.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN,
         }
         self._field_ids = [
             b.NVML_FI_DEV_PCIE_COUNT_TX_BYTES,
             b.NVML_FI_DEV_PCIE_COUNT_RX_BYTES,
             (b.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, _ALL_LINKS),
             (b.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, _ALL_LINKS),
+            b.NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS,
         ]
         self._chosen: dict[tuple[int, str], str] = {}
         q = nvml.query
@@ -161,7 +171,7 @@ class GPUSampler:
             util = q("nvmlDeviceGetUtilizationRates", h)
             mem = q("nvmlDeviceGetMemoryInfo", h)
             rows = q("nvmlDeviceGetRemappedRows", h)
-            tx, rx, nvtx_kib, nvrx_kib = self.nvml.field_values(h, self._field_ids)
+            tx, rx, nvtx_kib, nvrx_kib, pcie_corr = self.nvml.field_values(h, self._field_ids)
             readings.append(
                 GpuReading(
                     gpu=i,
@@ -183,6 +193,15 @@ class GPUSampler:
                         q("nvmlDeviceGetTotalEccErrors", h, c["ecc_type"], c["ecc_counter"])
                     ),
                     remapped_rows=None if rows is None else float(rows[0] + rows[1]),
+                    ecc_corrected=_num(
+                        q("nvmlDeviceGetTotalEccErrors", h, c["ecc_corrected"], c["ecc_counter"])
+                    ),
+                    remap_pending=None if rows is None else float(bool(rows[2])),
+                    remap_failure=None if rows is None else float(bool(rows[3])),
+                    pcie_replays=_num(q("nvmlDeviceGetPcieReplayCounter", h)),
+                    pcie_correctable=pcie_corr,
+                    temp_slowdown_c=_num(q("nvmlDeviceGetTemperatureThreshold", h, c["slowdown"])),
+                    power_limit_mw=_num(q("nvmlDeviceGetEnforcedPowerLimit", h)),
                 )
             )
             for p in q("nvmlDeviceGetComputeRunningProcesses", h) or ():

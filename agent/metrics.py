@@ -41,6 +41,13 @@ GPU_METRICS: dict[str, tuple[str, str, bool]] = {
         "Remapped memory rows (correctable + uncorrectable)",
         False,
     ),
+    "ecc_corrected": ("tracetop_gpu_ecc_corrected_errors", "Corrected ECC errors (volatile)", True),
+    "remap_pending": ("tracetop_gpu_remap_pending", "1 if a row remap waits for a GPU reset", False),
+    "remap_failure": ("tracetop_gpu_remap_failure", "1 if a row remapping failed", False),
+    "pcie_replays": ("tracetop_gpu_pcie_replays", "PCIe replay counter", True),
+    "pcie_correctable": ("tracetop_gpu_pcie_correctable_errors", "PCIe correctable errors", True),
+    "temp_slowdown_c": ("tracetop_gpu_slowdown_temperature_c", "Slowdown temperature threshold, Celsius", False),
+    "power_limit_mw": ("tracetop_gpu_power_limit_mw", "Enforced power limit in milliwatts", False),
 }
 
 HOST_METRICS: dict[str, tuple[str, str]] = {

@@ -24,7 +24,11 @@ from typing import NamedTuple
 
 #: Bumped whenever a column is added, removed or retyped. The collector refuses other versions
 #: with a message saying which side to upgrade.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+#: The oldest schema a collector still reads: an agent or trainer not yet upgraded, or a spool written
+#: before the upgrade, keeps being stored (a rolling upgrade loses nothing). Its batch lacks the
+#: columns appended since (`APPENDED_IN`), which read as NaN; only float columns may be appended.
+OLDEST_READ_SCHEMA = 2
 
 
 class Kind(IntEnum):
@@ -147,6 +151,14 @@ SCHEMAS: dict[Kind, tuple[Col, ...]] = {
         Col("nvlink_rx_bytes", "f8"),
         Col("ecc_uncorrected", "f8"),
         Col("remapped_rows", "f8"),
+        # schema 3: appended (a file migrates with ALTER TABLE ... ADD COLUMN): hardware risk's inputs
+        Col("ecc_corrected", "f8"),        # volatile corrected ECC errors, since the driver loaded
+        Col("remap_pending", "f8"),        # 1: a row remap waits for a GPU reset (NVML gives a flag, not a count)
+        Col("remap_failure", "f8"),        # 1: a row remapping failed
+        Col("pcie_replays", "f8"),         # cumulative PCIe replay counter
+        Col("pcie_correctable", "f8"),     # cumulative PCIe correctable errors
+        Col("temp_slowdown_c", "f8"),      # the GPU's slowdown temperature (thermal margin = this - temp_c)
+        Col("power_limit_mw", "f8"),       # enforced power limit
     ),
     Kind.HOST_SAMPLE: _COMMON
     + (
@@ -204,3 +216,22 @@ NUMPY_DTYPES = {"i4": "<i4", "i8": "<i8", "f8": "<f8", "str": "<i4"}
 def table_name(kind: Kind) -> str:
     """The DuckDB table (and the name users see) for an event kind."""
     return kind.name.lower()
+
+
+#: Columns appended to a kind by each schema version after OLDEST_READ_SCHEMA (in order, at the end).
+APPENDED_IN: dict[int, dict[Kind, tuple[str, ...]]] = {
+    3: {Kind.GPU_SAMPLE: ("ecc_corrected", "remap_pending", "remap_failure", "pcie_replays",
+                          "pcie_correctable", "temp_slowdown_c", "power_limit_mw")},
+}
+
+
+def columns_of(kind: Kind, version: int) -> tuple[Col, ...]:
+    """The columns a batch of `kind` has at schema `version` (OLDEST_READ_SCHEMA..SCHEMA_VERSION)."""
+    later = {name for v, kinds in APPENDED_IN.items() if v > version for name in kinds.get(kind, ())}
+    return tuple(c for c in SCHEMAS[kind] if c.name not in later)
+
+
+for _v, _kinds in APPENDED_IN.items():  # appended columns are floats at the end: NaN fills them
+    for _kind, _names in _kinds.items():
+        _tail = SCHEMAS[_kind][-len(_names):]
+        assert [c.name for c in _tail] == list(_names) and all(c.dtype == "f8" for c in _tail), (_v, _kind)

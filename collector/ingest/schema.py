@@ -491,10 +491,20 @@ def _v13() -> list[str]:
     return [matviews.view_sql("stragglers")]
 
 
+def _v14() -> list[str]:
+    """Wire schema 3 (issue 25, hardware risk): GPU_SAMPLE rows carry corrected ECC errors, the row
+    remapper's pending and failure flags, PCIe replays and correctable errors, the slowdown
+    temperature and the enforced power limit. A fresh file's `gpu_sample` already has them (_v1
+    derives it from tracetop/events.py), hence IF NOT EXISTS; older rows read NULL."""
+    cols = ("ecc_corrected", "remap_pending", "remap_failure", "pcie_replays", "pcie_correctable",
+            "temp_slowdown_c", "power_limit_mw")
+    return [f"ALTER TABLE gpu_sample ADD COLUMN IF NOT EXISTS {c} DOUBLE" for c in cols]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12, _v13]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12, _v13, _v14]
 STORE_VERSION = len(MIGRATIONS)
 
 

@@ -112,23 +112,51 @@ FROM t GROUP BY run_id, role, "group"
 """
 
 
+#: corrected ECC errors score when they rose by at least this many over the window and their rate
+#: doubles within CECC_DOUBLING_H (and within half the window: the two halves' rates at least x2)
+CECC_MIN_RISE = 20
+CECC_DOUBLING_H = 12
+#: thermal margin (slowdown temperature - temperature) at or below which a GPU scores a point
+THERMAL_MARGIN_C = 5
+#: PCIe replays or correctable errors over the window that score a point
+PCIE_ERRORS_RISE = 100
+
 #: XIDs that mean the memory or the bus is failing (NVIDIA's XID catalogue)
 FATAL_XIDS = (48, 63, 64, 74, 79, 92, 94, 95)
 
 
+#: GPU_SAMPLE columns of wire schema 3 (file schema 14); older files read them as NULL
+_RISK_V3_COLUMNS = ("ecc_corrected", "remap_pending", "remap_failure", "pcie_replays", "pcie_correctable",
+                    "temp_slowdown_c", "power_limit_mw")
+
+
 def hardware_risk_sql(until_ns: str = "9223372036854775807", where: str = "TRUE") -> str:
     """The hardware_risk view's text, over samples (and XIDs) at or before `until_ns` (an SQL
-    expression) that match `where` (SQL over gpu_sample / xid columns)."""
+    expression) that match `where` (SQL over gpu_sample / xid columns). A file older than schema
+    14 has no corrected-ECC, remap-flag, PCIe-error, threshold or power-limit columns: they read NULL
+    (UNION ALL BY NAME with an empty row of them) and score nothing."""
     fatal = ", ".join(map(str, FATAL_XIDS))
+    v3 = ", ".join(f"CAST(NULL AS DOUBLE) AS {c}" for c in _RISK_V3_COLUMNS)
     return f"""
-WITH s AS (SELECT node, gpu, start_ns, (start_ns - min(start_ns) OVER (PARTITION BY node, gpu)) / 3.6e12 AS h,
+WITH gs AS (SELECT * FROM gpu_sample UNION ALL BY NAME SELECT {v3} WHERE false),
+s0 AS (SELECT node, gpu, start_ns, (start_ns - min(start_ns) OVER (PARTITION BY node, gpu)) / 3.6e12 AS h,
                   ecc_uncorrected AS ecc, remapped_rows, temp_c, power_mw, util_pct, sm_clock_mhz,
-                  CAST(coalesce(clock_event_reasons, 0) AS BIGINT) AS reasons
-           FROM gpu_sample WHERE gpu >= 0 AND start_ns <= {until_ns} AND ({where})),
+                  CAST(coalesce(clock_event_reasons, 0) AS BIGINT) AS reasons,
+                  ecc_corrected AS cecc, remap_pending, remap_failure, pcie_replays, pcie_correctable,
+                  temp_slowdown_c - temp_c AS margin_c,
+                  CASE WHEN power_limit_mw > 0 AND power_mw > 1.05 * power_limit_mw THEN 1.0 ELSE 0.0 END AS power_over
+           FROM gs WHERE gpu >= 0 AND start_ns <= {until_ns} AND ({where})),
+s AS (SELECT *, max(h) OVER (PARTITION BY node, gpu) AS hmax FROM s0),
 g AS (SELECT node, gpu, count(*) AS samples, max(h) AS hours, min(start_ns) AS first_ns, max(start_ns) AS last_ns,
              arg_max(ecc, start_ns) AS ecc_now, arg_min(ecc, start_ns) AS ecc_first,
              regr_slope(ln(ecc), h) FILTER (WHERE ecc > 0) AS ecc_log_slope, count(*) FILTER (WHERE ecc > 0) AS ecc_n,
              arg_max(remapped_rows, start_ns) AS remaps_now, arg_min(remapped_rows, start_ns) AS remaps_first,
+             arg_max(cecc, start_ns) AS cecc_now, arg_min(cecc, start_ns) AS cecc_first,
+             arg_max(cecc, start_ns) FILTER (WHERE h <= hmax / 2) AS cecc_mid,
+             arg_max(remap_pending, start_ns) AS remap_pending, max(remap_failure) AS remap_failure,
+             arg_max(pcie_replays, start_ns) - arg_min(pcie_replays, start_ns) AS pcie_replays_rise,
+             arg_max(pcie_correctable, start_ns) - arg_min(pcie_correctable, start_ns) AS pcie_correctable_rise,
+             min(margin_c) AS thermal_margin_c, avg(power_over) AS power_excursion_share,
              max(temp_c) AS temp_c_max, max(power_mw) / 1e3 AS power_w_max,
              avg(CASE WHEN (reasons & 392) <> 0 THEN 1.0 ELSE 0.0 END) AS hw_throttle_share,
              max(sm_clock_mhz) AS clock_max
@@ -138,37 +166,64 @@ ld AS (SELECT s.node, s.gpu, avg(CASE WHEN s.sm_clock_mhz < 0.8 * g.clock_max TH
 x AS (SELECT node, gpu, count(*) AS xids, count(*) FILTER (WHERE xid IN ({fatal})) AS fatal_xids,
              string_agg(DISTINCT CAST(xid AS VARCHAR), ',') AS xid_list
       FROM xid WHERE gpu >= 0 AND start_ns <= {until_ns} AND ({where}) GROUP BY node, gpu),
-f AS (SELECT g.*, coalesce(ld.clock_drop_share, 0) AS clock_drop_share, coalesce(x.xids, 0) AS xids,
+f0 AS (SELECT g.*, coalesce(ld.clock_drop_share, 0) AS clock_drop_share, coalesce(x.xids, 0) AS xids,
              coalesce(x.fatal_xids, 0) AS fatal_xids, x.xid_list,
              CASE WHEN ecc_n >= 3 AND ecc_log_slope > 0 THEN ln(2) / ecc_log_slope END AS ecc_doubling_h,
              coalesce(ecc_now, 0) - coalesce(ecc_first, 0) AS ecc_rise,
-             coalesce(remaps_now, 0) - coalesce(remaps_first, 0) AS remaps_rise
+             coalesce(remaps_now, 0) - coalesce(remaps_first, 0) AS remaps_rise,
+             coalesce(cecc_now, 0) - coalesce(cecc_first, 0) AS cecc_rise,
+             (cecc_mid - cecc_first) / nullif(hours / 2, 0) AS cecc_rate_early,
+             (cecc_now - cecc_mid) / nullif(hours / 2, 0) AS cecc_rate_late
       FROM g LEFT JOIN ld USING (node, gpu) LEFT JOIN x USING (node, gpu)),
+f AS (SELECT *,
+             -- the corrected-error rate's doubling time, from the rates of the window's two halves
+             CASE WHEN cecc_rate_early > 0 AND cecc_rate_late > cecc_rate_early
+                  THEN (hours / 2) / log2(cecc_rate_late / cecc_rate_early) END AS cecc_doubling_h
+      FROM f0),
 p AS (SELECT *,
              CASE WHEN ecc_rise > 0 AND ecc_doubling_h <= 12 THEN 3 WHEN ecc_rise > 0 THEN 1 ELSE 0 END AS p_ecc,
+             CASE WHEN cecc_rise >= {CECC_MIN_RISE} AND cecc_doubling_h <= least({CECC_DOUBLING_H}, hours / 2) THEN 2
+                  WHEN cecc_rise >= {CECC_MIN_RISE} AND cecc_rate_early = 0 THEN 1 ELSE 0 END AS p_cecc,
              CASE WHEN remaps_rise >= 2 THEN 2 WHEN remaps_rise > 0 THEN 1 ELSE 0 END AS p_remap,
+             CASE WHEN remap_failure > 0 THEN 4 WHEN remap_pending > 0 THEN 2 ELSE 0 END AS p_pending,
              CASE WHEN fatal_xids > 0 THEN 3 WHEN xids > 0 THEN 1 ELSE 0 END AS p_xid,
-             CASE WHEN hw_throttle_share > 0.1 THEN 1 ELSE 0 END + CASE WHEN temp_c_max >= 85 THEN 1 ELSE 0 END AS p_thermal,
-             CASE WHEN clock_drop_share > 0.1 THEN 1 ELSE 0 END AS p_clock
-      FROM f)
+             CASE WHEN hw_throttle_share > 0.1 THEN 1 ELSE 0 END
+             + CASE WHEN coalesce(thermal_margin_c <= {THERMAL_MARGIN_C}, temp_c_max >= 85) THEN 1 ELSE 0 END AS p_thermal,
+             CASE WHEN clock_drop_share > 0.1 THEN 1 ELSE 0 END AS p_clock,
+             CASE WHEN pcie_replays_rise >= {PCIE_ERRORS_RISE} OR pcie_correctable_rise >= {PCIE_ERRORS_RISE}
+                  THEN 1 ELSE 0 END AS p_pcie,
+             CASE WHEN power_excursion_share > 0.1 THEN 1 ELSE 0 END AS p_power
+      FROM f),
+t AS (SELECT *, p_ecc + p_cecc + p_remap + p_pending + p_xid + p_thermal + p_clock + p_pcie + p_power AS points FROM p)
 SELECT node, gpu, samples, hours, first_ns, last_ns, ecc_now, ecc_rise, ecc_doubling_h, remaps_now, remaps_rise,
+       cecc_now, cecc_rise, cecc_doubling_h, remap_pending, remap_failure, pcie_replays_rise, pcie_correctable_rise,
+       thermal_margin_c, power_excursion_share,
        xids, xid_list, temp_c_max, power_w_max, hw_throttle_share, clock_drop_share,
-       p_ecc + p_remap + p_xid + p_thermal + p_clock AS points,
-       least(1.0, (p_ecc + p_remap + p_xid + p_thermal + p_clock) / 6.0) AS risk,
-       CASE WHEN p_ecc + p_remap + p_xid + p_thermal + p_clock >= 4 THEN 'fail_likely'
-            WHEN p_ecc + p_remap + p_xid + p_thermal + p_clock >= 2 THEN 'watch' ELSE 'ok' END AS level,
+       points, least(1.0, points / 6.0) AS risk,
+       CASE WHEN points >= 4 THEN 'fail_likely' WHEN points >= 2 THEN 'watch' ELSE 'ok' END AS level,
        concat_ws(', ',
          CASE WHEN p_ecc = 3 THEN 'uncorrected ECC errors ' || CAST(ecc_now AS BIGINT) || ', doubling every '
                                   || printf('%.1f', ecc_doubling_h) || ' h'
               WHEN p_ecc = 1 THEN 'uncorrected ECC errors up ' || CAST(ecc_rise AS BIGINT) END,
+         CASE WHEN p_cecc = 2 THEN 'corrected ECC errors doubling every ' || printf('%.1f', cecc_doubling_h)
+                                   || ' h (' || CAST(cecc_rise AS BIGINT) || ' in ' || printf('%.0f', hours) || ' h)'
+              WHEN p_cecc = 1 THEN 'corrected ECC errors began: ' || CAST(cecc_rise AS BIGINT) || ' in '
+                                   || printf('%.0f', hours / 2) || ' h' END,
          CASE WHEN p_remap > 0 THEN CAST(remaps_rise AS BIGINT) || ' rows remapped' END,
+         CASE WHEN p_pending = 4 THEN 'row remapping failed' WHEN p_pending = 2 THEN 'a row remap pending (needs a reset)' END,
          CASE WHEN xids > 0 THEN 'XID ' || xid_list END,
          CASE WHEN hw_throttle_share > 0.1 THEN 'HW throttle ' || CAST(round(100 * hw_throttle_share) AS BIGINT)
                                                || '% of samples' END,
-         CASE WHEN temp_c_max >= 85 THEN CAST(temp_c_max AS BIGINT) || '°C' END,
+         CASE WHEN thermal_margin_c <= {THERMAL_MARGIN_C} THEN CAST(temp_c_max AS BIGINT) || '°C, '
+                                               || CAST(thermal_margin_c AS BIGINT) || '°C below slowdown'
+              WHEN thermal_margin_c IS NULL AND temp_c_max >= 85 THEN CAST(temp_c_max AS BIGINT) || '°C' END,
          CASE WHEN clock_drop_share > 0.1 THEN 'clock drops under load ' ||
-                                               CAST(round(100 * clock_drop_share) AS BIGINT) || '%' END) AS evidence
-FROM p ORDER BY points DESC, node, gpu
+                                               CAST(round(100 * clock_drop_share) AS BIGINT) || '%' END,
+         CASE WHEN p_pcie > 0 THEN 'PCIe replays up ' || CAST(coalesce(pcie_replays_rise, 0) AS BIGINT)
+                                   || ', correctable errors up ' || CAST(coalesce(pcie_correctable_rise, 0) AS BIGINT) END,
+         CASE WHEN p_power > 0 THEN 'power above its limit in ' || CAST(round(100 * power_excursion_share) AS BIGINT)
+                                    || '% of samples' END) AS evidence
+FROM t ORDER BY points DESC, node, gpu
 """
 
 

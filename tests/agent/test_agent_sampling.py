@@ -90,6 +90,29 @@ def test_older_driver_falls_back_to_deprecated_calls(caplog):
     assert len(caplog.records) == 2  # each new symbol reported once, then not asked again
 
 
+def test_hardware_risk_fields_follow_pynvml():
+    """Corrected ECC (nvmlDeviceGetTotalEccErrors with NVML_MEMORY_ERROR_TYPE_CORRECTED), the remapper's
+    pending/failure flags (nvmlDeviceGetRemappedRows' 3rd and 4th values), PCIe replays and
+    correctable errors, the slowdown threshold and the enforced power limit; unsupported -> NaN."""
+    gpus = [
+        FakeGPU(ecc_uncorrected=2, ecc_corrected=345, remap_pending=True, pcie_replays=7, pcie_correctable=11,
+                temp_slowdown_c=87, power_limit_mw=650_000),
+        FakeGPU(remap_failure=True, unsupported={
+            "nvmlDeviceGetPcieReplayCounter", "nvmlDeviceGetTemperatureThreshold", "nvmlDeviceGetEnforcedPowerLimit",
+            pynvml.NVML_FI_DEV_PCIE_COUNT_CORRECTABLE_ERRORS}),
+    ]
+    nvml = NVML(FakeNVML(gpus))
+    nvml.start()
+    cols = _roundtrip(Kind.GPU_SAMPLE, GPUSampler(nvml, "node-a", clock_ns=lambda: 1).sample()[0])
+    assert (cols["ecc_uncorrected"][0], cols["ecc_corrected"][0]) == (2, 345)
+    assert list(cols["remap_pending"]) == [1, 0] and list(cols["remap_failure"]) == [0, 1]
+    assert (cols["pcie_replays"][0], cols["pcie_correctable"][0]) == (7, 11)
+    assert (cols["temp_slowdown_c"][0], cols["power_limit_mw"][0]) == (87, 650_000)
+    assert all(math.isnan(cols[c][1]) for c in ("pcie_replays", "pcie_correctable", "temp_slowdown_c",
+                                                "power_limit_mw"))
+    assert cols["ecc_corrected"][1] == 0 and cols["pcie_rx_bytes"][1] == gpus[1].pcie_rx_bytes
+
+
 def test_missing_binding_is_a_null_not_a_crash():
     nvml = NVML(FakeNVML(1))
     nvml.start()
@@ -101,7 +124,8 @@ def test_gpu_columns_are_pure_and_vectorized():
     from agent.gpu import GpuReading
 
     r = GpuReading(
-        3, "GPU-x", 1.0, 2.0, None, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, None
+        3, "GPU-x", 1.0, 2.0, None, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, None,
+        15.0, 0.0, 0.0, 16.0, 17.0, 90.0, 700_000.0,
     )
     cols = gpu_sample_columns("n", 7, [r, r._replace(gpu=4, util_pct=None)])
     assert [c.name for c in SCHEMAS[Kind.GPU_SAMPLE]] == list(cols)

@@ -1,10 +1,12 @@
 """hardware_risk (collector/query/dashboard.py) on fake-NVML traces of degrading and healthy GPUs.
 
-Eight fake GPUs on two nodes are sampled by the agent's own GPUSampler through its NVML funnel
+Ten fake GPUs on two nodes are sampled by the agent's own GPUSampler through its NVML funnel
 (agent/fake_nvml.py follows pynvml's API) every 10 simulated minutes for 12 h, shipped by a real
-Shipper to a real collector. Three degrade (each fails at hour 24 in the story, XID 79); five stay
-healthy, four of them with the noise a healthy fleet has (a single ECC error, SW power capping at
-80 °C, a short HW slowdown burst, an application XID 13). Ground truth: the degradation the test
+Shipper to a real collector. Four degrade (each fails at hour 24 in the story, XID 79), one of them
+through corrected ECC errors alone (their rate doubling every 2 h) and a row remap left pending;
+six stay healthy, five of them with the noise a healthy fleet has (a single uncorrected ECC error,
+SW power capping at 80 °C, a short HW slowdown burst, an application XID 13, corrected ECC errors
+and PCIe replays at a flat rate). Ground truth: the degradation the test
 wrote. The view is read at hours 4, 8 and 12 (its until_ns), i.e. 20, 16 and 12 h before the
 failure: precision and recall at each are printed (docs/dashboard.md quotes them) and asserted at
 12 h ahead (the seed's horizon).
@@ -28,7 +30,7 @@ T0 = 1_800_000_000 * 10**9
 STEP_S = 600
 HOURS = 12
 H = 3600 * 10**9
-DEGRADING = {("node-7", 3), ("node-7", 1), ("node-8", 2)}
+DEGRADING = {("node-7", 3), ("node-7", 1), ("node-8", 2), ("node-7", 4)}
 
 
 def _state(node: str, gpu: int, h: float, g: FakeGPU) -> list[int]:
@@ -49,8 +51,15 @@ def _state(node: str, gpu: int, h: float, g: FakeGPU) -> list[int]:
         if h >= 4 and k % 3 == 0:
             g.clock_event_reasons, g.sm_clock_mhz = 0x40 | 0x8, 1200
         g.ecc_uncorrected = int(2 ** ((h - 6) / 3)) if h >= 6 else 0
-    elif (node, gpu) == ("node-8", 0):  # healthy: one ECC error at hour 5, never another
+    elif (node, gpu) == ("node-7", 4):  # corrected ECC errors doubling every 2 h, a row remap pending from hour 9
+        g.ecc_corrected = int(4 * 2 ** (h / 2))
+        g.remap_pending = h >= 9
+    elif (node, gpu) == ("node-8", 0):  # healthy: one ECC error at hour 5, never another; a few corrected ones
         g.ecc_uncorrected = 1 if h >= 5 else 0
+        g.ecc_corrected = int(h / 2)
+    elif (node, gpu) == ("node-8", 4):  # healthy: corrected ECC errors at a flat ~3/h (jittered), a few PCIe replays
+        g.ecc_corrected = int(3 * h) + k % 3
+        g.pcie_replays = k // 12
     elif (node, gpu) == ("node-8", 1):  # healthy: SW power cap most of the time, warm
         g.clock_event_reasons, g.temp_c, g.power_mw = 0x4, 80, 700_000
     elif (node, gpu) == ("node-8", 3):  # healthy: a 40-minute HW slowdown burst at hour 7
@@ -63,7 +72,7 @@ def _state(node: str, gpu: int, h: float, g: FakeGPU) -> list[int]:
 
 def _ship(endpoint: str) -> None:
     now = [T0]
-    nodes = {n: FakeNVML([FakeGPU() for _ in range(4)]) for n in ("node-7", "node-8")}
+    nodes = {n: FakeNVML([FakeGPU() for _ in range(5)]) for n in ("node-7", "node-8")}
     samplers = {}
     for n, fake in nodes.items():
         nvml = NVML(fake)
@@ -110,7 +119,7 @@ def test_degrading_gpus_are_flagged_12h_ahead_healthy_ones_are_not(tmp_path) -> 
         levels = {(n, g): lv for n, g, lv in con.execute("SELECT node, gpu, level FROM hardware_risk").fetchall()}
     finally:
         con.close()
-    assert len(levels) == 8 and all(levels[k] == "fail_likely" for k in DEGRADING), levels
+    assert len(levels) == 10 and all(levels[k] == "fail_likely" for k in DEGRADING), levels
     for hours in (4, 8, 12):
         got, p, r, _ = _scores(collector.db, hours)
         print(f"risk at hour {hours} ({24 - hours} h before failure): flagged {sorted(got)} precision {p:.2f} recall {r:.2f}")
@@ -119,11 +128,16 @@ def test_degrading_gpus_are_flagged_12h_ahead_healthy_ones_are_not(tmp_path) -> 
     msg = {(r["node"], r["gpu"]): r["message"] for r in flagged}[("node-7", 3)]
     assert msg.startswith("GPU 3 on node-7: uncorrected ECC errors") and "doubling every" in msg, msg
     assert "rows remapped" in msg and msg.endswith("likely to fail"), msg
+    cecc = {(r["node"], r["gpu"]): r for r in flagged}[("node-7", 4)]
+    assert cecc["message"].startswith("GPU 4 on node-7: corrected ECC errors doubling every "), cecc["message"]
+    assert 1.5 <= cecc["cecc_doubling_h"] <= 2.5, cecc  # the trace's 2 h, read from the two halves' rates
+    assert "a row remap pending" in cecc["message"] and cecc["message"].endswith("likely to fail"), cecc
     # each healthy GPU's noise is seen, not judged a failure
     assert levels[("node-8", 0)] == "ok" or levels[("node-8", 0)] == "watch"
+    assert levels[("node-8", 4)] == "ok", levels  # corrected errors at a flat rate are not a trend
     assert all(levels[k] != "fail_likely" for k in levels if k not in DEGRADING), levels
     # the live rule (built in: risk points above 3, over the last 12 h of samples) alerted the same
-    # three, each with its evidence, as hardware alerts with an incident of their own; no healthy one
+    # four, each with its evidence, as hardware alerts with an incident of their own; no healthy one
     con = duckdb.connect(str(collector.db), read_only=True)
     try:
         alerts = dashboard._rows(con, "SELECT * FROM alerts WHERE signal = 'hardware_risk'", [])

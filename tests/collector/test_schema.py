@@ -82,3 +82,39 @@ def test_a_token_in_clear_text_off_loopback_is_refused():
 def test_malformed_listen_refused(addr):
     with pytest.raises(ListenError):
         check_listen(addr)
+
+
+def test_v13_gpu_sample_gains_the_risk_columns(tmp_path, monkeypatch):
+    """A schema-13 file (GPU_SAMPLE as wire schema 2 had it): hardware_risk reads it read-only with the
+    new columns NULL; open_store's _v14 appends them in tracetop/events.py's order, the old row kept."""
+    from collector.query import dashboard
+
+    new = [c.name for c in SCHEMAS[Kind.GPU_SAMPLE][-7:]]
+    assert new[0] == "ecc_corrected" and new[-1] == "power_limit_mw"
+    path = str(tmp_path / "v13.duckdb")
+    con = duckdb.connect(path)
+    con.execute("CREATE TABLE schema_meta (version INTEGER NOT NULL, applied_ns BIGINT NOT NULL)")
+    monkeypatch.setitem(SCHEMAS, Kind.GPU_SAMPLE, SCHEMAS[Kind.GPU_SAMPLE][:-7])
+    for version in range(13):
+        for stmt in schema.MIGRATIONS[version]():
+            con.execute(stmt)
+        post = getattr(schema.MIGRATIONS[version], "post", None)
+        if post is not None:
+            post(con)
+        con.execute("INSERT INTO schema_meta VALUES (?, 0)", [version + 1])
+    monkeypatch.undo()
+    old_cols = [r[0] for r in con.execute("DESCRIBE gpu_sample").fetchall()]
+    assert "ecc_corrected" not in old_cols
+    for k in range(4):  # uncorrected ECC doubling every hour
+        con.execute(f"INSERT INTO gpu_sample VALUES ('r', -1, -1, {k * 3600 * 10**9}, 0, 'n', 0, 'u', 90, 1, 1, 1, 1, "
+                    f"1, 60, 1980, 0, 1, 1, 1, 1, {2**k}, 0)")
+    con.close()
+    ro = duckdb.connect(path, read_only=True)
+    (row,) = dashboard._rows(ro, dashboard.hardware_risk_sql(), [])
+    ro.close()
+    assert row["cecc_now"] is None and row["remap_pending"] is None and row["points"] == 3, row
+    con = schema.open_store(path)
+    cols = [r[0] for r in con.execute("DESCRIBE gpu_sample").fetchall()]
+    assert cols == ["run_id"] + [c.name for c in SCHEMAS[Kind.GPU_SAMPLE]]
+    assert con.execute("SELECT count(*), count(ecc_corrected) FROM gpu_sample").fetchone() == (4, 0)
+    con.close()

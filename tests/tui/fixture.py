@@ -70,8 +70,10 @@ def replay_into(endpoint: str, *, run_id: str = RUN_ID, steps: tuple[int, int] =
             params = [RUN_ID, steps[0], steps[1]]
             if kind == Kind.RUN_START:
                 where, params = "WHERE run_id = ?", [RUN_ID] if steps[0] <= -1 else [""]
-            t = con.sql(f"SELECT {', '.join(chr(34) + c + chr(34) for c in cols)} FROM {name} {where}",
-                        params=params).to_arrow_table()
+            have = {r[0] for r in con.execute(f"DESCRIBE {name}").fetchall()}
+            # a column newer than the committed file (GPU_SAMPLE's schema-3 ones) ships as NULL
+            sel = ", ".join(f'"{c}"' if c in have else f'NULL AS "{c}"' for c in cols)
+            t = con.sql(f"SELECT {sel} FROM {name} {where}", params=params).to_arrow_table()
             if t.num_rows == 0:
                 continue
             data = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tracetop.events import SCHEMA_VERSION, SCHEMAS, Kind
+from tracetop.events import APPENDED_IN, OLDEST_READ_SCHEMA, SCHEMA_VERSION, SCHEMAS, Kind
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire.codec import BatchError, decode_batch, encode_batch
 
@@ -96,3 +96,32 @@ def test_encode_refuses_missing_and_unknown_columns() -> None:
     cols = _collective_columns(2) | {"bogus": [1, 2]}
     with pytest.raises(ValueError, match="no columns"):
         encode_batch(Kind.COLLECTIVE, cols, source_id="s", seq=1, run_id="r")
+
+
+def _gpu_columns(n: int) -> dict:
+    return {c.name: (["node-1"] * n if c.dtype == "str" else np.arange(n) + 1) for c in SCHEMAS[Kind.GPU_SAMPLE]}
+
+
+def test_a_batch_one_schema_back_is_read_with_its_missing_columns_as_nan() -> None:
+    """A rolling upgrade: an agent still at the older schema (or its spool) keeps being stored."""
+    added = APPENDED_IN[SCHEMA_VERSION][Kind.GPU_SAMPLE]
+    batch = encode_batch(Kind.GPU_SAMPLE, _gpu_columns(4), source_id="s", seq=1, run_id="r")
+    del batch.columns[len(batch.columns) - len(added):]  # what the older agent sent
+    batch.schema_version = SCHEMA_VERSION - 1
+    from tracetop.wire.codec import _checksum_parts
+    batch.crc32c = _checksum_parts(batch.columns)
+    decoded = decode_batch(_roundtrip(batch))
+    assert [c.name for c in SCHEMAS[Kind.GPU_SAMPLE]] == list(decoded.columns)
+    np.testing.assert_array_equal(decoded.columns["power_mw"], np.arange(4) + 1)
+    for name in added:
+        assert np.isnan(decoded.columns[name]).all()
+    # the older schema's batch must not carry the newer columns, and older ones than that are refused
+    full = encode_batch(Kind.GPU_SAMPLE, _gpu_columns(4), source_id="s", seq=1, run_id="r")
+    full.schema_version = SCHEMA_VERSION - 1
+    with pytest.raises(BatchError) as err:
+        decode_batch(full)
+    assert err.value.fault == "columns"
+    batch.schema_version = OLDEST_READ_SCHEMA - 1
+    with pytest.raises(BatchError) as err:
+        decode_batch(batch)
+    assert err.value.fault == "schema_version" and "upgrade" in str(err.value)

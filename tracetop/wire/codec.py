@@ -19,7 +19,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from tracetop.errors import TracetopError
-from tracetop.events import NUMPY_DTYPES, SCHEMA_VERSION, SCHEMAS, Kind
+from tracetop.events import NUMPY_DTYPES, OLDEST_READ_SCHEMA, SCHEMA_VERSION, SCHEMAS, Kind, columns_of
 from tracetop.wire import tracetop_pb2 as pb
 
 #: run, source and node ids: 1-128 of [A-Za-z0-9._:-], not "." or ".." (they name folders: the
@@ -199,11 +199,12 @@ def encode_batch(
 
 def decode_batch(batch: pb.ColumnBatch) -> DecodedBatch:
     """Validate a received batch and view its columns as numpy arrays. Raises BatchError."""
-    if batch.schema_version != SCHEMA_VERSION:
+    if not OLDEST_READ_SCHEMA <= batch.schema_version <= SCHEMA_VERSION:
         raise BatchError(
             "schema_version",
             f"batch from source {batch.source_id!r} has schema {batch.schema_version}, this side reads "
-            f"{SCHEMA_VERSION}; run the same tracetop version on trainers, agents and collector",
+            f"{OLDEST_READ_SCHEMA} to {SCHEMA_VERSION}; upgrade the collector (a newer sender) or the "
+            "trainers and agents (an older one) so they are at most one schema apart",
         )
     try:
         kind = Kind(batch.kind)
@@ -218,12 +219,12 @@ def decode_batch(batch: pb.ColumnBatch) -> DecodedBatch:
     n = batch.n
     if n > MAX_ROWS:
         raise BatchError("n", f"batch claims {n} rows; the limit is {MAX_ROWS}")
-    schema = SCHEMAS[kind]
+    schema = columns_of(kind, batch.schema_version)
     names = [c.name for c in batch.columns]
     if names != [c.name for c in schema]:
         raise BatchError(
             "columns",
-            f"{kind.name} batch has columns {names}, the contract (schema {SCHEMA_VERSION}) says "
+            f"{kind.name} batch has columns {names}, the contract (schema {batch.schema_version}) says "
             f"{[c.name for c in schema]}",
         )
     cols: dict[str, np.ndarray | tuple[np.ndarray, tuple[str, ...]]] = {}
@@ -245,6 +246,8 @@ def decode_batch(batch: pb.ColumnBatch) -> DecodedBatch:
             cols[spec.name] = (arr, d)
         else:
             cols[spec.name] = arr
+    for spec in SCHEMAS[kind][len(schema):]:  # appended since the sender's schema: floats, NaN
+        cols[spec.name] = np.full(n, np.nan)
     if _checksum_parts(batch.columns) != batch.crc32c:
         raise BatchError("crc32c", f"batch {batch.source_id}/{batch.seq}: CRC32C mismatch, the payload is corrupt")
     return DecodedBatch(
