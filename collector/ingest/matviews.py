@@ -94,6 +94,22 @@ def step_ranks_sql(keys: str | None = None, lo: int | None = None, hi: int | Non
         LEFT JOIN i ON i.run_id = s.run_id AND i.step = s.step AND i.rank = s.rank"""
 
 
+#: The judgment both stragglers SELECTs end with, over their relation `o` (rank, its stage's others).
+_STRAGGLER_JUDGMENT = """SELECT run_id, step, stage, rank, stage_ranks, compute_ms, wait_ms, others_compute_ms, others_wait_ms,
+               compute_ms / others_compute_ms AS compute_ratio, compute_ms - others_compute_ms AS excess_ms,
+               z_compute, z_wait,
+               coalesce(compute_ms - others_compute_ms > 50 AND compute_ms / others_compute_ms > 1.5
+                        AND wait_ms < others_wait_ms AND (stage_ranks < 5 OR z_compute > 3.5), false) AS is_straggler
+        FROM (SELECT *,
+                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madc > 0 THEN (compute_ms - mc) / (1.4826 * madc)
+                          WHEN compute_ms > mc THEN 'infinity'::DOUBLE WHEN compute_ms < mc THEN '-infinity'::DOUBLE
+                          ELSE 0 END AS z_compute,
+                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madw > 0 THEN (wait_ms - mw) / (1.4826 * madw)
+                          WHEN wait_ms > mw THEN 'infinity'::DOUBLE WHEN wait_ms < mw THEN '-infinity'::DOUBLE
+                          ELSE 0 END AS z_wait
+              FROM o)"""
+
+
 def stragglers_lists_sql(sr: str = "step_ranks") -> str:
     """_v5's stragglers SELECT over the step_ranks relation `sr`, as _v5 wrote it: each row carries its
     stage's sorted values as a list, so a stage of n ranks costs n^2 (at 16,384 ranks in one stage,
@@ -118,19 +134,7 @@ def stragglers_lists_sql(sr: str = "step_ranks") -> str:
                                                    + wl[ib + CAST(ib >= pw AS INTEGER) + 1]) / 2 END AS others_wait_ms
             FROM m
         )
-        SELECT run_id, step, stage, rank, stage_ranks, compute_ms, wait_ms, others_compute_ms, others_wait_ms,
-               compute_ms / others_compute_ms AS compute_ratio, compute_ms - others_compute_ms AS excess_ms,
-               z_compute, z_wait,
-               coalesce(compute_ms - others_compute_ms > 50 AND compute_ms / others_compute_ms > 1.5
-                        AND wait_ms < others_wait_ms AND (stage_ranks < 5 OR z_compute > 3.5), false) AS is_straggler
-        FROM (SELECT *,
-                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madc > 0 THEN (compute_ms - mc) / (1.4826 * madc)
-                          WHEN compute_ms > mc THEN 'infinity'::DOUBLE WHEN compute_ms < mc THEN '-infinity'::DOUBLE
-                          ELSE 0 END AS z_compute,
-                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madw > 0 THEN (wait_ms - mw) / (1.4826 * madw)
-                          WHEN wait_ms > mw THEN 'infinity'::DOUBLE WHEN wait_ms < mw THEN '-infinity'::DOUBLE
-                          ELSE 0 END AS z_wait
-              FROM o)"""
+        {_STRAGGLER_JUDGMENT}"""
 
 
 def stragglers_sql(sr: str = "step_ranks") -> str:
@@ -165,19 +169,7 @@ def stragglers_sql(sr: str = "step_ranks") -> str:
             SELECT *, {others('compute_ms', 'pc')} AS others_compute_ms, {others('wait_ms', 'pw')} AS others_wait_ms
             FROM k
         )
-        SELECT run_id, step, stage, rank, stage_ranks, compute_ms, wait_ms, others_compute_ms, others_wait_ms,
-               compute_ms / others_compute_ms AS compute_ratio, compute_ms - others_compute_ms AS excess_ms,
-               z_compute, z_wait,
-               coalesce(compute_ms - others_compute_ms > 50 AND compute_ms / others_compute_ms > 1.5
-                        AND wait_ms < others_wait_ms AND (stage_ranks < 5 OR z_compute > 3.5), false) AS is_straggler
-        FROM (SELECT *,
-                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madc > 0 THEN (compute_ms - mc) / (1.4826 * madc)
-                          WHEN compute_ms > mc THEN 'infinity'::DOUBLE WHEN compute_ms < mc THEN '-infinity'::DOUBLE
-                          ELSE 0 END AS z_compute,
-                     CASE WHEN stage_ranks < 2 THEN NULL WHEN madw > 0 THEN (wait_ms - mw) / (1.4826 * madw)
-                          WHEN wait_ms > mw THEN 'infinity'::DOUBLE WHEN wait_ms < mw THEN '-infinity'::DOUBLE
-                          ELSE 0 END AS z_wait
-              FROM o)"""
+        {_STRAGGLER_JUDGMENT}"""
 
 
 def grad_sync_sql(sr: str = "step_ranks") -> str:
