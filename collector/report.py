@@ -470,10 +470,10 @@ def gather_topology(con, run_id: str) -> dict:
     each group's cross-node share, the slowest links, and the groups judged over the threshold."""
     from collector.query import dashboard
 
-    links = dashboard._rows(con, f"SELECT src_node, dst_node, sum(calls) AS calls, sum(time_ms) AS time_ms, "
+    links = dashboard.rows(con, f"SELECT src_node, dst_node, sum(calls) AS calls, sum(time_ms) AS time_ms, "
                                  f"sum(calls * latency_ms_p50) / sum(calls) AS latency_ms FROM "
                                  f"({dashboard.comm_topology_sql()}) WHERE run_id = ? GROUP BY ALL", [run_id])
-    groups = dashboard._rows(con, f"SELECT role, \"group\", nodes, calls, time_ms, cross_time_share, cross_bytes_share "
+    groups = dashboard.rows(con, f"SELECT role, \"group\", nodes, calls, time_ms, cross_time_share, cross_bytes_share "
                                   f"FROM ({dashboard.comm_cross_share_sql()}) WHERE run_id = ? "
                                   "ORDER BY cross_time_share DESC, time_ms DESC", [run_id])
     return {"links": links, "groups": groups, "slowest": dashboard.slowest_links(con, run_id, limit=8),
@@ -525,7 +525,7 @@ def gather_fragmentation(con, run_id: str) -> dict:
     trend judges fragmenting."""
     from collector.query import dashboard
 
-    rows = dashboard._rows(con, f"SELECT rank, step, frag_share FROM ({dashboard.memory_fragmentation_sql()}) "
+    rows = dashboard.rows(con, f"SELECT rank, step, frag_share FROM ({dashboard.memory_fragmentation_sql()}) "
                                 "WHERE run_id = ? AND frag_share IS NOT NULL ORDER BY rank, step", [run_id])
     series: dict[int, list[tuple[int, float]]] = {}
     for r in rows:
@@ -557,7 +557,7 @@ def gather_risk(con, run_id: str) -> list[dict]:
 
     where = "node IN (SELECT hostname FROM run_start WHERE run_id = $run) OR run_id = $run"
     sql = dashboard.hardware_risk_sql(where=where.replace("$run", "?"))
-    return dashboard._rows(con, sql, [run_id, run_id, run_id, run_id])
+    return dashboard.rows(con, sql, [run_id, run_id, run_id, run_id])
 
 
 def risk_html(rows: list[dict]) -> str:

@@ -33,7 +33,7 @@ class Tracing:
         """Flush and stop; safe to call more than once."""
 
 
-class _Traced(Tracing):
+class Traced(Tracing):
     def __init__(self, tracer: Any) -> None:
         self.tracer = tracer
         self._bus = getattr(tracer, "commands", None)  # trainer_hooks.commands.CommandBus (enabled tracers)
@@ -84,4 +84,4 @@ def start(engine: Any, args: Any, *, meta: dict[str, Any]) -> Tracing:
     budget_mb = getattr(args, "memory_budget_mb", None)
     budget = {"memory_budget_bytes": int(budget_mb * 2**20)} if budget_mb else {}
     tracer = instrument(engine, meta=meta, phases=not pipelined, **budget)
-    return _Traced(tracer) if tracer.enabled else Tracing()
+    return Traced(tracer) if tracer.enabled else Tracing()

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from collector.query.post_file import PostFileError, pick_run
+from collector.query.post_file import PostFileError, has_relation, pick_run
 
 PHASES = ("data_wait_ns", "forward_ns", "backward_ns", "optimizer_ns", "comm_exposed_ns", "compute_ns")
 TID_MAIN, TID_COMM, TID_OFFLOAD = 1, 2, 3
@@ -90,16 +90,11 @@ def run(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- Perfetto
 
 
-def _has(con, table: str) -> bool:
-    return bool(con.execute(
-        "SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND schema_name = 'main'", [table]
-    ).fetchone()[0])
-
 
 def rank_layout(con, run_id: str) -> dict[int, tuple[str, int, int]]:
     """rank -> (hostname, stage, clock offset ns). Ranks without a run_start row go to node '?'."""
     offsets: dict[str, int] = {}
-    if _has(con, "clock_offset"):
+    if has_relation(con, "clock_offset"):
         offsets = {n: int(o) for n, o in con.execute(
             "SELECT node, median(offset_ns) FROM clock_offset GROUP BY node").fetchall()}
     starts = {r: (h or "?", s if s is not None else -1) for r, h, s in con.execute(

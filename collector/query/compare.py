@@ -95,7 +95,8 @@ def split_ref(ref: str) -> tuple[str, str | None]:
 
 
 def profile(con, run_id: str, source: str) -> Profile:
-    from collector.query.verdict import _has, gather
+    from collector.query.post_file import has_relation
+    from collector.query.verdict import gather
     from collector.report import gather_bubble, gather_collectives
 
     first = con.execute("SELECT coalesce(min(step), 0) FROM step WHERE run_id = ?", [run_id]).fetchone()[0]
@@ -105,13 +106,13 @@ def profile(con, run_id: str, source: str) -> Profile:
     head = {k: (float(v) if v is not None else math.nan) for (k, _), v in zip(sql_cols, row)}
     nan = math.nan
     tp = (con.execute("SELECT median(tokens_per_s), median(samples_per_s), median(mfu) FROM throughput "
-                      "WHERE run_id = ? AND step > ?", [run_id, first]).fetchone() if _has(con, "throughput")
+                      "WHERE run_id = ? AND step > ?", [run_id, first]).fetchone() if has_relation(con, "throughput")
           else (nan, nan, nan))
     for k, v in zip(("tokens_per_s", "samples_per_s", "mfu"), tp):
         head[k] = float(v) if v is not None and v == v and v >= 0 else nan
     peak = (con.execute("SELECT max(CASE WHEN peak_bytes > 0 THEN peak_bytes WHEN allocated_bytes > 0 THEN "
                         "allocated_bytes ELSE rss_bytes END) FROM memory WHERE run_id = ?", [run_id]).fetchone()[0]
-            if _has(con, "memory") else None)
+            if has_relation(con, "memory") else None)
     head["memory_peak"] = float(peak) / 2**20 if peak else nan
     facts = gather(con, run_id)
     head["lost_gpu_h"] = sum(facts.lost_gpu_ms.values()) / 3.6e6

@@ -266,7 +266,7 @@ def fragmenting_ranks(con, run_id: str, rise: float = FRAG_RISE_PER_100_STEPS, s
     the last share above `share` and above the window's median (still rising at its end: a rank
     whose first step read 0 and then stays flat has a slope, not a rise), over the memory rows
     matching `where`."""
-    return _rows(con, f"SELECT * FROM ({fragmentation_trend_sql(where)}) WHERE run_id = ? "
+    return rows(con, f"SELECT * FROM ({fragmentation_trend_sql(where)}) WHERE run_id = ? "
                       "AND frag_share_per_100_steps > ? AND frag_share_last > ? "
                       "AND frag_share_last > frag_share_median ORDER BY rank", [run_id, rise, share])
 
@@ -296,7 +296,7 @@ def install(con) -> list[str]:
     return made
 
 
-def _rows(con, sql: str, params: list) -> list[dict]:
+def rows(con, sql: str, params: list) -> list[dict]:
     cur = con.execute(sql, params)
     names = [d[0] for d in cur.description]
     return [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
@@ -307,14 +307,14 @@ def cross_node_groups(con, run_id: str, threshold: float = CROSS_NODE_SHARE, whe
     worst first: the judgment of the seed's "cross-rack traffic exceeds 60%"."""
     sql = (f"SELECT * FROM ({comm_cross_share_sql(where)}) WHERE run_id = ? AND cross_time_share > ? "
            "AND list_has_any(string_split(role, '|'), ['dp', 'tp']) ORDER BY cross_time_share DESC, \"group\"")
-    return _rows(con, sql, [run_id, threshold])
+    return rows(con, sql, [run_id, threshold])
 
 
 def slowest_links(con, run_id: str, limit: int = 5, where: str = "TRUE") -> list[dict]:
     """The (group, op, src_node -> dst_node) links of `run_id` with the highest median latency."""
     sql = (f"SELECT * FROM ({comm_topology_sql(where)}) WHERE run_id = ? "
            "ORDER BY latency_ms_p50 DESC LIMIT ?")
-    return _rows(con, sql, [run_id, limit])
+    return rows(con, sql, [run_id, limit])
 
 
 #: the points at which hardware_risk's level is fail_likely
@@ -326,8 +326,8 @@ def risky_gpus(con, until_ns: int | None = None, *, min_points: int = FAIL_LIKEL
     """GPUs with `min_points` or more (by default level fail_likely), over the samples matching
     `where`, each with a sentence: "GPU 3 on node-7: ... — likely to fail" (or its points below)."""
     sql = hardware_risk_sql(str(int(until_ns)) if until_ns is not None else "9223372036854775807", where)
-    rows = _rows(con, f"SELECT * FROM ({sql}) WHERE points >= ?", [min_points])
-    for r in rows:
+    gpus = rows(con, f"SELECT * FROM ({sql}) WHERE points >= ?", [min_points])
+    for r in gpus:
         verdict = "likely to fail" if r["level"] == "fail_likely" else f"risk {r['points']} points ({r['level']})"
         r["message"] = f"GPU {r['gpu']} on {r['node']}: {r['evidence']} — {verdict}"
-    return rows
+    return gpus

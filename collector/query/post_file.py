@@ -39,3 +39,11 @@ def pick_run(con, run: str | None) -> str:
     if row is None:
         raise PostFileError("the file holds no steps: nothing to draw")
     return row[0]
+
+
+def has_relation(con, name: str) -> bool:
+    """Whether the file's main schema has a table or a view of this name (older files lack newer ones)."""
+    return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND schema_name = 'main'",
+                            [name]).fetchone()[0] or
+                con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = ? AND schema_name = 'main'",
+                            [name]).fetchone()[0])

@@ -28,6 +28,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from collector.query.post_file import has_relation
+
 #: a cause bounds the run when it lost at least this share of the GPU time the run held
 BOUND_SHARE = 0.15
 #: a cause is one rank's when that rank is charged at least this share of it
@@ -105,11 +107,6 @@ WHERE run_id = ? AND step >= ? GROUP BY rank ORDER BY rank
 """
 
 
-def _has(con, name: str) -> bool:
-    return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = ? AND schema_name = 'main'",
-                            [name]).fetchone()[0] or
-                con.execute("SELECT count(*) FROM duckdb_views() WHERE view_name = ? AND schema_name = 'main'",
-                            [name]).fetchone()[0])
 
 
 def _columns(con, table: str) -> set[str]:
@@ -128,7 +125,7 @@ def gather(con, run_id: str, comm_baseline_share: float = 0.30) -> RunFacts:
     lost = dict.fromkeys(CAUSES, 0.0)
     top: dict[str, tuple] = {}
     held = 0.0
-    if steps and _has(con, "step_ranks"):
+    if steps and has_relation(con, "step_ranks"):
         params = {"run": run_id, "lo": since, "hi": 2**62}
         con.execute(f"CREATE OR REPLACE TEMP TABLE _verdict_lost AS "
                     f"{lost_time_sql(comm_baseline_share=comm_baseline_share, bounded=True)}", params)
@@ -151,12 +148,12 @@ def gather(con, run_id: str, comm_baseline_share: float = 0.30) -> RunFacts:
             con.execute("DROP TABLE IF EXISTS temp._verdict_lost")
     per_rank = con.execute(RANKS_SQL, [run_id, since]).fetchall()
     bubble: list[tuple] = []
-    if _has(con, "bubble_by_stage"):
+    if has_relation(con, "bubble_by_stage"):
         bubble = [tuple(r) for r in con.execute(
             "SELECT stage, avg(bubble_rate), any_value(ideal_bubble_rate) FROM bubble_by_stage WHERE run_id = ? "
             "AND step >= ? GROUP BY stage ORDER BY stage", [run_id, since]).fetchall()]
     growth = None
-    if _has(con, "memory"):
+    if has_relation(con, "memory"):
         g = con.execute(
             "SELECT rank, arg_min(b, start_ns), arg_max(b, start_ns) FROM (SELECT rank, start_ns, "
             "CASE WHEN allocated_bytes > 0 THEN allocated_bytes ELSE rss_bytes END AS b FROM memory "
@@ -165,7 +162,7 @@ def gather(con, run_id: str, comm_baseline_share: float = 0.30) -> RunFacts:
         if g is not None:
             growth = (int(g[0]), int(g[1]), int(g[2]))
     incidents: list[tuple] = []
-    if _has(con, "alerts"):
+    if has_relation(con, "alerts"):
         cols = _columns(con, "alerts")
         has_kind = "kind" in cols
         # a consequence (its incident_id another alert's) is told under its cause, not as an incident

@@ -50,7 +50,7 @@ def test_comm_topology_names_the_cross_node_groups_and_the_slow_pair(topo_file) 
     con = duckdb.connect(str(topo_file), read_only=True)
     try:
         assert "comm_topology" in dashboard.install(con)
-        rows = dashboard._rows(con, "SELECT role, \"group\", op, src_node, dst_node, cross_node, calls, latency_ms_p50 "
+        rows = dashboard.rows(con, "SELECT role, \"group\", op, src_node, dst_node, cross_node, calls, latency_ms_p50 "
                                "FROM comm_topology WHERE run_id = 'topo'", [])
         by_group = {}
         for r in rows:
@@ -105,7 +105,7 @@ def test_report_has_the_topology_and_risk_sections(topo_file) -> None:
 def test_live_rule_alerted_the_cross_node_dp_groups_not_the_tp_ones(topo_file) -> None:
     con = duckdb.connect(str(topo_file), read_only=True)
     try:
-        rows = dashboard._rows(con, "SELECT * FROM alerts WHERE signal = 'cross_node_share' ORDER BY labels", [])
+        rows = dashboard.rows(con, "SELECT * FROM alerts WHERE signal = 'cross_node_share' ORDER BY labels", [])
         others = con.execute("SELECT rule, labels, message FROM alerts WHERE run_id = 'topo' AND "
                              "signal NOT IN ('cross_node_share')").fetchall()
     finally:

@@ -79,7 +79,7 @@ def test_fragmentation_rises_where_the_allocator_fragments(tmp_path) -> None:
         assert "memory_fragmentation" in dashboard.install(con)
         last = {r: con.execute("SELECT arg_max(frag_share, step), arg_max(measured, step) FROM memory_fragmentation "
                                "WHERE run_id = ?", [r]).fetchone() for r in books}
-        trend = {r["run_id"]: r for r in dashboard._rows(con, "SELECT * FROM fragmentation_trend", [])}
+        trend = {r["run_id"]: r for r in dashboard.rows(con, "SELECT * FROM fragmentation_trend", [])}
         flagged = {r: dashboard.fragmenting_ranks(con, r) for r in books}
         steady_from_1 = con.execute("SELECT min(frag_share), max(frag_share) FROM memory_fragmentation "
                                     "WHERE run_id = 'steady' AND step >= 1").fetchone()
@@ -97,7 +97,7 @@ def test_fragmentation_rises_where_the_allocator_fragments(tmp_path) -> None:
     # the live rule (built in) alerted the same: rank 0 of `grow`, nothing on `steady`
     con = duckdb.connect(str(c.db), read_only=True)
     try:
-        alerts = dashboard._rows(con, "SELECT * FROM alerts WHERE signal = 'fragmentation'", [])
+        alerts = dashboard.rows(con, "SELECT * FROM alerts WHERE signal = 'fragmentation'", [])
     finally:
         con.close()
     assert [(a["run_id"], a["rank"], a["state"], a["kind"]) for a in alerts] == [("grow", 0, "firing", "sla")], alerts

@@ -140,7 +140,7 @@ def test_degrading_gpus_are_flagged_12h_ahead_healthy_ones_are_not(tmp_path) -> 
     # four, each with its evidence, as hardware alerts with an incident of their own; no healthy one
     con = duckdb.connect(str(collector.db), read_only=True)
     try:
-        alerts = dashboard._rows(con, "SELECT * FROM alerts WHERE signal = 'hardware_risk'", [])
+        alerts = dashboard.rows(con, "SELECT * FROM alerts WHERE signal = 'hardware_risk'", [])
     finally:
         con.close()
     live = {(a["node"], a["gpu"]): a for a in alerts}

@@ -110,7 +110,7 @@ def test_v13_gpu_sample_gains_the_risk_columns(tmp_path, monkeypatch):
                     f"1, 60, 1980, 0, 1, 1, 1, 1, {2**k}, 0)")
     con.close()
     ro = duckdb.connect(path, read_only=True)
-    (row,) = dashboard._rows(ro, dashboard.hardware_risk_sql(), [])
+    (row,) = dashboard.rows(ro, dashboard.hardware_risk_sql(), [])
     ro.close()
     assert row["cecc_now"] is None and row["remap_pending"] is None and row["points"] == 3, row
     con = schema.open_store(path)

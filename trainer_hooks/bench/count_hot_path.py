@@ -47,7 +47,7 @@ REF = [*(["LoadMicroBatch", "ForwardPass", "BackwardPass"] * 4), "ReduceTiedGrad
 
 
 def main(mode: str, steps: int) -> int:
-    from reference_trainer.tracing import _Traced
+    from reference_trainer.tracing import Traced
     from tracetop.wire.shipper import NullShipper
     from trainer_hooks.integrations import collectives as colls
     from trainer_hooks.integrations import pipeline as pipeline_mod
@@ -57,7 +57,7 @@ def main(mode: str, steps: int) -> int:
     t = Tracer(run_id="count", rank=0, world_size=1, wrap_collectives=False, shipper=NullShipper(),
                heartbeat_s=1e6, drain_interval_s=1e6, device="cpu")
     t.set_topology({"dp": [(0,)]})
-    traced = _Traced(t)
+    traced = Traced(t)
     timed_all_reduce = colls.wrap_function("all_reduce", _all_reduce)
     current = {"all_reduce": _all_reduce}
 
