@@ -61,9 +61,12 @@ from tracetop import env as tenv
 log = logging.getLogger("trainer_hooks")
 
 #: wire CommandKind number -> the trainer-side key (the same keys as the reference trainer's --adjust)
-KINDS = {1: "micro_batch", 2: "offload"}
+KINDS = {1: "micro_batch", 2: "offload", 3: "rebalance", 4: "profile"}
 KIND_CODES = {v: k for k, v in KINDS.items()}
-WORDS = 8  # the broadcast: [has command, action id, kind, value, is rollback, 0, 0, 0]
+WORDS = 8  # the broadcast: [has command, action id, kind, value, is rollback, len(values), 0, 0]
+#: a command's list argument (Command.values) travels in a second broadcast of exactly its length,
+#: only at a boundary that carries such a command; longer lists are refused at rank 0
+MAX_VALUES = 65536
 DEFAULT_EVERY_STEPS = 10
 DEFAULT_POLL_S = 5.0
 GROUP_TIMEOUT_S = 600.0
@@ -78,6 +81,7 @@ class Pending:
     key: str
     value: Any  # int for micro_batch, bool for offload
     rollback: bool
+    values: tuple[int, ...] = ()  # the command's list argument (rebalance, profile)
 
 
 def every_steps_from_env() -> int:
@@ -182,17 +186,25 @@ class CommandBus:
                 self._setup()
                 if self.broken:
                     return None
+            values: tuple[int, ...] = ()
             if self._group is None:  # one process: nothing to broadcast, no tensor work on the training thread
                 words = [0] * WORDS
                 if self.t.rank == 0:
-                    self._fill(words)
+                    values = self._fill(words)
             else:
                 buf = self._buf
                 buf.zero_()
                 if self.t.rank == 0:
-                    self._fill(buf)
+                    values = self._fill(buf)
                 self._bcast(buf, src=self._src, group=self._group)
                 words = buf.tolist()
+                if words[0] and words[5] > 0:  # every rank read the same length: every rank joins
+                    import torch
+
+                    payload = torch.tensor(values, dtype=torch.int64) if self.t.rank == 0 else \
+                        torch.zeros(int(words[5]), dtype=torch.int64)
+                    self._bcast(payload, src=self._src, group=self._group)
+                    values = tuple(int(v) for v in payload.tolist())
             self.stats["boundaries"] += 1
         except Exception as e:
             self._break("broadcast", e)
@@ -204,7 +216,7 @@ class CommandBus:
         self.stats["commands"] += 1
         key = KINDS.get(int(words[2]), "")
         value: Any = bool(words[3]) if key == "offload" else int(words[3])
-        return Pending(step, int(words[1]), key, value, bool(words[4]))
+        return Pending(step, int(words[1]), key, value, bool(words[4]), values)
 
     def settle(self, p: Pending, applied: bool, message: str = "") -> bool:
         """Right after applying (or failing to), on every rank: True when every rank applied it.
@@ -285,8 +297,8 @@ class CommandBus:
             self._start_subscriber()
         self._ready = True
 
-    def _fill(self, buf: Any) -> None:
-        """Rank 0: the next command from the inbox that has not expired."""
+    def _fill(self, buf: Any) -> tuple[int, ...]:
+        """Rank 0: the next command from the inbox that has not expired; returns its list argument."""
         now = self._clock_ns()
         while self.inbox:
             cmd = self.inbox.popleft()
@@ -296,7 +308,10 @@ class CommandBus:
                 continue
             buf[0], buf[1], buf[2], buf[3] = 1, int(cmd.command_id), int(cmd.kind), int(cmd.int_value)
             buf[4] = 1 if cmd.rollback_of else 0
-            return
+            values = tuple(int(v) for v in getattr(cmd, "values", ()))
+            buf[5] = len(values)
+            return values
+        return ()
 
     def _break(self, where: str, e: BaseException) -> None:
         self.broken = True
@@ -382,6 +397,10 @@ class CommandBus:
             return
         if action_id in self._seen:
             return  # resent after a reconnect
+        if len(cmd.values) > MAX_VALUES:
+            self._seen.add(action_id)
+            self._report_raw(cmd.command_id, False, -1, f"{len(cmd.values)} values, at most {MAX_VALUES}; not applied")
+            return
         if self.drop and _matches(self.drop, cmd):
             self.stats["dropped"] += 1  # the test seam: lost between the collector and rank 0
             return

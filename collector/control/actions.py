@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-KINDS = ("micro_batch", "offload")
+KINDS = ("micro_batch", "offload", "rebalance", "profile")
 #: the wire's CommandKind numbers
-KIND_CODES = {"micro_batch": 1, "offload": 2}
+KIND_CODES = {"micro_batch": 1, "offload": 2, "rebalance": 3, "profile": 4}
+#: the most values one command carries (trainer_hooks.commands.MAX_VALUES: the second broadcast's cap)
+MAX_VALUES = 65536
 OPEN = ("proposed", "approved", "sent", "received")
 #: CommandStatus.stage -> action_ranks.stage (RESULT splits into applied / refused)
 STAGES = {1: "received", 2: "undone", 3: "undo_failed"}
@@ -68,23 +70,28 @@ class Action:
     verification: str | None = None
     verified_ns: int | None = None
     updated_ns: int = 0
+    value_list: list[int] | None = None  # the command's list argument (rebalance, profile); None: none
     finals: dict[int, RankReport] = field(default_factory=dict)
     marked_lost: bool = False  # it was marked lost before reports came (not a column)
 
     COLUMNS = ("action_id", "run_id", "kind", "value", "previous_value", "rollback_of", "state", "rule", "reason",
                "expected", "proposed_by", "proposed_ns", "approved_by", "approved_ns", "sent_ns", "expires_ns",
                "received_ns", "step", "ranks_expected", "ranks_applied", "ranks_refused", "ranks_undone", "outcome",
-               "done_ns", "verification", "verified_ns", "updated_ns")
+               "done_ns", "verification", "verified_ns", "updated_ns", "value_list")
 
     def row(self) -> tuple:
         return tuple(getattr(self, c) for c in self.COLUMNS)
 
     def shown(self) -> str:
         v = ("on" if self.value else "off") if self.kind == "offload" else str(self.value)
+        if self.value_list:
+            shown = ",".join(str(x) for x in self.value_list[:16]) + (",…" if len(self.value_list) > 16 else "")
+            v += f" [{shown}]"
         return f"{self.kind}={v}"
 
     def snapshot(self) -> Action:
-        return dataclasses.replace(self, finals=dict(self.finals))
+        return dataclasses.replace(self, finals=dict(self.finals),
+                                   value_list=None if self.value_list is None else list(self.value_list))
 
 
 def report(action: Action, r: RankReport, applied: bool, now_ns: int) -> None:

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -252,7 +252,8 @@ class ControlService:
 
     # ------------------------------------------------------------------ requests
     def propose(self, run_id: str, kind: str, value: int, *, by: str, rule: str = "manual", reason: str = "",
-                expected: str = "", approve: bool = False, rollback_of: str | None = None) -> act.Action:
+                expected: str = "", approve: bool = False, rollback_of: str | None = None,
+                values: Sequence[int] = ()) -> act.Action:
         shape = self.shape(run_id)
         if shape is None:
             known = self.runs()
@@ -268,9 +269,14 @@ class ControlService:
                                    f"action {other.action_id} ({other.shown()}) is still {other.state} on run {run_id}; "
                                    "one change at a time: wait for its outcome (`tracetop actions`)")
         now = self._clock_ns()
-        previous = shape.micro_batch if kind == "micro_batch" else int(shape.offload)
+        if len(values) > act.MAX_VALUES:
+            raise ControlError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"{kind}: {len(values)} values, at most {act.MAX_VALUES} (one per rank or replica)")
+        previous = (shape.micro_batch if kind == "micro_batch" else int(shape.offload) if kind == "offload"
+                    else None)
         a = act.Action(str(self._next_id), run_id, kind, int(value), previous, rollback_of, "proposed", rule, reason,
-                       expected, by, now, shape.world_size, updated_ns=now)
+                       expected, by, now, shape.world_size, updated_ns=now,
+                       value_list=[int(v) for v in values] if values else None)
         self._next_id += 1
         self.actions[a.action_id] = a
         if approve:
@@ -345,7 +351,7 @@ class ControlService:
     def _command(self, a: act.Action) -> pb.Command:
         return pb.Command(command_id=a.action_id, run_id=a.run_id, kind=act.KIND_CODES[a.kind], int_value=a.value,
                           reason=a.reason, issued_ns=a.approved_ns or 0, expires_ns=a.expires_ns or 0,
-                          rollback_of=a.rollback_of or "")
+                          rollback_of=a.rollback_of or "", values=a.value_list or ())
 
     def _dispatch(self, a: act.Action, queues: set | None = None) -> None:
         queues = self.subscribers.get(a.run_id) if queues is None else queues
@@ -467,9 +473,11 @@ class ControlService:
             if request.op == pb.PROPOSE:
                 kind = {v: k for k, v in act.KIND_CODES.items()}.get(int(request.kind))
                 if kind is None:
-                    raise ControlError(grpc.StatusCode.INVALID_ARGUMENT, "PROPOSE needs kind SET_MICRO_BATCH or OFFLOAD_OPTIMIZER")
+                    raise ControlError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       "PROPOSE needs kind SET_MICRO_BATCH, OFFLOAD_OPTIMIZER, REBALANCE or PROFILE")
                 a = self.propose(request.run_id, kind, int(request.int_value), by=by, rule=request.rule or "manual",
-                                 reason=request.reason, expected=request.expected, approve=request.approve)
+                                 reason=request.reason, expected=request.expected, approve=request.approve,
+                                 values=tuple(request.values))
             elif request.op == pb.APPROVE:
                 a = self.approve(request.action_id, by)
             elif request.op == pb.REJECT:

@@ -501,10 +501,16 @@ def _v14() -> list[str]:
     return [f"ALTER TABLE gpu_sample ADD COLUMN IF NOT EXISTS {c} DOUBLE" for c in cols]
 
 
+def _v15() -> list[str]:
+    """Commands with a list argument (issue 26): a rebalance's per-replica micro-batch counts, the
+    ranks a profiling window runs on (Command.values on the wire). Older actions read NULL."""
+    return ['ALTER TABLE actions ADD COLUMN IF NOT EXISTS value_list BIGINT[]']
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12, _v13, _v14]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15]
 STORE_VERSION = len(MIGRATIONS)
 
 

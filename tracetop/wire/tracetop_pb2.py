@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctracetop/wire/tracetop.proto\x12\x0btracetop.v1\"8\n\x06\x43olumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ndictionary\x18\x03 \x03(\t\"\xf7\x01\n\x0b\x43olumnBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x11\n\tsource_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12$\n\x04kind\x18\x05 \x01(\x0e\x32\x16.tracetop.v1.EventKind\x12\t\n\x01n\x18\x06 \x01(\r\x12$\n\x07\x63olumns\x18\x07 \x03(\x0b\x32\x13.tracetop.v1.Column\x12\x0e\n\x06\x63rc32c\x18\x08 \x01(\r\x12\x17\n\x0f\x66irst_record_ns\x18\t \x01(\x03\x12\x11\n\tsealed_ns\x18\n \x01(\x03\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\"4\n\x03\x41\x63k\x12\x11\n\tsource_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x1e\n\x0bPushRequest\x12\x0f\n\x07\x62\x61tches\x18\x01 \x03(\x0c\"\xde\x01\n\tPushReply\x12\x1e\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x10.tracetop.v1.Ack\x12\x17\n\x0fship_interval_s\x18\x02 \x01(\x01\x12\x10\n\x08\x65nd_code\x18\x03 \x01(\t\x12\x13\n\x0b\x65nd_message\x18\x04 \x01(\t\x12=\n\x0c\x65nd_metadata\x18\x05 \x03(\x0b\x32\'.tracetop.v1.PushReply.EndMetadataEntry\x1a\x32\n\x10\x45ndMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"&\n\x0c\x43lockRequest\x12\x16\n\x0e\x63lient_send_ns\x18\x01 \x01(\x03\"T\n\nClockReply\x12\x16\n\x0e\x63lient_send_ns\x18\x01 \x01(\x03\x12\x16\n\x0eserver_recv_ns\x18\x02 \x01(\x03\x12\x16\n\x0eserver_send_ns\x18\x03 \x01(\x03\"\xb4\x01\n\x07\x43ommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.tracetop.v1.CommandKind\x12\x11\n\tint_value\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tissued_ns\x18\x06 \x01(\x03\x12\x12\n\nexpires_ns\x18\x07 \x01(\x03\x12\x13\n\x0brollback_of\x18\x08 \x01(\t\"D\n\x10SubscribeRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nsource_key\x18\x03 \x01(\t\"\xdb\x01\n\rCommandStatus\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x08\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0f\n\x07message\x18\x06 \x01(\t\x12(\n\x05stage\x18\x07 \x01(\x0e\x32\x19.tracetop.v1.CommandStage\x12\x13\n\x0bmicro_batch\x18\x08 \x01(\x05\x12\x15\n\rmicro_batches\x18\t \x01(\x05\x12\x12\n\nsource_key\x18\n \x01(\t\"\x0b\n\tStatusAck\"6\n\x0c\x43ommandBatch\x12&\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x14.tracetop.v1.Command\"\xdf\x01\n\x0e\x43ontrolRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\"\n\x02op\x18\x02 \x01(\x0e\x32\x16.tracetop.v1.ControlOp\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.tracetop.v1.CommandKind\x12\x11\n\tint_value\x18\x04 \x01(\x03\x12\x11\n\taction_id\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\n\n\x02\x62y\x18\x07 \x01(\t\x12\x0f\n\x07\x61pprove\x18\x08 \x01(\x08\x12\x0c\n\x04rule\x18\t \x01(\t\x12\x10\n\x08\x65xpected\x18\n \x01(\t\"A\n\x0c\x43ontrolReply\x12\x11\n\taction_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"-\n\x0cQueryRequest\x12\x0b\n\x03sql\x18\x01 \x01(\t\x12\x10\n\x08max_rows\x18\x02 \x01(\r\"2\n\nQueryReply\x12\x11\n\tarrow_ipc\x18\x01 \x01(\x0c\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"2\n\x0cWatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ninterval_s\x18\x02 \x01(\x01\"/\n\x08Snapshot\x12\x10\n\x08taken_ns\x18\x01 \x01(\x03\x12\x11\n\tarrow_ipc\x18\x02 \x01(\x0c*\xee\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\r\n\tRUN_START\x10\x01\x12\x08\n\x04STEP\x10\x02\x12\x0e\n\nCOLLECTIVE\x10\x03\x12\x0e\n\nPIPE_INSTR\x10\x04\x12\x0b\n\x07OFFLOAD\x10\x05\x12\n\n\x06MEMORY\x10\x06\x12\x0e\n\nTHROUGHPUT\x10\x07\x12\x0e\n\nGPU_SAMPLE\x10\x08\x12\x0f\n\x0bHOST_SAMPLE\x10\t\x12\r\n\tHEARTBEAT\x10\n\x12\x07\n\x03GAP\x10\x0b\x12\x07\n\x03XID\x10\x0c\x12\x10\n\x0c\x43LOCK_OFFSET\x10\r\x12\x0f\n\x0bGPU_PROCESS\x10\x0e*W\n\x0b\x43ommandKind\x12\x1c\n\x18\x43OMMAND_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fSET_MICRO_BATCH\x10\x01\x12\x15\n\x11OFFLOAD_OPTIMIZER\x10\x02*}\n\x0c\x43ommandStage\x12\x18\n\x14\x43OMMAND_STAGE_RESULT\x10\x00\x12\x1a\n\x16\x43OMMAND_STAGE_RECEIVED\x10\x01\x12\x18\n\x14\x43OMMAND_STAGE_UNDONE\x10\x02\x12\x1d\n\x19\x43OMMAND_STAGE_UNDO_FAILED\x10\x03*[\n\tControlOp\x12\x1a\n\x16\x43ONTROL_OP_UNSPECIFIED\x10\x00\x12\x0b\n\x07PROPOSE\x10\x01\x12\x0b\n\x07\x41PPROVE\x10\x02\x12\n\n\x06REJECT\x10\x03\x12\x0c\n\x08ROLLBACK\x10\x04\x32\xb9\x01\n\x06Ingest\x12\x38\n\x06Stream\x12\x18.tracetop.v1.ColumnBatch\x1a\x10.tracetop.v1.Ack(\x01\x30\x01\x12\x38\n\x04Push\x12\x18.tracetop.v1.PushRequest\x1a\x16.tracetop.v1.PushReply\x12;\n\x05\x43lock\x12\x19.tracetop.v1.ClockRequest\x1a\x17.tracetop.v1.ClockReply2\x8f\x02\n\x07\x43ontrol\x12\x42\n\tSubscribe\x12\x1d.tracetop.v1.SubscribeRequest\x1a\x14.tracetop.v1.Command0\x01\x12@\n\x04Poll\x12\x1d.tracetop.v1.SubscribeRequest\x1a\x19.tracetop.v1.CommandBatch\x12<\n\x06Report\x12\x1a.tracetop.v1.CommandStatus\x1a\x16.tracetop.v1.StatusAck\x12@\n\x06Submit\x12\x1b.tracetop.v1.ControlRequest\x1a\x19.tracetop.v1.ControlReply2\x7f\n\x05Query\x12\x39\n\x03Sql\x12\x19.tracetop.v1.QueryRequest\x1a\x17.tracetop.v1.QueryReply\x12;\n\x05Watch\x12\x19.tracetop.v1.WatchRequest\x1a\x15.tracetop.v1.Snapshot0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ctracetop/wire/tracetop.proto\x12\x0btracetop.v1\"8\n\x06\x43olumn\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x12\n\ndictionary\x18\x03 \x03(\t\"\xf7\x01\n\x0b\x43olumnBatch\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x11\n\tsource_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12$\n\x04kind\x18\x05 \x01(\x0e\x32\x16.tracetop.v1.EventKind\x12\t\n\x01n\x18\x06 \x01(\r\x12$\n\x07\x63olumns\x18\x07 \x03(\x0b\x32\x13.tracetop.v1.Column\x12\x0e\n\x06\x63rc32c\x18\x08 \x01(\r\x12\x17\n\x0f\x66irst_record_ns\x18\t \x01(\x03\x12\x11\n\tsealed_ns\x18\n \x01(\x03\x12\r\n\x05\x65poch\x18\x0b \x01(\x04\"4\n\x03\x41\x63k\x12\x11\n\tsource_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x1e\n\x0bPushRequest\x12\x0f\n\x07\x62\x61tches\x18\x01 \x03(\x0c\"\xde\x01\n\tPushReply\x12\x1e\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x10.tracetop.v1.Ack\x12\x17\n\x0fship_interval_s\x18\x02 \x01(\x01\x12\x10\n\x08\x65nd_code\x18\x03 \x01(\t\x12\x13\n\x0b\x65nd_message\x18\x04 \x01(\t\x12=\n\x0c\x65nd_metadata\x18\x05 \x03(\x0b\x32\'.tracetop.v1.PushReply.EndMetadataEntry\x1a\x32\n\x10\x45ndMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"&\n\x0c\x43lockRequest\x12\x16\n\x0e\x63lient_send_ns\x18\x01 \x01(\x03\"T\n\nClockReply\x12\x16\n\x0e\x63lient_send_ns\x18\x01 \x01(\x03\x12\x16\n\x0eserver_recv_ns\x18\x02 \x01(\x03\x12\x16\n\x0eserver_send_ns\x18\x03 \x01(\x03\"\xc4\x01\n\x07\x43ommand\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.tracetop.v1.CommandKind\x12\x11\n\tint_value\x18\x04 \x01(\x03\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x11\n\tissued_ns\x18\x06 \x01(\x03\x12\x12\n\nexpires_ns\x18\x07 \x01(\x03\x12\x13\n\x0brollback_of\x18\x08 \x01(\t\x12\x0e\n\x06values\x18\t \x03(\x03\"D\n\x10SubscribeRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nsource_key\x18\x03 \x01(\t\"\xdb\x01\n\rCommandStatus\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07\x61pplied\x18\x04 \x01(\x08\x12\x0c\n\x04step\x18\x05 \x01(\x03\x12\x0f\n\x07message\x18\x06 \x01(\t\x12(\n\x05stage\x18\x07 \x01(\x0e\x32\x19.tracetop.v1.CommandStage\x12\x13\n\x0bmicro_batch\x18\x08 \x01(\x05\x12\x15\n\rmicro_batches\x18\t \x01(\x05\x12\x12\n\nsource_key\x18\n \x01(\t\"\x0b\n\tStatusAck\"6\n\x0c\x43ommandBatch\x12&\n\x08\x63ommands\x18\x01 \x03(\x0b\x32\x14.tracetop.v1.Command\"\xef\x01\n\x0e\x43ontrolRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\"\n\x02op\x18\x02 \x01(\x0e\x32\x16.tracetop.v1.ControlOp\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.tracetop.v1.CommandKind\x12\x11\n\tint_value\x18\x04 \x01(\x03\x12\x11\n\taction_id\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\n\n\x02\x62y\x18\x07 \x01(\t\x12\x0f\n\x07\x61pprove\x18\x08 \x01(\x08\x12\x0c\n\x04rule\x18\t \x01(\t\x12\x10\n\x08\x65xpected\x18\n \x01(\t\x12\x0e\n\x06values\x18\x0b \x03(\x03\"A\n\x0c\x43ontrolReply\x12\x11\n\taction_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"-\n\x0cQueryRequest\x12\x0b\n\x03sql\x18\x01 \x01(\t\x12\x10\n\x08max_rows\x18\x02 \x01(\r\"2\n\nQueryReply\x12\x11\n\tarrow_ipc\x18\x01 \x01(\x0c\x12\x11\n\ttruncated\x18\x02 \x01(\x08\"2\n\x0cWatchRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x12\n\ninterval_s\x18\x02 \x01(\x01\"/\n\x08Snapshot\x12\x10\n\x08taken_ns\x18\x01 \x01(\x03\x12\x11\n\tarrow_ipc\x18\x02 \x01(\x0c*\xee\x01\n\tEventKind\x12\x1a\n\x16\x45VENT_KIND_UNSPECIFIED\x10\x00\x12\r\n\tRUN_START\x10\x01\x12\x08\n\x04STEP\x10\x02\x12\x0e\n\nCOLLECTIVE\x10\x03\x12\x0e\n\nPIPE_INSTR\x10\x04\x12\x0b\n\x07OFFLOAD\x10\x05\x12\n\n\x06MEMORY\x10\x06\x12\x0e\n\nTHROUGHPUT\x10\x07\x12\x0e\n\nGPU_SAMPLE\x10\x08\x12\x0f\n\x0bHOST_SAMPLE\x10\t\x12\r\n\tHEARTBEAT\x10\n\x12\x07\n\x03GAP\x10\x0b\x12\x07\n\x03XID\x10\x0c\x12\x10\n\x0c\x43LOCK_OFFSET\x10\r\x12\x0f\n\x0bGPU_PROCESS\x10\x0e*s\n\x0b\x43ommandKind\x12\x1c\n\x18\x43OMMAND_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0fSET_MICRO_BATCH\x10\x01\x12\x15\n\x11OFFLOAD_OPTIMIZER\x10\x02\x12\r\n\tREBALANCE\x10\x03\x12\x0b\n\x07PROFILE\x10\x04*}\n\x0c\x43ommandStage\x12\x18\n\x14\x43OMMAND_STAGE_RESULT\x10\x00\x12\x1a\n\x16\x43OMMAND_STAGE_RECEIVED\x10\x01\x12\x18\n\x14\x43OMMAND_STAGE_UNDONE\x10\x02\x12\x1d\n\x19\x43OMMAND_STAGE_UNDO_FAILED\x10\x03*[\n\tControlOp\x12\x1a\n\x16\x43ONTROL_OP_UNSPECIFIED\x10\x00\x12\x0b\n\x07PROPOSE\x10\x01\x12\x0b\n\x07\x41PPROVE\x10\x02\x12\n\n\x06REJECT\x10\x03\x12\x0c\n\x08ROLLBACK\x10\x04\x32\xb9\x01\n\x06Ingest\x12\x38\n\x06Stream\x12\x18.tracetop.v1.ColumnBatch\x1a\x10.tracetop.v1.Ack(\x01\x30\x01\x12\x38\n\x04Push\x12\x18.tracetop.v1.PushRequest\x1a\x16.tracetop.v1.PushReply\x12;\n\x05\x43lock\x12\x19.tracetop.v1.ClockRequest\x1a\x17.tracetop.v1.ClockReply2\x8f\x02\n\x07\x43ontrol\x12\x42\n\tSubscribe\x12\x1d.tracetop.v1.SubscribeRequest\x1a\x14.tracetop.v1.Command0\x01\x12@\n\x04Poll\x12\x1d.tracetop.v1.SubscribeRequest\x1a\x19.tracetop.v1.CommandBatch\x12<\n\x06Report\x12\x1a.tracetop.v1.CommandStatus\x1a\x16.tracetop.v1.StatusAck\x12@\n\x06Submit\x12\x1b.tracetop.v1.ControlRequest\x1a\x19.tracetop.v1.ControlReply2\x7f\n\x05Query\x12\x39\n\x03Sql\x12\x19.tracetop.v1.QueryRequest\x1a\x17.tracetop.v1.QueryReply\x12;\n\x05Watch\x12\x19.tracetop.v1.WatchRequest\x1a\x15.tracetop.v1.Snapshot0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PUSHREPLY_ENDMETADATAENTRY']._loaded_options = None
   _globals['_PUSHREPLY_ENDMETADATAENTRY']._serialized_options = b'8\001'
-  _globals['_EVENTKIND']._serialized_start=1828
-  _globals['_EVENTKIND']._serialized_end=2066
-  _globals['_COMMANDKIND']._serialized_start=2068
-  _globals['_COMMANDKIND']._serialized_end=2155
-  _globals['_COMMANDSTAGE']._serialized_start=2157
-  _globals['_COMMANDSTAGE']._serialized_end=2282
-  _globals['_CONTROLOP']._serialized_start=2284
-  _globals['_CONTROLOP']._serialized_end=2375
+  _globals['_EVENTKIND']._serialized_start=1860
+  _globals['_EVENTKIND']._serialized_end=2098
+  _globals['_COMMANDKIND']._serialized_start=2100
+  _globals['_COMMANDKIND']._serialized_end=2215
+  _globals['_COMMANDSTAGE']._serialized_start=2217
+  _globals['_COMMANDSTAGE']._serialized_end=2342
+  _globals['_CONTROLOP']._serialized_start=2344
+  _globals['_CONTROLOP']._serialized_end=2435
   _globals['_COLUMN']._serialized_start=45
   _globals['_COLUMN']._serialized_end=101
   _globals['_COLUMNBATCH']._serialized_start=104
@@ -58,31 +58,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOCKREPLY']._serialized_start=704
   _globals['_CLOCKREPLY']._serialized_end=788
   _globals['_COMMAND']._serialized_start=791
-  _globals['_COMMAND']._serialized_end=971
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=973
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=1041
-  _globals['_COMMANDSTATUS']._serialized_start=1044
-  _globals['_COMMANDSTATUS']._serialized_end=1263
-  _globals['_STATUSACK']._serialized_start=1265
-  _globals['_STATUSACK']._serialized_end=1276
-  _globals['_COMMANDBATCH']._serialized_start=1278
-  _globals['_COMMANDBATCH']._serialized_end=1332
-  _globals['_CONTROLREQUEST']._serialized_start=1335
-  _globals['_CONTROLREQUEST']._serialized_end=1558
-  _globals['_CONTROLREPLY']._serialized_start=1560
-  _globals['_CONTROLREPLY']._serialized_end=1625
-  _globals['_QUERYREQUEST']._serialized_start=1627
-  _globals['_QUERYREQUEST']._serialized_end=1672
-  _globals['_QUERYREPLY']._serialized_start=1674
-  _globals['_QUERYREPLY']._serialized_end=1724
-  _globals['_WATCHREQUEST']._serialized_start=1726
-  _globals['_WATCHREQUEST']._serialized_end=1776
-  _globals['_SNAPSHOT']._serialized_start=1778
-  _globals['_SNAPSHOT']._serialized_end=1825
-  _globals['_INGEST']._serialized_start=2378
-  _globals['_INGEST']._serialized_end=2563
-  _globals['_CONTROL']._serialized_start=2566
-  _globals['_CONTROL']._serialized_end=2837
-  _globals['_QUERY']._serialized_start=2839
-  _globals['_QUERY']._serialized_end=2966
+  _globals['_COMMAND']._serialized_end=987
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=989
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=1057
+  _globals['_COMMANDSTATUS']._serialized_start=1060
+  _globals['_COMMANDSTATUS']._serialized_end=1279
+  _globals['_STATUSACK']._serialized_start=1281
+  _globals['_STATUSACK']._serialized_end=1292
+  _globals['_COMMANDBATCH']._serialized_start=1294
+  _globals['_COMMANDBATCH']._serialized_end=1348
+  _globals['_CONTROLREQUEST']._serialized_start=1351
+  _globals['_CONTROLREQUEST']._serialized_end=1590
+  _globals['_CONTROLREPLY']._serialized_start=1592
+  _globals['_CONTROLREPLY']._serialized_end=1657
+  _globals['_QUERYREQUEST']._serialized_start=1659
+  _globals['_QUERYREQUEST']._serialized_end=1704
+  _globals['_QUERYREPLY']._serialized_start=1706
+  _globals['_QUERYREPLY']._serialized_end=1756
+  _globals['_WATCHREQUEST']._serialized_start=1758
+  _globals['_WATCHREQUEST']._serialized_end=1808
+  _globals['_SNAPSHOT']._serialized_start=1810
+  _globals['_SNAPSHOT']._serialized_end=1857
+  _globals['_INGEST']._serialized_start=2438
+  _globals['_INGEST']._serialized_end=2623
+  _globals['_CONTROL']._serialized_start=2626
+  _globals['_CONTROL']._serialized_end=2897
+  _globals['_QUERY']._serialized_start=2899
+  _globals['_QUERY']._serialized_end=3026
 # @@protoc_insertion_point(module_scope)

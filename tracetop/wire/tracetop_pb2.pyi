@@ -30,6 +30,8 @@ class CommandKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMMAND_KIND_UNSPECIFIED: _ClassVar[CommandKind]
     SET_MICRO_BATCH: _ClassVar[CommandKind]
     OFFLOAD_OPTIMIZER: _ClassVar[CommandKind]
+    REBALANCE: _ClassVar[CommandKind]
+    PROFILE: _ClassVar[CommandKind]
 
 class CommandStage(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -63,6 +65,8 @@ GPU_PROCESS: EventKind
 COMMAND_KIND_UNSPECIFIED: CommandKind
 SET_MICRO_BATCH: CommandKind
 OFFLOAD_OPTIMIZER: CommandKind
+REBALANCE: CommandKind
+PROFILE: CommandKind
 COMMAND_STAGE_RESULT: CommandStage
 COMMAND_STAGE_RECEIVED: CommandStage
 COMMAND_STAGE_UNDONE: CommandStage
@@ -163,7 +167,7 @@ class ClockReply(_message.Message):
     def __init__(self, client_send_ns: _Optional[int] = ..., server_recv_ns: _Optional[int] = ..., server_send_ns: _Optional[int] = ...) -> None: ...
 
 class Command(_message.Message):
-    __slots__ = ("command_id", "run_id", "kind", "int_value", "reason", "issued_ns", "expires_ns", "rollback_of")
+    __slots__ = ("command_id", "run_id", "kind", "int_value", "reason", "issued_ns", "expires_ns", "rollback_of", "values")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +176,7 @@ class Command(_message.Message):
     ISSUED_NS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_NS_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_OF_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     run_id: str
     kind: CommandKind
@@ -180,7 +185,8 @@ class Command(_message.Message):
     issued_ns: int
     expires_ns: int
     rollback_of: str
-    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., int_value: _Optional[int] = ..., reason: _Optional[str] = ..., issued_ns: _Optional[int] = ..., expires_ns: _Optional[int] = ..., rollback_of: _Optional[str] = ...) -> None: ...
+    values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, command_id: _Optional[str] = ..., run_id: _Optional[str] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., int_value: _Optional[int] = ..., reason: _Optional[str] = ..., issued_ns: _Optional[int] = ..., expires_ns: _Optional[int] = ..., rollback_of: _Optional[str] = ..., values: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SubscribeRequest(_message.Message):
     __slots__ = ("run_id", "rank", "source_key")
@@ -227,7 +233,7 @@ class CommandBatch(_message.Message):
     def __init__(self, commands: _Optional[_Iterable[_Union[Command, _Mapping]]] = ...) -> None: ...
 
 class ControlRequest(_message.Message):
-    __slots__ = ("run_id", "op", "kind", "int_value", "action_id", "reason", "by", "approve", "rule", "expected")
+    __slots__ = ("run_id", "op", "kind", "int_value", "action_id", "reason", "by", "approve", "rule", "expected", "values")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +244,7 @@ class ControlRequest(_message.Message):
     APPROVE_FIELD_NUMBER: _ClassVar[int]
     RULE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     op: ControlOp
     kind: CommandKind
@@ -248,7 +255,8 @@ class ControlRequest(_message.Message):
     approve: bool
     rule: str
     expected: str
-    def __init__(self, run_id: _Optional[str] = ..., op: _Optional[_Union[ControlOp, str]] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., int_value: _Optional[int] = ..., action_id: _Optional[str] = ..., reason: _Optional[str] = ..., by: _Optional[str] = ..., approve: _Optional[bool] = ..., rule: _Optional[str] = ..., expected: _Optional[str] = ...) -> None: ...
+    values: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, run_id: _Optional[str] = ..., op: _Optional[_Union[ControlOp, str]] = ..., kind: _Optional[_Union[CommandKind, str]] = ..., int_value: _Optional[int] = ..., action_id: _Optional[str] = ..., reason: _Optional[str] = ..., by: _Optional[str] = ..., approve: _Optional[bool] = ..., rule: _Optional[str] = ..., expected: _Optional[str] = ..., values: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ControlReply(_message.Message):
     __slots__ = ("action_id", "state", "message")
