@@ -14,6 +14,16 @@ without a controller. Both are given the same ``Run`` (see ``train.py``).
   with torch's Adam). Elsewhere in the ZeRO shape (ZeRO 3, or a run started with ``--offload``):
   checkpoint-and-relaunch, in process: save, build a new engine with the other ZeRO offload
   config, load. ZeRO 0 has nothing to offload and is refused.
+- ``set_rebalance``: the samples each data-parallel replica trains per step
+  (``trainer_hooks.rebalance.Rebalance``), the global batch kept. Every replica keeps its number of
+  micro-batches M. The ZeRO shape cuts its share into M micro-batches whose sizes differ by at most
+  one and weights each micro-batch's loss by ``M x dp x size / global batch`` (``engine.backward``
+  divides by M): ZeRO 2/3 reduce gradients at every micro-batch, so every replica must run all M.
+  The 3D shape (PipelineEngine) runs micro-batches of one size within a pipe (its p2p buffers are
+  sized by the first): a share must be a multiple of M, the pipe's micro-batch size becomes
+  share / M (``reset_activation_shape`` on every stage of the pipe), and the pipeline's loss is
+  weighted by ``dp x share / global batch``. Either way DeepSpeed's average over the replicas gives
+  the mean over the global batch: the balanced step's update, and the same loss.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ class AdjustError(TracetopError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class Adjustment:
     step: int
-    key: str  # micro_batch | offload
+    key: str  # micro_batch | offload | rebalance
     value: Any
 
 
@@ -49,7 +59,17 @@ def parse_adjustment(text: str) -> Adjustment:
         if value not in ("on", "off"):
             raise AdjustError(f"--adjust {text!r}: offload is on or off")
         return Adjustment(step, key, value == "on")
-    raise AdjustError(f"--adjust {text!r}: unknown key {key!r}; use micro_batch or offload")
+    if key == "rebalance":
+        from trainer_hooks.rebalance import Rebalance
+
+        parts = value.split(",")
+        if not all(p.isdigit() for p in parts) or len(parts) < 2:
+            raise AdjustError(f"--adjust {text!r}: rebalance is the samples of each data-parallel replica, e.g. "
+                              "20:rebalance=9,9,9,5")
+        counts = tuple(int(p) for p in parts)
+        relieved = -1 if len(set(counts)) == 1 else min(range(len(counts)), key=counts.__getitem__)
+        return Adjustment(step, key, Rebalance(counts, relieved))
+    raise AdjustError(f"--adjust {text!r}: unknown key {key!r}; use micro_batch, offload or rebalance")
 
 
 def plan_micro_batch(micro_batch: int, micro_batches: int, new_micro_batch: int) -> int:
@@ -76,6 +96,45 @@ def set_micro_batch(run: Any, new_micro_batch: int) -> None:
         engine.micro_batch_size = new_micro_batch
         engine.reset_activation_shape()
     run.micro_batch, run.micro_batches = new_micro_batch, new_micro_batches
+
+
+def check_rebalance(r: Any, *, dp: int, micro_batch: int, micro_batches: int, pipelined: bool) -> None:
+    """Raises AdjustError when ``r`` (a Rebalance) does not fit this run's replicas and batch."""
+    per = micro_batch * micro_batches
+    if r.dp != dp:
+        raise AdjustError(f"rebalance {list(r.samples)}: {r.dp} counts for {dp} data-parallel replicas; give one each")
+    if r.global_batch != per * dp:
+        raise AdjustError(f"rebalance {list(r.samples)} sums to {r.global_batch}; the global batch is {per * dp} "
+                          f"({dp} x {micro_batch} x {micro_batches}): the update would change")
+    if min(r.samples) < micro_batches:
+        raise AdjustError(f"rebalance {list(r.samples)}: every replica runs {micro_batches} micro-batches (the same "
+                          f"collectives on every rank), so each needs at least {micro_batches} samples")
+    if pipelined and any(n % micro_batches for n in r.samples):
+        raise AdjustError(f"rebalance {list(r.samples)}: a pipe runs {micro_batches} micro-batches of one size "
+                          f"(the pipeline engine's p2p buffers), so each count must be a multiple of {micro_batches}")
+
+
+def set_rebalance(run: Any, r: Any) -> None:
+    """The samples per data-parallel replica ``r`` (a Rebalance; balanced undoes). Call at a step
+    boundary on all ranks."""
+    pipelined = run.layout.shape == "3d"
+    check_rebalance(r, dp=run.layout.dp, micro_batch=run.micro_batch, micro_batches=run.micro_batches,
+                    pipelined=pipelined)
+    balanced = len(set(r.samples)) == 1
+    share = r.share(run.dp_rank)
+    if pipelined:
+        engine = run.engine
+        size = share // run.micro_batches
+        engine.set_train_micro_batch_size(size)  # this pipe's engine only: GAS (the schedule) kept
+        engine.micro_batch_size = size
+        engine.reset_activation_shape()
+        run.loss_weight.weight = r.weight(run.dp_rank)
+    run.rebalance = None if balanced else r
+    tracer = getattr(run.tracing, "tracer", None)
+    if tracer is not None:  # this rank's STEP rows count its replica's share
+        tracer.samples_per_step = share
+        if run.preset.seq_len > 0:
+            tracer.tokens_per_step = share * run.preset.seq_len
 
 
 def offload_method(layout: Any) -> tuple[str | None, str]:

@@ -214,13 +214,18 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-tag", default=None, help="which checkpoint (e.g. step30; default: the latest)")
     g = p.add_argument_group("adjustments (applied on all ranks at a step boundary)")
     g.add_argument("--adjust", action="append", default=[], metavar="STEP:KEY=VALUE",
-                   help="before STEP: micro_batch=N (global batch kept) or offload=on|off; repeatable")
+                   help="before STEP: micro_batch=N (global batch kept), offload=on|off, or rebalance=N,N,... "
+                   "(samples per data-parallel replica, summing to the global batch); repeatable")
     g = p.add_argument_group("fault injection (real effects)")
     g.add_argument("--inject-straggler", action="append", default=[], metavar="RANK:MS[@STEP]",
                    help="that rank computes MS longer every step (inside its forward) from STEP")
     g.add_argument("--inject-slow-rank", action="append", default=[], metavar="RANK:FACTOR[@STEP]",
                    help="from STEP that rank sleeps (FACTOR - 1) x its median step time before STEP, every step, "
                    "inside its forward: a straggler proportional to the step")
+    g.add_argument("--inject-slow-samples", action="append", default=[], metavar="RANK:FACTOR@STEP[-END]",
+                   help="from STEP (until before END) that rank is FACTOR x slower per sample: in each forward it "
+                   "sleeps (FACTOR - 1) x its median step time per sample before STEP, x the samples of that "
+                   "micro-batch (a straggler that fewer samples relieve: the rebalance's fault)")
     g.add_argument("--inject-comm-delay", action="append", default=[], metavar="RANK:MS[@STEP]",
                    help="that rank enters its data-parallel gradient reduction MS late every step")
     g.add_argument("--inject-stage-imbalance", action="append", default=[], metavar="STAGE:FACTOR[@STEP]",

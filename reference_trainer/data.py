@@ -7,8 +7,8 @@ so the loss falls from ln V towards ~0 as the model learns to read the stride wi
 
 The global batch of a step is a function of (seed, step) only. Each data-parallel rank takes its
 contiguous share and cuts it into micro-batches, so the global batch, and the loss averaged over
-it, is the same whatever the micro-batch size, TP or PP: layouts and adjusted runs compare number
-for number. Both ranks of a TP group (and all stages of a pipeline) compute the same share.
+it, is the same whatever the micro-batch size, TP or PP, or the replicas' shares after a rebalance:
+layouts and adjusted runs compare number for number. Both ranks of a TP group (and all stages of a pipeline) compute the same share.
 """
 
 from __future__ import annotations
@@ -29,13 +29,16 @@ def global_batch(step: int, seed: int, n_samples: int, vocab: int, seq_len: int)
 
 
 def micro_batches_for(step: int, seed: int, *, dp_rank: int, dp: int, micro_batch: int, micro_batches: int,
-                      vocab: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This DP rank's micro-batches of ``step``, in order."""
+                      vocab: int, seq_len: int, offset: int | None = None,
+                      sizes: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This DP rank's micro-batches of ``step``, in order. A rebalance gives the replica ``sizes``
+    (its micro-batches) starting at ``offset`` in the same global batch."""
     per_rank = micro_batch * micro_batches
     inputs, labels = global_batch(step, seed, per_rank * dp, vocab, seq_len)
-    lo = dp_rank * per_rank
-    return [
-        (inputs[lo + i * micro_batch: lo + (i + 1) * micro_batch],
-         labels[lo + i * micro_batch: lo + (i + 1) * micro_batch])
-        for i in range(micro_batches)
-    ]
+    lo = dp_rank * per_rank if offset is None else offset
+    sizes = sizes if sizes is not None else [micro_batch] * micro_batches
+    out, at = [], lo
+    for n in sizes:
+        out.append((inputs[at: at + n], labels[at: at + n]))
+        at += n
+    return out

@@ -17,6 +17,11 @@ Every fault acts on the real run, never on a reported number:
   (split across its micro-batches). A fixed MS is half a step on an idle machine and a fifth of one
   at load 3; this is FACTOR x at any load (the baseline is fixed at onset, so the wait it causes
   does not feed back into it);
+- slow samples RANK:FACTOR@STEP[-END]: a straggler proportional to the work the rank does, so
+  that fewer samples relieve it (the rebalance's fault): from STEP until before END that rank, in
+  each forward, sleeps (FACTOR - 1) x its per-sample time x the samples of that micro-batch, the
+  per-sample time being the median of its own step walls before STEP over the samples of each
+  (fixed at onset, as slow rank's). FACTOR 1.5 makes a rank 50 % slower at any load;
 - memory growth RANK:MB[@STEP]: that rank allocates, touches and holds MB more every step (host
   memory on CPU, device memory on GPU);
 - hang RANK@STEP: at STEP, where its first DP reduction would start, that rank enters an
@@ -41,10 +46,11 @@ from typing import Any
 
 from tracetop.errors import TracetopError
 
-KINDS = ("straggler", "slow_rank", "comm_delay", "stage_imbalance", "mem_growth", "hang", "kill")
+KINDS = ("straggler", "slow_rank", "slow_samples", "comm_delay", "stage_imbalance", "mem_growth", "hang", "kill")
 _SPEC = {
     "straggler": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MS[@STEP], e.g. 1:200@5"),
     "slow_rank": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:FACTOR[@STEP], e.g. 3:2@30"),
+    "slow_samples": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+)(?:-(\d+))?)?$", "RANK:FACTOR@STEP[-END], e.g. 3:1.5@20-45"),
     "comm_delay": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MS[@STEP], e.g. 0:150"),
     "stage_imbalance": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "STAGE:FACTOR[@STEP], e.g. 1:3"),
     "mem_growth": (r"^(\d+):(\d+(?:\.\d+)?)(?:@(\d+))?$", "RANK:MB[@STEP], e.g. 2:64@3"),
@@ -63,9 +69,12 @@ class Fault:
     target: int  # a global rank, or a pipeline stage for stage_imbalance
     amount: float  # ms, ms, factor, MB; 0 for hang
     from_step: int  # first step it acts on
+    to_step: int = -1  # the first step it no longer acts on; -1: never ends
 
     def active(self, step: int) -> bool:
-        return step >= self.from_step if self.kind not in ("hang", "kill") else step == self.from_step
+        if self.kind in ("hang", "kill"):
+            return step == self.from_step
+        return step >= self.from_step and (self.to_step < 0 or step < self.to_step)
 
 
 def parse_fault(kind: str, text: str) -> Fault:
@@ -77,8 +86,15 @@ def parse_fault(kind: str, text: str) -> Fault:
     if kind in ("hang", "kill"):
         return Fault(kind, int(m.group(1)), 0.0, int(m.group(2)))
     amount = float(m.group(2))
-    if kind in ("stage_imbalance", "slow_rank") and amount < 1.0:
+    if kind in ("stage_imbalance", "slow_rank", "slow_samples") and amount < 1.0:
         raise FaultSpecError(f"{flag} {text!r}: FACTOR must be at least 1 (1 = no effect)")
+    if kind == "slow_samples":
+        start, end = int(m.group(3) or 0), int(m.group(4)) if m.group(4) else -1
+        if start < 1:
+            raise FaultSpecError(f"{flag} {text!r}: give STEP >= 1: the per-sample time is measured on the steps before it")
+        if 0 <= end <= start:
+            raise FaultSpecError(f"{flag} {text!r}: END ({end}) must come after STEP ({start})")
+        return Fault(kind, int(m.group(1)), amount, start, end)
     return Fault(kind, int(m.group(1)), amount, int(m.group(3) or 0))
 
 
@@ -130,6 +146,9 @@ class StageClock:
         self.imbalance = [f for f in faults if f.kind == "stage_imbalance" and f.target == stage]
         self.slow_rank = [f for f in faults if f.kind == "slow_rank" and f.target == rank]
         self.step_walls: list[float] = []  # this rank's step wall times before its slow_rank onset
+        self.slow_samples = [f for f in faults if f.kind == "slow_samples" and f.target == rank]
+        self.sample_walls: list[float] = []  # this rank's step wall per sample before its slow_samples onset
+        self._step_samples = 0  # samples this rank's forwards saw in the running step
         self._step_t0: float | None = None
         self.mem_growth = [f for f in faults if f.kind == "mem_growth" and f.target == rank]
         self.hang = [f for f in faults if f.kind == "hang" and f.target == rank]
@@ -150,6 +169,10 @@ class StageClock:
         now = self._clock()
         if self._step_t0 is not None and self.slow_rank and not any(f.active(step - 1) for f in self.slow_rank):
             self.step_walls.append(now - self._step_t0)
+        if (self._step_t0 is not None and self.slow_samples and self._step_samples > 0
+                and all(step - 1 < f.from_step for f in self.slow_samples)):
+            self.sample_walls.append((now - self._step_t0) / self._step_samples)
+        self._step_samples = 0
         self._step_t0 = now
         self.step = step
         self._entered_reduction = False
@@ -234,6 +257,9 @@ class StageClock:
         ms = sum(f.amount for f in self.straggler if f.active(self.step))
         ms += self.slow_micro_batch.get(self._micro_batch(), 0.0)
         ms += self._slow_rank_ms()
+        n = _batch_size(args)
+        self._step_samples += n
+        slow_ms = self._slow_samples_ms(n) if module.training else 0.0
         if self.activation_bytes_per_sample and module.training:
             import torch
 
@@ -241,6 +267,8 @@ class StageClock:
             self.activations.append(torch.ones(n, dtype=torch.float32, device=self.device))
         if ms:
             self._sleep(ms / 1000.0 / max(1, self._micro_batches()))
+        if slow_ms:
+            self._sleep(slow_ms / 1000.0)
         self._fwd_c0 = self._clock()
         if self.stage > 0 and args:
             first = args[0]
@@ -248,6 +276,14 @@ class StageClock:
                 return ((_wrap_end(first[0], self), *first[1:]), *args[1:])
             return (_wrap_end(first, self), *args[1:])
         return None
+
+    def _slow_samples_ms(self, samples: int) -> float:
+        """slow samples: (FACTOR - 1) x the per-sample time measured before onset x this forward's samples."""
+        factor = max((f.amount for f in self.slow_samples if f.active(self.step)), default=1.0)
+        if factor <= 1.0 or not self.sample_walls or samples <= 0:
+            return 0.0
+        walls = sorted(self.sample_walls)
+        return (factor - 1.0) * walls[len(walls) // 2] * samples * 1000.0
 
     def _slow_rank_ms(self) -> float:
         factor = max((f.amount for f in self.slow_rank if f.active(self.step)), default=1.0)
@@ -287,6 +323,15 @@ class StageClock:
         self.backward_s += self._clock() - self._bwd_t0
         if self.activations:  # this micro-batch's activations are freed with its backward (1F1B: FIFO)
             self.activations.pop(0)
+
+
+def _batch_size(args: tuple) -> int:
+    """The samples of a forward: the first dimension of its first tensor argument (0: none)."""
+    first = args[0] if args else None
+    if isinstance(first, tuple) and first:
+        first = first[0]
+    shape = getattr(first, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) else 0
 
 
 def _kill_self(rank: int, step: int) -> None:

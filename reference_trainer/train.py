@@ -59,10 +59,25 @@ class Run:
     tracing: Any = None
     rebuild: Any = None  # (offload: str) -> None; set in the ZeRO shape
     refuse_commands: list = dataclasses.field(default_factory=list)  # --inject-refuse-command
+    rebalance: Any = None  # the trainer_hooks.rebalance.Rebalance in force (None: balanced)
+    loss_weight: Any = None  # the 3D shape's WeightedLoss (its weight: this pipe's rebalance weight)
 
     @property
     def global_batch(self) -> int:
         return self.micro_batch * self.micro_batches * self.layout.dp
+
+
+class WeightedLoss:
+    """The pipeline's loss_fn x ``weight``: a rebalanced pipe's loss weighted by dp x its share /
+    the global batch (adjust.set_rebalance); 1.0 when balanced."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.weight = 1.0
+
+    def __call__(self, logits: Any, labels: Any) -> Any:
+        loss = self.fn(logits, labels)
+        return loss if self.weight == 1.0 else loss * self.weight
 
 
 def _env_world() -> tuple[int, int, int]:
@@ -106,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.micro_batch < 1 or args.micro_batches < 1 or args.steps < 0:
         return _fail(rank, "--micro-batch and --micro-batches must be at least 1, --steps at least 0")
     for a in adjustments:
-        if a.key == "micro_batch":
+        if a.key == "rebalance":
+            try:
+                adjust_mod.check_rebalance(a.value, dp=layout.dp, micro_batch=args.micro_batch,
+                                           micro_batches=args.micro_batches, pipelined=layout.shape == "3d")
+            except adjust_mod.AdjustError as e:
+                return _fail(rank, f"--adjust {a.step}:rebalance: {e}")
+        elif a.key == "micro_batch":
             try:
                 adjust_mod.plan_micro_batch(args.micro_batch, args.micro_batches, a.value)
             except adjust_mod.AdjustError as e:
@@ -151,7 +172,7 @@ def _init_distributed(timeout_s: float) -> None:
 
 
 def _build_engine(args: argparse.Namespace, layout: Layout, preset: ModelPreset, rank: int, bf16: bool, *,
-                  micro_batch: int, micro_batches: int, grid: Any = None):
+                  micro_batch: int, micro_batches: int, grid: Any = None, loss: Any = None):
     """The DeepSpeed engine for ``layout``. The ZeRO shape reuses ``grid`` (its process groups)
     when given one, as a rebuild at a new ZeRO config does."""
     import deepspeed
@@ -167,7 +188,7 @@ def _build_engine(args: argparse.Namespace, layout: Layout, preset: ModelPreset,
     cfg = ds_config(layout, micro_batch=micro_batch, micro_batches=micro_batches, lr=args.lr,
                     bf16=bf16, nvme_path=args.nvme_path)
     if layout.shape == "3d":
-        module = PipelineModule(layers=layer_specs(preset, tp, args.seed), loss_fn=loss_fn, topology=topo,
+        module = PipelineModule(layers=layer_specs(preset, tp, args.seed), loss_fn=loss or loss_fn, topology=topo,
                                 partition_method="type:TransformerBlock")
         grid = module.mpu()
         tp.group = grid.get_slice_parallel_group()
@@ -207,10 +228,11 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and on_gpu)
     torch.manual_seed(args.seed)
 
+    weighted = WeightedLoss(loss_fn)
     engine, topo, coord, cfg, embedding, grid = _build_engine(
-        args, layout, preset, rank, bf16, micro_batch=args.micro_batch, micro_batches=args.micro_batches)
+        args, layout, preset, rank, bf16, micro_batch=args.micro_batch, micro_batches=args.micro_batches, loss=weighted)
     run = Run(engine=engine, layout=layout, preset=preset, micro_batch=args.micro_batch,
-              micro_batches=args.micro_batches, rank=rank, stage=coord.pipe, dp_rank=coord.data)
+              micro_batches=args.micro_batches, rank=rank, stage=coord.pipe, dp_rank=coord.data, loss_weight=weighted)
     clock = StageClock(faults, rank=rank, stage=coord.pipe, micro_batches=lambda: run.micro_batches,
                        micro_batch=lambda: run.micro_batch,
                        activation_bytes_per_sample=int(args.activation_mb_per_sample * 2**20),
@@ -280,9 +302,12 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
             _apply_commands(run, step)
             engine = run.engine
             clock.begin_step(step)
+            r = run.rebalance
             batches = micro_batches_for(step, args.seed, dp_rank=run.dp_rank, dp=layout.dp,
                                         micro_batch=run.micro_batch, micro_batches=run.micro_batches,
-                                        vocab=preset.vocab, seq_len=preset.seq_len)
+                                        vocab=preset.vocab, seq_len=preset.seq_len,
+                                        offset=None if r is None else r.offset(run.dp_rank),
+                                        sizes=None if r is None else r.micro_batch_sizes(run.dp_rank, run.micro_batches))
             t0 = time.perf_counter()
             with run.tracing.step(step):
                 if layout.shape == "3d":
@@ -297,7 +322,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
             record = {"step": step, "time_unix_s": time.time(), "loss": loss, "step_time_s": step_time_s,
                       "tokens_per_s": tokens_per_s, "achieved_tflops": tokens_per_s * fpt / 1e12,
                       "micro_batch": run.micro_batch, "micro_batches": run.micro_batches,
-                      "global_batch": run.global_batch}
+                      "global_batch": run.global_batch, "samples": sum(len(x) for x, _ in batches)}
             if rank == 0:
                 if not args.quiet:
                     print(f"step {step} loss {loss:.4f} step_time {step_time_s * 1000:.1f} ms "
@@ -379,6 +404,12 @@ def _in_force(run: Run, key: str) -> Any:
     """The value of an adjustment's key in force now (what an undo restores)."""
     if key == "micro_batch":
         return run.micro_batch
+    if key == "rebalance":
+        if run.rebalance is not None:
+            return run.rebalance
+        from trainer_hooks.rebalance import Rebalance
+
+        return Rebalance((run.micro_batch * run.micro_batches,) * run.layout.dp)
     if adjust_mod.offload_method(run.layout)[0] == "relaunch":
         return run.layout.offload != "none"
     return run.offload_states_on
@@ -386,7 +417,8 @@ def _in_force(run: Run, key: str) -> Any:
 
 def _refuse_if_injected(run: Run, key: str, value: Any) -> None:
     """--inject-refuse-command RANK[:KEY=VALUE]: that rank refuses (the all-or-none tests' seam)."""
-    shown = ("on" if value else "off") if key == "offload" else str(value)
+    shown = (("on" if value else "off") if key == "offload" else ",".join(map(str, value.samples))
+             if key == "rebalance" else str(value))
     for spec in run.refuse_commands:
         rank, _, which = spec.partition(":")
         if rank.strip() == str(run.rank) and which in ("", f"{key}={shown}"):
@@ -407,8 +439,10 @@ def _apply(run: Run, a: adjust_mod.Adjustment) -> None:
         adjust_mod.set_micro_batch(run, int(a.value))
     elif a.key == "offload":
         adjust_mod.set_optimizer_offload(run, bool(a.value))
+    elif a.key == "rebalance":
+        adjust_mod.set_rebalance(run, a.value)
     else:
-        raise adjust_mod.AdjustError(f"unknown adjustment {a.key!r}; use micro_batch or offload")
+        raise adjust_mod.AdjustError(f"unknown adjustment {a.key!r}; use micro_batch, offload or rebalance")
     if run.rank == 0:
         print(f"[reference_trainer] step {a.step}: {a.key} -> {a.value} (micro_batch={run.micro_batch}, "
               f"micro_batches={run.micro_batches}, global_batch={run.global_batch})", flush=True)
@@ -421,10 +455,13 @@ def _zero_step(engine, batches, loss_fn, run: Run) -> float:
     import torch.distributed as dist
 
     total = torch.zeros((), dtype=torch.float32, device=engine.device)
+    r = run.rebalance
     for i, (x, y) in enumerate(batches):
         engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
         logits = engine(x.to(engine.device))
         loss = loss_fn(logits, y.to(engine.device))
+        if r is not None:  # this micro-batch's share of the global batch (adjust.set_rebalance)
+            loss = loss * r.micro_weight(run.dp_rank, len(x), len(batches))
         engine.backward(loss)
         engine.step()
         total += loss.detach().float()

@@ -38,7 +38,9 @@ Two ways a trainer applies commands:
 - ``tracer.on_command(kind, fn)`` (any trainer: plain PyTorch DDP, HF, Lightning): the Tracer
   runs the boundary when a step begins; ``fn(value)`` applies (raise to refuse); the undo calls
   ``fn(previous)`` with ``current()`` read before applying (default for ``micro_batch``: the
-  Tracer's micro_batch; for ``offload``: the last value applied, off at first).
+  Tracer's micro_batch; for ``offload``: the last value applied, off at first; for ``rebalance``,
+  whose value is a ``trainer_hooks.rebalance.Rebalance``: the last one applied, at first the
+  balanced split of the same global batch).
 - the reference trainer's seam: ``tracing.adjustments(step)`` (-> ``receive``),
   ``adjustment_result`` (-> ``settle``), ``adjustment_undone`` (-> ``undone``).
 
@@ -79,7 +81,7 @@ class Pending:
     step: int
     action_id: int
     key: str
-    value: Any  # int for micro_batch, bool for offload
+    value: Any  # int for micro_batch, bool for offload, a Rebalance for rebalance
     rollback: bool
     values: tuple[int, ...] = ()  # the command's list argument (rebalance, profile)
 
@@ -123,6 +125,7 @@ class CommandBus:
         self._allreduce: Any = None
         self._min: Any = None
         self._offload_state = False
+        self._rebalance: Any = None  # the Rebalance in force (None: balanced, as started)
         self.inbox: collections.deque = collections.deque()
         self._seen: set[int] = set()
         self._subscriber: threading.Thread | None = None
@@ -152,7 +155,7 @@ class CommandBus:
         if p is None:
             return
         fn, current = self.handlers.get(p.key, (None, None))
-        previous = self._current(p.key, current)
+        previous = self._current(p, current)
         ok, message = True, ""
         if fn is None:
             ok, message = False, f"this trainer registered no handler for {p.key} (tracer.on_command)"
@@ -169,10 +172,12 @@ class CommandBus:
         except Exception as e:
             self.undone(p, False, f"undo to {p.key}={previous} failed: {type(e).__name__}: {e}")
 
-    def _current(self, key: str, current: Callable[[], Any] | None) -> Any:
+    def _current(self, p: Pending, current: Callable[[], Any] | None) -> Any:
         if current is not None:
             return current()
-        return self.t.micro_batch if key == "micro_batch" else self._offload_state
+        if p.key == "rebalance":
+            return self._rebalance if self._rebalance is not None else p.value.balanced()
+        return self.t.micro_batch if p.key == "micro_batch" else self._offload_state
 
     # ------------------------------------------------------------------ the collective part
     def receive(self, step: int) -> Pending | None:
@@ -216,6 +221,10 @@ class CommandBus:
         self.stats["commands"] += 1
         key = KINDS.get(int(words[2]), "")
         value: Any = bool(words[3]) if key == "offload" else int(words[3])
+        if key == "rebalance":
+            from trainer_hooks.rebalance import Rebalance
+
+            value = Rebalance(values, int(words[3]))
         return Pending(step, int(words[1]), key, value, bool(words[4]), values)
 
     def settle(self, p: Pending, applied: bool, message: str = "") -> bool:
@@ -260,6 +269,10 @@ class CommandBus:
             t.micro_batch = p.value
         elif p.key == "offload":
             self._offload_state = bool(p.value)
+        elif p.key == "rebalance":
+            self._rebalance = p.value
+            if p.value.dp == t.world_size:  # one rank a replica (plain DDP): its STEP rows count its share
+                t.samples_per_step = p.value.share(t.rank)
 
     def _setup(self) -> None:
         import torch

@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from collector.control import policy
+from collector.control import rebalance as rebalance_policy
 from collector.control.actions import OPEN
 from collector.control.policy import ControlInputs, Memory, Settings
 from collector.live.model import FIRING, Alert
@@ -38,6 +39,8 @@ from tracetop.errors import TracetopError
 log = logging.getLogger("tracetop.collector")
 
 MODES = ("off", "advise", "auto")
+#: the kinds the controller verifies and counts as changes (its cooldown, its one-at-a-time)
+CHANGES = ("micro_batch", "offload", "rebalance")
 
 
 class SettingsError(TracetopError, ValueError):
@@ -101,6 +104,10 @@ class InputsSource(Protocol):
 
     def memory_share(self, run_id: str, first_step: int, last_step: int) -> float: ...
 
+    def step_ms(self, run_id: str, first_step: int, last_step: int) -> float: ...
+
+    def loss(self, run_id: str, first_step: int, last_step: int) -> float: ...
+
 
 @dataclass(frozen=True)
 class Logged:
@@ -131,6 +138,13 @@ class Controller:
         for inp in self._latest:
             for a in self._to_verify(inp):
                 k = self.settings.policy.verify_steps
+                if a.kind == "rebalance":  # step time and loss, before and after
+                    self._windows[a.action_id] = (
+                        self.source.step_ms(inp.run_id, a.step - k, a.step - 1),
+                        self.source.step_ms(inp.run_id, a.step + 1, a.step + k),
+                        self.source.loss(inp.run_id, a.step - k, a.step - 1),
+                        self.source.loss(inp.run_id, a.step + 1, a.step + k))
+                    continue
                 self._windows[a.action_id] = (
                     self.source.samples_per_s(inp.run_id, a.step - k, a.step - 1),
                     self.source.samples_per_s(inp.run_id, a.step + 1, a.step + k),
@@ -145,14 +159,14 @@ class Controller:
         undoing = {a.rollback_of for a in acts if a.rollback_of}
         return [a for a in acts
                 if a.run_id == inp.run_id and a.state == "applied" and a.step is not None and a.step >= 0
-                and inp.step >= a.step + k and a.kind in ("micro_batch", "offload") and a.action_id not in undoing]
+                and inp.step >= a.step + k and a.kind in CHANGES and a.action_id not in undoing]
 
     def _last_change(self, run: str, recent: list[tuple[float, int]]) -> tuple[float, int]:
         """(time, step) the cooldown counts from: the latest of the controller's own proposals and
         of any change applied on the ranks (a rollback, a person's), at the step it took effect."""
         last_t, last_step = recent[-1] if recent else (-math.inf, -(10**9))
         for a in self.service.actions.values():
-            if (a.run_id == run and a.kind in ("micro_batch", "offload") and a.step is not None and a.step >= 0
+            if (a.run_id == run and a.kind in CHANGES and a.step is not None and a.step >= 0
                     and a.done_ns and a.state in ("applied", "verified", "rolled_back")):
                 last_t, last_step = max(last_t, a.done_ns / 1e9), max(last_step, a.step)
         return last_t, last_step
@@ -176,7 +190,10 @@ class Controller:
         rolled = False
         for a in self._to_verify(inp):
             before, after, m0, m1 = getattr(self, "_windows", {}).get(a.action_id, (math.nan,) * 4)
-            v = policy.verify(before, after, a.rule, s, m0, m1)
+            if a.kind == "rebalance":
+                v = rebalance_policy.verify(before, after, m0, m1, undo=a.value < 0 or bool(a.rollback_of), s=s)
+            else:
+                v = policy.verify(before, after, a.rule, s, m0, m1)
             if not v.keep and (a.proposed_by != "controller" or a.rollback_of):  # said, not undone
                 who = "a rollback restores the shape before it" if a.rollback_of else "a person's change"
                 v = policy.Verdict(True, f"{v.text.replace('rolled back: ', 'not verified: ', 1)} "
@@ -185,7 +202,9 @@ class Controller:
                 self.service.verified(a.action_id, v.text)
                 self._log(run, inp.step, "verified", f"action {a.action_id}: {v.text}")
             else:
-                if a.rule == "grow" or a.kind == "micro_batch":
+                if a.kind == "rebalance":
+                    mem = dataclasses.replace(mem, unhelped=mem.unhelped | {a.value})
+                elif a.rule == "grow" or a.kind == "micro_batch":
                     mem = dataclasses.replace(mem, no_gain=mem.no_gain | {a.value})
                 a.verification = v.text
                 self.service.rollback(a.action_id, by="controller", reason=v.text, rule="verify")
@@ -203,7 +222,23 @@ class Controller:
                             if a.run_id == run and a.state in OPEN), "")
         unverified = next((a.action_id for a in self.service.actions.values()
                            if a.run_id == run and a.state == "applied" and not a.rollback_of
-                           and a.kind in ("micro_batch", "offload")), "")
+                           and a.kind in CHANGES), "")
+        # 2a. rebalance: its trigger is the straggler alert that holds every other policy
+        why = policy.gate(dataclasses.replace(inp, alerts=tuple(a for a in inp.alerts if a.signal != "straggler")), s,
+                          now_s=now, last_change_s=last_t, last_change_step=last_step, changes_last_hour=len(recent),
+                          open_action=open_action, unverified=unverified)
+        shape = self.service.shape(run)
+        d_rb = None if why or shape is None else rebalance_policy.decide(inp, shape.rebalance, shape.relieved, s)
+        if d_rb is not None and d_rb.outcome == "act" and d_rb.rule == rebalance_policy.RULE and d_rb.value in mem.unhelped:
+            d_rb = policy.Decision("hold", d_rb.rule, f"replica {d_rb.value} is a straggler again, but relieving it "
+                                   "did not pay before (rolled back); not tried again")
+        if d_rb is not None and d_rb.outcome == "act":
+            self._propose(inp, d_rb, mem, now)
+            return
+        if d_rb is not None and shape is not None and not shape.rebalance:  # a straggler fires: every other policy holds on it
+            self.memory[run] = mem
+            self._hold(run, inp.step, d_rb.reason)
+            return
         why = policy.gate(inp, s, now_s=now, last_change_s=last_t, last_change_step=last_step,
                           changes_last_hour=len(recent), open_action=open_action, unverified=unverified)
         if why:
@@ -215,20 +250,26 @@ class Controller:
         if d.outcome == "act":
             if d.kind == "offload" and d.value:
                 mem = dataclasses.replace(mem, optimizer_ms_before_offload=inp.optimizer_ms)
-            try:
-                a = self.service.propose(run, d.kind, d.value, by="controller", rule=d.rule, reason=d.reason,
-                                         expected=d.expected, approve=self.settings.mode == "auto")
-            except Exception as e:  # refused (the run changed meanwhile): a hold with the reason
-                self._hold(run, inp.step, f"proposal refused: {e}")
-            else:
-                mem = mem.counted(d.problem)
-                self.changes[run].append((now, inp.step))
-                self._log(run, inp.step, "proposed" if self.settings.mode == "advise" else "act",
-                          f"action {a.action_id}: {d.reason}")
-        elif d.outcome == "cannot_fix":
+            self._propose(inp, d, mem, now)
+            return
+        if d.outcome == "cannot_fix":
             self._cannot_fix(inp, d)
         else:
             self._hold(run, inp.step, d.reason)
+        self.memory[run] = mem
+
+    def _propose(self, inp: ControlInputs, d: policy.Decision, mem: Memory, now: float) -> None:
+        run = inp.run_id
+        try:
+            a = self.service.propose(run, d.kind, d.value, by="controller", rule=d.rule, reason=d.reason,
+                                     expected=d.expected, approve=self.settings.mode == "auto", values=d.values)
+        except Exception as e:  # refused (the run changed meanwhile): a hold with the reason
+            self._hold(run, inp.step, f"proposal refused: {e}")
+        else:
+            mem = mem.counted(d.problem)
+            self.changes[run].append((now, inp.step))
+            self._log(run, inp.step, "proposed" if self.settings.mode == "advise" else "act",
+                      f"action {a.action_id}: {d.reason}")
         self.memory[run] = mem
 
     def _cannot_fix(self, inp: ControlInputs, d: policy.Decision) -> None:

@@ -33,17 +33,18 @@ class RowInputs:
 
     def read(self) -> list[ControlInputs]:
         since = self._clock_ns() - int(self.active_s * 1e9)
-        runs = self._q("SELECT r.run_id, max(r.world_size), max(r.dp), max(r.pp), max(r.zero_stage), any_value(r.ds_config_json) "
-                       "FROM run_start r WHERE r.run_id IN (SELECT DISTINCT run_id FROM step WHERE start_ns > ?) "
+        runs = self._q("SELECT r.run_id, max(r.world_size), max(r.dp), max(r.pp), max(r.zero_stage), any_value(r.ds_config_json), "
+                       "max(r.tp) FROM run_start r WHERE r.run_id IN (SELECT DISTINCT run_id FROM step WHERE start_ns > ?) "
                        "GROUP BY r.run_id", [since])
         out = []
-        for run, world, dp, pp, zero, cfg in runs:
-            inp = self._run(run, int(world), int(dp or 1), int(pp or 1), int(zero if zero is not None else -1), cfg)
+        for run, world, dp, pp, zero, cfg, tp in runs:
+            inp = self._run(run, int(world), int(dp or 1), int(pp or 1), int(zero if zero is not None else -1), cfg,
+                            int(tp or 1))
             if inp is not None:
                 out.append(inp)
         return out
 
-    def _run(self, run: str, world: int, dp: int, pp: int, zero: int, cfg: str | None) -> ControlInputs | None:
+    def _run(self, run: str, world: int, dp: int, pp: int, zero: int, cfg: str | None, tp: int = 1) -> ControlInputs | None:
         since = self._clock_ns() - int(self.active_s * 1e9)  # recent rows only: the table grows all run long
         row = self._q("SELECT step FROM step WHERE run_id = ? AND start_ns > ? GROUP BY step "
                       "HAVING count(DISTINCT rank) >= ? ORDER BY step DESC LIMIT 1", [run, since, world])
@@ -63,16 +64,38 @@ class RowInputs:
             run_id=run, step=step, world_size=world, dp=dp, pp=pp, zero_stage=zero, micro_batch=mb, micro_batches=mbs,
             offload=self._offload(run, cfg), memory=mem, bubble_by_stage=bubble, bubble_threshold=self.bubble_threshold,
             samples_per_s=self.samples_per_s(run, first, step),
-            optimizer_ms=float(opt[0][0]) if opt and opt[0][0] is not None else math.nan, alerts=self._alerts(run))
+            optimizer_ms=float(opt[0][0]) if opt and opt[0][0] is not None else math.nan, alerts=self._alerts(run),
+            tp=tp, compute_ms=self._compute_ms(run, first, step, world))
+
+    def _compute_ms(self, run: str, first: int, last: int, world: int) -> tuple[float, ...]:
+        """Per rank: the median compute (forward + backward + optimizer) over the steps; NaN for a
+        rank without (no rows, or no phases timed)."""
+        got = dict(self._q("SELECT rank, median(compute_ns) / 1e6 FROM step WHERE run_id = ? AND step BETWEEN ? AND ? "
+                           "AND compute_ns > 0 GROUP BY rank", [run, first, last]))
+        return tuple(float(got[r]) if got.get(r) is not None else math.nan for r in range(world))
+
+    def step_ms(self, run_id: str, first_step: int, last_step: int) -> float:
+        """The run's step time over the steps: the slowest rank's duration, median over the steps."""
+        row = self._q("SELECT median(d) FROM (SELECT max(duration_ns) / 1e6 AS d FROM step WHERE run_id = ? AND step "
+                      "BETWEEN ? AND ? GROUP BY step)", [run_id, first_step, last_step])
+        return float(row[0][0]) if row and row[0][0] is not None else math.nan
+
+    def loss(self, run_id: str, first_step: int, last_step: int) -> float:
+        """The run's loss over the steps (rank 0's, where it reports one; else any rank's), median."""
+        row = self._q("SELECT median(l) FROM (SELECT arg_min(loss, rank) AS l FROM step WHERE run_id = ? AND step "
+                      "BETWEEN ? AND ? AND NOT isnan(loss) GROUP BY step)", [run_id, first_step, last_step])
+        return float(row[0][0]) if row and row[0][0] is not None else math.nan
 
     def samples_per_s(self, run_id: str, first_step: int, last_step: int) -> float:
         """The run's samples/s over the steps: samples of every data-parallel replica per step
-        (rank 0's replica x dp) over the slowest rank's step time, median over the steps."""
+        (the ranks' mean x dp: a rebalance gives the replicas different shares) over the slowest
+        rank's step time, median over the steps."""
         row = self._q(
-            "WITH s AS (SELECT step, max(duration_ns) AS d FROM step WHERE run_id = ? AND step BETWEEN ? AND ? GROUP BY step) "
-            "SELECT median((SELECT max(dp) FROM run_start WHERE run_id = ?) * st.samples / (s.d / 1e9)) "
-            "FROM s JOIN step st ON st.run_id = ? AND st.rank = 0 AND st.step = s.step WHERE s.d > 0 AND st.samples > 0",
-            [run_id, first_step, last_step, run_id, run_id])
+            "WITH s AS (SELECT step, max(duration_ns) AS d, avg(samples) FILTER (WHERE samples > 0) AS n FROM step "
+            "WHERE run_id = ? AND step BETWEEN ? AND ? GROUP BY step) "
+            "SELECT median((SELECT max(dp) FROM run_start WHERE run_id = ?) * s.n / (s.d / 1e9)) "
+            "FROM s WHERE s.d > 0 AND s.n > 0",
+            [run_id, first_step, last_step, run_id])
         return float(row[0][0]) if row and row[0][0] is not None else math.nan
 
     def memory_share(self, run_id: str, first_step: int, last_step: int) -> float:

@@ -40,7 +40,7 @@ class EngineInputs:
         self.active_s = active_s
         self.bubble_threshold = bubble_threshold
         self._clock_ns = clock_ns
-        self._static: dict[str, tuple[int, int, int, int, str | None]] = {}
+        self._static: dict[str, tuple[int, int, int, int, str | None, int]] = {}
 
     # ------------------------------------------------------------------ what the engine holds
     def _views(self, state: Any) -> list[dict]:
@@ -67,19 +67,20 @@ class EngineInputs:
                                                   alerts=tuple(a for a in firing if a.run_id == inp.run_id))
                 for inp in found]
 
-    def _static_of(self, run: str) -> tuple[int, int, int, int, str | None] | None:
+    def _static_of(self, run: str) -> tuple[int, int, int, int, str | None, int] | None:
         if run not in self._static:
-            row = self.rows._q("SELECT max(world_size), max(dp), max(pp), max(zero_stage), any_value(ds_config_json) "
-                               "FROM run_start WHERE run_id = ?", [run])
+            row = self.rows._q("SELECT max(world_size), max(dp), max(pp), max(zero_stage), any_value(ds_config_json), "
+                               "max(tp) FROM run_start WHERE run_id = ?", [run])
             if not row or row[0][0] is None:
                 return None
-            world, dp, pp, zero, cfg = row[0]
-            self._static[run] = (int(world), int(dp or 1), int(pp or 1), int(zero if zero is not None else -1), cfg)
+            world, dp, pp, zero, cfg, tp = row[0]
+            self._static[run] = (int(world), int(dp or 1), int(pp or 1), int(zero if zero is not None else -1), cfg,
+                                 int(tp or 1))
         return self._static[run]
 
     def _run(self, snap: dict, static: tuple) -> ControlInputs | None:
         run = snap["run_id"]
-        world, dp, pp, zero, _cfg = static
+        world, dp, pp, zero, _cfg, tp = static
         done = {s: i for s, i in self._complete(snap).items() if s <= snap["last_evaluated"]}
         if not done:
             return None
@@ -104,11 +105,16 @@ class EngineInputs:
         first = step - self.window_steps + 1
         opt = np.concatenate([d[done[s], F["optimizer_ns"]][present[done[s]]] for s in range(first, step + 1)
                               if s in done] or [np.zeros(0)])
+        compute = []
+        for r in range(world):
+            vals = [d[done[s], F["compute_ns"], r] for s in range(first, step + 1)
+                    if s in done and r < d.shape[2] and present[done[s], r] and d[done[s], F["compute_ns"], r] > 0]
+            compute.append(float(np.median(vals)) / 1e6 if vals else math.nan)
         return ControlInputs(
             run_id=run, step=step, world_size=world, dp=dp, pp=pp, zero_stage=zero, micro_batch=mb, micro_batches=mbs,
             offload=False, memory=tuple(mem), bubble_by_stage=bubble,  # offload, alerts: filled in by read()
             bubble_threshold=self.bubble_threshold, samples_per_s=self._sps(snap, dp, first, step),
-            optimizer_ms=float(np.median(opt)) / 1e6 if len(opt) else math.nan)
+            optimizer_ms=float(np.median(opt)) / 1e6 if len(opt) else math.nan, tp=tp, compute_ms=tuple(compute))
 
     def _sps(self, snap: dict, dp: int, first: int, last: int) -> float:
         d, present = snap["data"], snap["present"]
@@ -119,7 +125,8 @@ class EngineInputs:
             if i is None or not present[i].any():
                 continue
             dur = float(d[i, F["duration_ns"]][present[i]].max())
-            samples = float(d[i, F["samples"], 0]) if present[i, 0] else 0.0
+            n = d[i, F["samples"]][present[i]]
+            samples = float(n[n > 0].mean()) if (n > 0).any() else 0.0  # the ranks' mean (a rebalance differs them)
             if dur > 0 and samples > 0:
                 vals.append(dp * samples / (dur / 1e9))
         return float(statistics.median(vals)) if vals else math.nan
@@ -140,6 +147,13 @@ class EngineInputs:
         got = None if static is None else self._in_window(
             run_id, first_step, last_step, lambda v: self._sps(v, static[1], first_step, last_step))
         return self.rows.samples_per_s(run_id, first_step, last_step) if got is None else got
+
+    def step_ms(self, run_id: str, first_step: int, last_step: int) -> float:
+        """A verification window's step time: from the rows (a window after an action may be out of the engine's)."""
+        return self.rows.step_ms(run_id, first_step, last_step)
+
+    def loss(self, run_id: str, first_step: int, last_step: int) -> float:
+        return self.rows.loss(run_id, first_step, last_step)
 
     def memory_share(self, run_id: str, first_step: int, last_step: int) -> float:
         def share(v: dict) -> float:

@@ -62,6 +62,8 @@ class ControlInputs:
     samples_per_s: float = math.nan  # the run's, over the last few steps
     optimizer_ms: float = math.nan  # median optimizer step, last few steps
     alerts: tuple[Alert, ...] = ()  # firing now
+    tp: int = 1
+    compute_ms: tuple[float, ...] = ()  # per rank: forward + backward + optimizer, median over the window (NaN: none)
 
     @property
     def samples_per_rank(self) -> int:
@@ -95,6 +97,11 @@ class Settings:
     max_throughput_drop: float = 0.10
     min_throughput_gain: float = 0.02
     bubble_threshold: float = math.nan  # used when the inputs carry no rule threshold
+    # rebalance (rebalance.py): verified when the step falls this much and the loss rises no more
+    # than this; undone when the relieved replica's compute a sample is within this of the others'
+    rebalance_min_gain: float = 0.05
+    rebalance_loss_tolerance: float = 0.10
+    rebalance_recovered_ratio: float = 1.15
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,7 @@ class Memory:
     best_samples_per_s: float = 0.0
     best_micro_batch: int = 0
     optimizer_ms_before_offload: float = math.nan
+    unhelped: frozenset[int] = frozenset()  # replicas whose rebalance was rolled back (it did not pay)
 
     def count(self, problem: str) -> int:
         return dict(self.changes).get(problem, 0)
@@ -130,6 +138,7 @@ class Decision:
     value: int = 0
     expected: str = ""
     problem: str = ""
+    values: tuple[int, ...] = ()  # the command's list argument (rebalance: samples per replica)
 
 
 @dataclass(frozen=True)

@@ -242,13 +242,17 @@ class ControlService:
         per_rank = (mb or 0) * (mbs or 0)
         done = sorted((a for a in self.actions.values() if a.run_id == run_id and a.done_ns
                        and a.state in ("applied", "verified", "rolled_back")), key=lambda a: a.done_ns or 0)
+        rebalance: tuple[int, ...] = ()
+        relieved = -1
         for a in done:
             if a.kind == "micro_batch" and per_rank and per_rank % a.value == 0:
                 mb, mbs = a.value, per_rank // a.value
             elif a.kind == "offload":
                 offload = bool(a.value)
+            elif a.kind == "rebalance":  # back to balanced (-1) leaves nothing in force
+                rebalance, relieved = (tuple(a.value_list or ()), a.value) if a.value >= 0 else ((), -1)
         return RunShape(run_id, int(world), int(started), int(dp or 1), int(pp or 1), int(zero if zero is not None else -1),
-                        int(mb or -1), int(mbs or -1), offload)
+                        int(mb or -1), int(mbs or -1), offload, rebalance, relieved)
 
     # ------------------------------------------------------------------ requests
     def propose(self, run_id: str, kind: str, value: int, *, by: str, rule: str = "manual", reason: str = "",
@@ -260,7 +264,7 @@ class ControlService:
             raise ControlError(grpc.StatusCode.NOT_FOUND,
                                f"no run {run_id!r} in this collector (no RUN_START rows); it knows "
                                f"{known[:10] or 'no runs yet'}. Check --run, or wait for the run's first rows")
-        why = refusal(shape, kind, int(value))
+        why = refusal(shape, kind, int(value), values)
         if why:
             raise ControlError(grpc.StatusCode.FAILED_PRECONDITION, why)
         for other in self.actions.values():
@@ -273,7 +277,7 @@ class ControlService:
             raise ControlError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"{kind}: {len(values)} values, at most {act.MAX_VALUES} (one per rank or replica)")
         previous = (shape.micro_batch if kind == "micro_batch" else int(shape.offload) if kind == "offload"
-                    else None)
+                    else shape.relieved if kind == "rebalance" else None)
         a = act.Action(str(self._next_id), run_id, kind, int(value), previous, rollback_of, "proposed", rule, reason,
                        expected, by, now, shape.world_size, updated_ns=now,
                        value_list=[int(v) for v in values] if values else None)
@@ -290,7 +294,7 @@ class ControlService:
         if a.state != "proposed":
             raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"action {action_id} is {a.state}, not proposed: only a proposal can be approved")
-        why = refusal(self.shape(a.run_id) or _no_shape(a.run_id), a.kind, a.value)
+        why = refusal(self.shape(a.run_id) or _no_shape(a.run_id), a.kind, a.value, a.value_list or ())
         if why:
             raise ControlError(grpc.StatusCode.FAILED_PRECONDITION, f"action {action_id} can no longer be sent: {why}")
         self._approve(a, by)
@@ -313,9 +317,21 @@ class ControlService:
                                f"action {action_id} is {a.state}: only an applied action can be rolled back")
         if a.previous_value is None:
             raise ControlError(grpc.StatusCode.FAILED_PRECONDITION, f"action {action_id} does not know what it replaced")
+        values = self._rebalance_before(a) if a.kind == "rebalance" else ()
         return self.propose(a.run_id, a.kind, a.previous_value, by=by, rule=rule, approve=True, rollback_of=a.action_id,
                             reason=reason or f"roll back action {action_id} ({a.shown()})",
-                            expected=f"back to {a.kind}={a.previous_value}")
+                            expected=f"back to {a.kind}={a.previous_value}" + (f" {list(values)}" if values else ""),
+                            values=values)
+
+    def _rebalance_before(self, a: act.Action) -> tuple[int, ...]:
+        """The samples per replica in force before rebalance ``a``: the one applied before it, else balanced."""
+        earlier = [b for b in self.actions.values() if b.run_id == a.run_id and b.kind == "rebalance" and b.done_ns
+                   and b.state in ("applied", "verified", "rolled_back") and (b.done_ns or 0) < (a.done_ns or 0)]
+        last = max(earlier, key=lambda b: b.done_ns or 0, default=None)
+        if last is not None and last.value >= 0 and last.value_list:
+            return tuple(last.value_list)
+        shape = self.shape(a.run_id)
+        return (shape.samples_per_rank,) * shape.dp if shape is not None else ()
 
     def verified(self, action_id: str, text: str) -> None:
         a = self._get(action_id)
