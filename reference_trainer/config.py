@@ -240,6 +240,9 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
                    help="while the micro-batch size is MB, every rank computes MS longer every step")
     g.add_argument("--inject-refuse-command", action="append", default=[], metavar="RANK[:KEY=VALUE]",
                    help="that rank refuses commands from the control path (all, or only KEY=VALUE)")
+    g.add_argument("--sample-ms", type=float, default=0.0,
+                   help="every rank sleeps MS per sample in each forward: device time that scales with the samples, "
+                   "for CPU tests whose tiny model's compute is lost in a loaded host's noise (default 0)")
     g = p.add_argument_group("memory")
     g.add_argument("--activation-mb-per-sample", type=float, default=0.0,
                    help="every forward holds MB x micro-batch of touched memory until its backward, as "

@@ -130,8 +130,9 @@ class StageClock:
     def __init__(self, faults: list[Fault], *, rank: int, stage: int, micro_batches: Callable[[], int],
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = _sleep_s,
                  micro_batch: Callable[[], int] = lambda: 0, activation_bytes_per_sample: int = 0,
-                 slow_micro_batch: dict[int, float] | None = None) -> None:
+                 slow_micro_batch: dict[int, float] | None = None, sample_ms: float = 0.0) -> None:
         self.rank = rank
+        self.sample_ms = float(sample_ms)  # --sample-ms: simulated device time per sample, every rank
         self._micro_batch = micro_batch
         # activation-like pressure: each forward holds bytes x micro-batch until its backward
         self.activation_bytes_per_sample = int(activation_bytes_per_sample)
@@ -260,6 +261,7 @@ class StageClock:
         n = _batch_size(args)
         self._step_samples += n
         slow_ms = self._slow_samples_ms(n) if module.training else 0.0
+        slow_ms += self.sample_ms * n
         if self.activation_bytes_per_sample and module.training:
             import torch
 

@@ -236,7 +236,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
     clock = StageClock(faults, rank=rank, stage=coord.pipe, micro_batches=lambda: run.micro_batches,
                        micro_batch=lambda: run.micro_batch,
                        activation_bytes_per_sample=int(args.activation_mb_per_sample * 2**20),
-                       slow_micro_batch=_slow_micro_batch(args.inject_slow_micro_batch))
+                       slow_micro_batch=_slow_micro_batch(args.inject_slow_micro_batch), sample_ms=args.sample_ms)
     run.refuse_commands = list(args.inject_refuse_command)
     clock.device = engine.device
     if clock.needs_hang_group:  # every rank takes part in creating it; only the hanging rank uses it

@@ -53,17 +53,22 @@ def balanced(dp: int, per_replica: int) -> tuple[int, ...]:
 
 def split(speeds: Sequence[float], total: int, *, granule: int = 1, minimum: int = 1) -> tuple[int, ...]:
     """``total`` samples in shares proportional to ``speeds`` (samples per ms), in whole
-    ``granule``s, each at least ``minimum`` (rounded up to a granule); largest remainders first."""
+    ``granule``s: each share rounded down, then each granule left to the replica that would finish
+    it soonest (the slowest replica's time is the step's); then each raised to ``minimum`` (rounded
+    up to a granule) with what it takes from the largest shares. () when that cannot be done."""
     n = len(speeds)
     units, least = total // granule, -(-minimum // granule)
     if n == 0 or units < least * n or not all(s > 0 and math.isfinite(s) for s in speeds):
         return ()
-    spare = units - least * n
-    raw = [spare * s / sum(speeds) for s in speeds]
+    raw = [units * s / sum(speeds) for s in speeds]
     got = [math.floor(x) for x in raw]
-    for i in sorted(range(n), key=lambda i: (got[i] - raw[i], i))[: spare - sum(got)]:
-        got[i] += 1
-    return tuple((g + least) * granule for g in got)
+    for _ in range(units - sum(got)):
+        got[min(range(n), key=lambda i: ((got[i] + 1) / speeds[i], i))] += 1
+    for i in range(n):
+        while got[i] < least:
+            got[max(range(n), key=lambda j: got[j])] -= 1
+            got[i] += 1
+    return tuple(g * granule for g in got)
 
 
 def per_sample_ms(inp: ControlInputs, samples: Sequence[int]) -> list[float]:

@@ -131,9 +131,9 @@ class Loop:
 @contextlib.contextmanager
 def loop_run(tmp: Path, run_id: str, trainer_args: list[str], *, controller: str = "off", toml: str | None = None,
              collector_args: list[str] = (), env: dict[str, str] | None = None,  # type: ignore[assignment]
-             command_every_steps: int = 5, nproc: int = 2) -> Iterator[Loop]:
+             command_every_steps: int = 5, nproc: int = 2, script: str | None = None) -> Iterator[Loop]:
     """Start a collector (``--controller MODE``, the [controller] TOML if given), a client, and
-    ``nproc`` ranks of the reference trainer shipping to it as ``run_id`` (flush every 0.5 s,
+    ``nproc`` ranks of the reference trainer (or ``script``) shipping to it as ``run_id`` (flush every 0.5 s,
     the command boundary every ``command_every_steps`` steps); stop all three on the way out."""
     extra = ["--controller", controller, *collector_args]
     if toml is not None:
@@ -145,7 +145,7 @@ def loop_run(tmp: Path, run_id: str, trainer_args: list[str], *, controller: str
     try:
         t = Trainer(tmp, nproc=nproc, args=trainer_args,
                     env={"TRACETOP_ENDPOINT": c.addr, "TRACETOP_RUN_ID": run_id, "TRACETOP_FLUSH_S": "0.5",
-                         "TRACETOP_COMMAND_EVERY_STEPS": str(command_every_steps), **(env or {})})
+                         "TRACETOP_COMMAND_EVERY_STEPS": str(command_every_steps), **(env or {})}, script=script)
         yield Loop(c, client, t, run_id)
     finally:
         if t is not None:

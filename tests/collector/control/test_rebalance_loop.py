@@ -1,0 +1,180 @@
+"""Straggler mitigation end to end (issue 26): a real collector (live rules, --controller auto), 4
+ranks under torchrun on gloo, rank 3 made 50 % slower per sample from step 20 until step TO. The
+controller sees the persistent straggler (the straggler rule's own hold), moves samples off its
+replica (the global batch kept, each replica's loss weighted), verifies the step time fell, and
+puts the replicas back to balanced once rank 3 recovers. Two trainers, each against a balanced
+run of the same global batch and seeds (no fault, no hooks):
+
+- a plain DDP loop through ``tracer.on_command("rebalance", ...)`` (rebalance_ddp_child.py);
+- the reference trainer in its ZeRO shape (ZeRO 2: gradients reduced at every micro-batch).
+
+Shown for each: the rebalance applied on every rank at one step; the step time falling by at
+least half of the slowdown (medians over the windows, from the trainers' own clocks); the loss of
+every step within 1e-4 of the balanced run's; the undo applied after the slowdown stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from tests.collector.control.harness import Trainer, loop_run, wait_for
+from tests.support import ROOT
+
+pytestmark = pytest.mark.slow
+ONSET, TO = 20, 60
+DP, PER_REPLICA = 4, 16  # micro-batch 8 x 2 micro-batches; the global batch 64
+RULES = """
+[rule.straggler]
+signal = "straggler"
+scope = "rank"
+excess_ms_above = 15
+compute_ratio_above = 1.2
+z_above = 3.5
+for_steps = 3
+keep_firing_steps = 2
+severity = "warning"
+"""
+TOML = """[controller]
+tick_s = 0.5
+cooldown_s = 1
+cooldown_steps = 4
+verify_steps = 5
+"""
+CHILD = str(ROOT / "tests" / "collector" / "control" / "rebalance_ddp_child.py")
+
+
+def _done(client, run):
+    return [a for a in client.sql(f"SELECT rule, state FROM actions WHERE run_id = '{run}' AND kind = 'rebalance' "
+                                  "AND rule = 'rebalance_undo'") if a["state"] in ("applied", "verified")]
+
+
+def _closed_loop(tmp, run: str, trainer_args: list[str], *, script: str | None = None, env: dict | None = None,
+                 nproc: int = 4) -> dict:
+    (tmp / "rules.toml").write_text(RULES)
+    out: dict = {}
+    with loop_run(tmp, run, trainer_args, controller="auto", toml=TOML, nproc=nproc, command_every_steps=2,
+                  collector_args=["--rules", str(tmp / "rules.toml")], env=env, script=script) as lp:
+        client, t = lp.client, lp.trainer
+        # the undo applied, or the trainer ended without it (the checks then say what is missing)
+        wait_for(lambda: _done(client, run) or t.proc.poll() is not None, 400, "the rebalance and its undo",
+                 lambda: (client.sql(
+            "SELECT action_id, rule, state, step, reason, outcome, verification FROM actions"), t.output()[-2000:]))
+        out["rc"] = t.wait()
+        out["actions"] = client.sql(f"SELECT * FROM actions WHERE run_id = '{run}' ORDER BY try_cast(action_id AS INT)")
+        out["ranks"] = client.sql(f"SELECT * FROM action_ranks WHERE run_id = '{run}' ORDER BY action_id, rank")
+        out["log"] = t.output()
+        out["compute"] = client.sql(f"SELECT step, list(compute_ns / 1e6 ORDER BY rank) AS c, list(duration_ns / 1e6 "
+                                    f"ORDER BY rank) AS d FROM step WHERE run_id = '{run}' GROUP BY step ORDER BY step")
+    return out
+
+
+def _rows(folder) -> dict[int, list[dict]]:
+    return {int(p.stem[4:]): [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+            for p in sorted(folder.glob("rank*.jsonl"))}
+
+
+def _figures(walls: dict[int, float], applied: int, undone: int, last: int) -> dict[str, float]:
+    """Median step time (s) per window: before the fault, slowed (before the rebalance), rebalanced
+    (until the fault stops), after the undo; the share of the slowdown recovered."""
+    def med(a: int, b: int) -> float:
+        return statistics.median(walls[s] for s in range(a, b) if s in walls)
+
+    f = {"before_s": med(5, ONSET), "slowed_s": med(ONSET + 1, applied), "rebalanced_s": med(applied + 1, TO),
+         "after_s": med(undone + 1, last + 1)}
+    f["recovered"] = (f["slowed_s"] - f["rebalanced_s"]) / (f["slowed_s"] - f["before_s"])
+    return f
+
+
+def _check(res: dict, trainer_rows: dict[int, list[dict]], balanced_loss: dict[int, float], samples_key: str) -> dict:
+    assert res["rc"] == 0, res["log"][-3000:]
+    for r in res["compute"]:
+        print(r["step"], [round(x) for x in r["c"]], [round(x) for x in r["d"]])
+    acts = [a for a in res["actions"] if a["kind"] == "rebalance"]
+    for a in res["actions"]:
+        print(a["action_id"], a["rule"], a["state"], a["step"], a["value_list"], a["reason"], a["verification"])
+    rb, undo = acts[0], acts[-1]
+    # the rebalance: the controller's, relieving rank 3's replica, applied on every rank at one step
+    assert rb["rule"] == "rebalance" and rb["proposed_by"] == "controller" and rb["value"] == 3, acts
+    assert rb["state"] == "verified" and rb["ranks_applied"] == 4, rb
+    counts = list(rb["value_list"])
+    assert sum(counts) == DP * PER_REPLICA and counts[3] < PER_REPLICA and min(counts[:3]) >= PER_REPLICA, counts
+    steps_applied = {r["step"] for r in res["ranks"] if r["action_id"] == rb["action_id"] and r["stage"] == "applied"}
+    assert steps_applied == {rb["step"]}, res["ranks"]
+    assert ONSET < rb["step"] < TO, rb
+    # the undo: back to balanced after rank 3 recovered
+    assert undo["rule"] == "rebalance_undo" and undo["value"] == -1 and list(undo["value_list"]) == [PER_REPLICA] * 4, acts
+    assert undo["ranks_applied"] == 4 and undo["step"] >= TO, undo
+    for rank, rows in trainer_rows.items():
+        steps = {r["step"]: r[samples_key] for r in rows if "step" in r and samples_key in r}
+        assert all(steps[s] == PER_REPLICA for s in range(0, rb["step"])), (rank, steps)
+        assert all(steps[s] == counts[rank] for s in range(rb["step"], undo["step"])), (rank, steps)
+        assert all(steps[s] == PER_REPLICA for s in range(undo["step"], max(steps) + 1)), (rank, steps)
+    # step time: the slowest rank's wall each step (the trainers' own clocks)
+    walls: dict[int, float] = {}
+    for rows in trainer_rows.values():
+        for r in rows:
+            wall = r.get("wall_s", r.get("step_time_s"))
+            if "step" in r and wall is not None:
+                walls[r["step"]] = max(walls.get(r["step"], 0.0), wall)
+    f = _figures(walls, rb["step"], undo["step"], max(walls))
+    assert f["slowed_s"] > 1.2 * f["before_s"], f  # the fault acted
+    assert f["recovered"] >= 0.5, f
+    # the loss: every step within 1e-4 of the balanced run's (same global batch, same seeds)
+    loss = {r["step"]: r["loss"] for r in trainer_rows[0] if "loss" in r}
+    assert set(loss) == set(balanced_loss)
+    worst = max(abs(loss[s] - balanced_loss[s]) / abs(balanced_loss[s]) for s in loss)
+    assert worst < 1e-4, worst
+    f["loss_rel_delta_max"] = worst
+    return f
+
+
+# ----------------------------------------------------------------------------- plain DDP
+DDP_STEPS = 95
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rebalance-ddp")
+    (tmp / "bal").mkdir()
+    bal = Trainer(tmp / "bal", nproc=4, args=[str(DDP_STEPS)], script=CHILD,
+                  env={"OUT": str(tmp / "bal"), "TRACETOP_DISABLE": "1", "WORK_MS": "0"})
+    assert bal.wait() == 0, bal.output()[-3000:]
+    res = _closed_loop(tmp, "rebalance-ddp", [str(DDP_STEPS)], script=CHILD,
+                       env={"OUT": str(tmp), "WORK_MS": "10", "SLOW": f"3:1.5@{ONSET}-{TO}"})
+    res["rows"] = _rows(tmp)
+    res["balanced"] = {r["step"]: r["loss"] for r in _rows(tmp / "bal")[0] if "loss" in r}
+    return res
+
+
+def test_ddp_on_command_rebalance_relieves_the_straggler_keeps_the_loss_and_is_undone(ddp):
+    f = _check(ddp, {k: [r for r in v if "call" not in r] for k, v in ddp["rows"].items()}, ddp["balanced"], "samples")
+    calls = {k: [r for r in v if "call" in r] for k, v in ddp["rows"].items()}
+    acts = [a for a in ddp["actions"] if a["kind"] == "rebalance"]
+    for k, c in calls.items():  # every rank's handler, at the same steps
+        assert [(r["step"], r["relieved"]) for r in c] == [(acts[0]["step"], 3), (acts[-1]["step"], -1)], (k, c)
+    print(f"plain DDP: {f}")
+
+
+# ----------------------------------------------------------------------------- reference trainer
+REF_STEPS = 95
+REF = ["--steps", str(REF_STEPS), "--zero", "2", "--micro-batch", "8", "--micro-batches", "2"]
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rebalance-ref")
+    (tmp / "bal").mkdir()
+    bal = Trainer(tmp / "bal", nproc=4, args=[*REF, "--no-trace"])
+    assert bal.wait() == 0, bal.output()[-3000:]
+    res = _closed_loop(tmp, "rebalance-ref", [*REF, "--sample-ms", "10", "--inject-slow-samples", f"3:1.5@{ONSET}-{TO}"])
+    res["rows"] = _rows(tmp / "ranks")
+    res["balanced"] = {r["step"]: r["loss"] for r in _rows(tmp / "bal" / "ranks")[0]}
+    return res
+
+
+def test_reference_trainer_zero_shape_rebalance_relieves_the_straggler_keeps_the_loss_and_is_undone(ref):
+    f = _check(ref, ref["rows"], ref["balanced"], "samples")
+    print(f"reference trainer (ZeRO 2): {f}")
