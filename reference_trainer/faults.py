@@ -260,8 +260,8 @@ class StageClock:
         ms += self._slow_rank_ms()
         n = _batch_size(args)
         self._step_samples += n
-        slow_ms = self._slow_samples_ms(n) if module.training else 0.0
-        slow_ms += self.sample_ms * n
+        training = getattr(module, "training", True)
+        slow_ms = (self._slow_samples_ms(n) + self.sample_ms * n) if training else 0.0
         if self.activation_bytes_per_sample and module.training:
             import torch
 
