@@ -15,8 +15,8 @@ from collector.control.policy import ControlInputs, Settings
 from collector.control.service import ControlError, ControlService
 from collector.ingest.schema import open_store
 from collector.live.model import Alert
-from trainer_hooks.rebalance import Rebalance
 from tracetop.wire import tracetop_pb2 as pb
+from trainer_hooks.rebalance import Rebalance
 
 S = Settings()
 
