@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-ACTIONS_SQL = ("SELECT action_id, run_id, kind, value, previous_value, state, step, ranks_applied, ranks_refused, "
+ACTIONS_SQL = ("SELECT action_id, run_id, kind, value, value_list, previous_value, state, step, ranks_applied, ranks_refused, "
                "ranks_undone, ranks_expected, rule, proposed_by, approved_by, rollback_of, outcome, verification, reason, "
                "expected FROM actions ORDER BY try_cast(action_id AS BIGINT), action_id")
 RANKS_SQL = ("SELECT action_id, run_id, rank, stage, step, micro_batch, micro_batches, message FROM action_ranks "

@@ -2,6 +2,8 @@
 
     set-micro-batch N     a new micro-batch size on every rank, the global batch kept (sent at once)
     offload on|off        optimizer-state offload (ZeRO 1/2/3 runs)
+    rebalance N,N,...     samples per data-parallel replica each step, summing to the global batch
+                          (straggler mitigation, docs/control.md); equal counts: back to balanced
     approve ID            send a proposal (the controller's, in advise mode)
     reject ID             drop a proposal; nothing is sent
     rollback ID           undo an applied action on every rank (a new action)
@@ -28,8 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", default="", help="the run id (required except for approve/reject/rollback)")
     parser.add_argument("--reason", default="", help="why, in words (stored with the action)")
     parser.add_argument("--by", default=None, help="who asks (default person:$USER)")
-    parser.add_argument("command", choices=("set-micro-batch", "offload", "approve", "reject", "rollback"))
-    parser.add_argument("value", help="N for set-micro-batch, on|off for offload, the action id otherwise")
+    parser.add_argument("command", choices=("set-micro-batch", "offload", "rebalance", "approve", "reject", "rollback"))
+    parser.add_argument("value", help="N for set-micro-batch, on|off for offload, N,N,... for rebalance, the action id "
+                        "otherwise")
     from tracetop.wire.auth import add_client_arguments
 
     add_client_arguments(parser)  # a collector with --control-token-file: give that token here
@@ -44,11 +47,21 @@ def run(args: argparse.Namespace) -> int:
 
     by = args.by or f"person:{_user()}"
     req = pb.ControlRequest(run_id=args.run, reason=args.reason, by=by)
-    if args.command in ("set-micro-batch", "offload"):
+    if args.command in ("set-micro-batch", "offload", "rebalance"):
         if not args.run:
             return _fail(f"{args.command} needs --run RUN (the run id, see `tracetop query ... \"SELECT * FROM runs\"`)")
         req.op, req.approve, req.rule = pb.PROPOSE, True, "manual"
-        if args.command == "set-micro-batch":
+        if args.command == "rebalance":
+            parts = args.value.split(",")
+            if len(parts) < 2 or not all(p.strip().isdigit() for p in parts):
+                return _fail(f"rebalance {args.value!r}: give the samples of each data-parallel replica, comma-separated, "
+                             "e.g. 18,18,17,11 (summing to the global batch)")
+            counts = [int(p) for p in parts]
+            # the replica relieved: the one given least (-1: equal counts, back to balanced)
+            relieved = -1 if len(set(counts)) == 1 else min(range(len(counts)), key=counts.__getitem__)
+            req.kind, req.int_value = pb.REBALANCE, relieved
+            req.values.extend(counts)
+        elif args.command == "set-micro-batch":
             if not args.value.isdigit() or int(args.value) < 1:
                 return _fail(f"set-micro-batch {args.value!r}: give a positive whole number of samples, e.g. 2")
             req.kind, req.int_value = pb.SET_MICRO_BATCH, int(args.value)

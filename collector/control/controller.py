@@ -12,6 +12,9 @@ Each tick (``tick_s``), per run the inputs source reports:
    the cooldown, beyond the hourly cap. The cooldown (``cooldown_s`` and ``cooldown_steps``)
    counts from the last change *applied* on the ranks (its step, its time), so after a rollback
    the problem is judged again only on steps run with the rolled-back shape;
+2a. rebalance (rebalance.py): before the gate's alert hold (the straggler alert is its trigger),
+   under the rest of the gate; a rebalance is verified on the step time and the loss, rolled back
+   when it did not pay (that replica is not relieved again), undone when the replica recovers;
 3. decide: at most one proposal; a problem given up on is reported once as "cannot fix" (an
    Alert to the sink, and a `cannot_fix` row in `actions`).
 Every decision is kept with its reason (``decisions``, the newest 200).

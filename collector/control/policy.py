@@ -11,6 +11,10 @@ them (controller.py) reads the inputs, applies the verdicts and keeps the memory
 
 Policies, in order (the first that wants a change wins):
 
+0. rebalance (rebalance.py): a firing straggler alert (it holds every policy below) -> samples
+   moved off the straggler's data-parallel replica, the global batch and the update kept; undone
+   when the replica recovers (docs/control.md).
+
 1. memory: the step's peak on some rank above ``memory_high`` (0.90) of its budget -> the next
    smaller micro-batch (more micro-batches, the same samples per step); already at the smallest
    allowed -> optimizer offload on (ZeRO 1/2); nothing left, or ``max_actions_per_problem`` changes
