@@ -20,6 +20,7 @@ import dataclasses
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -105,11 +106,14 @@ class EngineInputs:
         first = step - self.window_steps + 1
         opt = np.concatenate([d[done[s], F["optimizer_ns"]][present[done[s]]] for s in range(first, step + 1)
                               if s in done] or [np.zeros(0)])
-        compute = []
-        for r in range(world):
-            vals = [d[done[s], F["compute_ns"], r] for s in range(first, step + 1)
-                    if s in done and r < d.shape[2] and present[done[s], r] and d[done[s], F["compute_ns"], r] > 0]
-            compute.append(float(np.median(vals)) / 1e6 if vals else math.nan)
+        # per rank: the median compute over the window's steps (vectorised: 16,384 ranks a tick)
+        slots = [done[s] for s in range(first, step + 1) if s in done]
+        block = d[slots, F["compute_ns"], :world]
+        vals = np.where(present[slots, :world] & (block > 0), block, np.nan)
+        with warnings.catch_warnings():  # a rank with no compute time in the window: NaN, said below
+            warnings.simplefilter("ignore", RuntimeWarning)
+            med = np.nanmedian(vals, axis=0) / 1e6
+        compute = [float(x) for x in med] + [math.nan] * (world - len(med))
         return ControlInputs(
             run_id=run, step=step, world_size=world, dp=dp, pp=pp, zero_stage=zero, micro_batch=mb, micro_batches=mbs,
             offload=False, memory=tuple(mem), bubble_by_stage=bubble,  # offload, alerts: filled in by read()

@@ -59,6 +59,9 @@ def test_the_engine_and_the_rows_give_the_controller_the_same_inputs(both):
     assert len(r.bubble_by_stage) == 2 and r.bubble_by_stage == pytest.approx(e.bubble_by_stage, rel=1e-9)
     assert r.samples_per_s > 0 and r.samples_per_s == pytest.approx(e.samples_per_s, rel=1e-9)
     assert r.optimizer_ms > 0 and r.optimizer_ms == pytest.approx(e.optimizer_ms, rel=1e-9)
+    # the rebalance's inputs: per rank compute (median over the window) and the tensor width
+    assert r.tp == e.tp == 1 and len(r.compute_ms) == 2 and all(x > 0 for x in r.compute_ms)
+    assert r.compute_ms == pytest.approx(e.compute_ms, rel=1e-9)
     assert r.memory_share() == e.memory_share()
     # firing alerts: the `alerts` table (rows) and the engine's book (rank 1, stage 1, is 150 ms slower a step)
     assert {(a.rule, a.signal, a.state) for a in r.alerts} == {(a.rule, a.signal, a.state) for a in e.alerts}
