@@ -104,7 +104,7 @@ class Settings:
     # rebalance (rebalance.py): verified when the step falls this much and the loss rises no more
     # than this; undone when the relieved replica's compute a sample is within this of the others'
     rebalance_min_gain: float = 0.05
-    rebalance_loss_tolerance: float = 0.10
+    rebalance_loss_tolerance: float = 0.50
     rebalance_recovered_ratio: float = 1.15
 
 

@@ -142,13 +142,16 @@ def decide(inp: ControlInputs, in_force: Sequence[int], relieved: int, s: Settin
 def verify(before_ms: float, after_ms: float, loss_before: float, loss_after: float, *, undo: bool,
            s: Settings) -> Verdict:
     """After ``verify_steps``: a rebalance is kept when the step time fell by at least
-    ``rebalance_min_gain`` and the loss did not rise more than ``rebalance_loss_tolerance`` (a
-    trainer that does not weight the replicas' losses shows it there); an undo is always kept."""
+    ``rebalance_min_gain`` and the loss curve did not break: no inf where there was a number
+    (NaN losses are not counted in the window's median), no rise of the window's median beyond ``rebalance_loss_tolerance`` (default 0.5: a
+    median over a few steps moves by 10-20 % with the batches alone; the weights keep the loss
+    the balanced step's exactly, so what trips this is a trainer that mishandled the shares). An
+    undo is always kept."""
     if not (before_ms > 0) or math.isnan(after_ms):
         return Verdict(True, "kept: no step times to compare")
     change = after_ms / before_ms - 1
     loss = ""
-    if not math.isnan(loss_before) and not math.isnan(loss_after):
+    if math.isfinite(loss_before) and not math.isnan(loss_after):
         loss = f", loss {loss_before:.4f} -> {loss_after:.4f}"
     text = f"step {before_ms:.0f} -> {after_ms:.0f} ms ({change:+.0%}){loss}"
     if undo:

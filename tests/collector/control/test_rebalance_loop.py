@@ -74,26 +74,27 @@ def _rows(folder) -> dict[int, list[dict]]:
             for p in sorted(folder.glob("rank*.jsonl"))}
 
 
-def _figures(walls: dict[int, float], applied: int, undone: int, last: int) -> dict[str, float]:
+def _figures(walls: dict[int, float], applied: int, undone: int, last: int, onset: int, to: int) -> dict[str, float]:
     """Median step time (s) per window: before the fault, slowed (before the rebalance), rebalanced
     (until the fault stops), after the undo; the share of the slowdown recovered."""
     def med(a: int, b: int) -> float:
         return statistics.median(walls[s] for s in range(a, b) if s in walls)
 
-    f = {"before_s": med(5, ONSET), "slowed_s": med(ONSET + 1, applied), "rebalanced_s": med(applied + 1, TO),
+    f = {"before_s": med(5, onset), "slowed_s": med(onset + 1, applied), "rebalanced_s": med(applied + 1, to),
          "after_s": med(undone + 1, last + 1)}
     f["recovered"] = (f["slowed_s"] - f["rebalanced_s"]) / (f["slowed_s"] - f["before_s"])
     return f
 
 
-def _check(res: dict, trainer_rows: dict[int, list[dict]], balanced_loss: dict[int, float], samples_key: str) -> dict:
+def _check(res: dict, trainer_rows: dict[int, list[dict]], balanced_loss: dict[int, float], samples_key: str, *,
+           onset: int = ONSET, to: int = TO) -> dict:
     assert res["rc"] == 0, res["log"][-3000:]
     acts = [a for a in res["actions"] if a["kind"] == "rebalance"]
     shown = [(a["action_id"], a["rule"], a["state"], a["step"], a["value_list"], a["reason"], a["verification"])
              for a in res["actions"]]
     # the rebalance: the controller's, relieving rank 3's replica, applied on every rank at one step (a
     # straggler the judgment found in a loaded host's noise may be relieved and undone too: not this one)
-    rb = next((a for a in acts if a["rule"] == "rebalance" and a["value"] == 3 and (a["step"] or -1) > ONSET), None)
+    rb = next((a for a in acts if a["rule"] == "rebalance" and a["value"] == 3 and (a["step"] or -1) > onset), None)
     assert rb is not None, shown
     undo = next((a for a in acts if a["rule"] == "rebalance_undo" and (a["step"] or -1) > rb["step"]), None)
     assert undo is not None, shown
@@ -103,10 +104,10 @@ def _check(res: dict, trainer_rows: dict[int, list[dict]], balanced_loss: dict[i
     assert sum(counts) == DP * PER_REPLICA and counts[3] < PER_REPLICA and min(counts[:3]) >= PER_REPLICA, counts
     steps_applied = {r["step"] for r in res["ranks"] if r["action_id"] == rb["action_id"] and r["stage"] == "applied"}
     assert steps_applied == {rb["step"]}, res["ranks"]
-    assert ONSET < rb["step"] < TO, rb
+    assert onset < rb["step"] < to, rb
     # the undo: back to balanced after rank 3 recovered
     assert undo["rule"] == "rebalance_undo" and undo["value"] == -1 and list(undo["value_list"]) == [PER_REPLICA] * 4, acts
-    assert undo["ranks_applied"] == 4 and undo["step"] >= TO, undo
+    assert undo["ranks_applied"] == 4 and undo["step"] >= to, undo
     for rank, rows in trainer_rows.items():
         steps = {r["step"]: r[samples_key] for r in rows if "step" in r and samples_key in r}
         assert steps[rb["step"] - 1] == PER_REPLICA, (rank, steps)
@@ -119,9 +120,9 @@ def _check(res: dict, trainer_rows: dict[int, list[dict]], balanced_loss: dict[i
             wall = r.get("wall_s", r.get("step_time_s"))
             if "step" in r and wall is not None:
                 walls[r["step"]] = max(walls.get(r["step"], 0.0), wall)
-    f = _figures(walls, rb["step"], undo["step"], max(walls))
+    f = _figures(walls, rb["step"], undo["step"], max(walls), onset, to)
     assert f["slowed_s"] > 1.1 * f["before_s"], f  # the fault acted (on 2 cores the others gain the CPU it sleeps on)
-    assert f["recovered"] >= 0.5, f
+    assert f["recovered"] >= 0.5, (f, shown)
     # the loss: every step within 1e-4 of the balanced run's (same global batch, same seeds)
     loss = {r["step"]: r["loss"] for r in trainer_rows[0] if "loss" in r}
     assert set(loss) == set(balanced_loss)
@@ -159,7 +160,7 @@ def test_ddp_on_command_rebalance_relieves_the_straggler_keeps_the_loss_and_is_u
 
 
 # ----------------------------------------------------------------------------- reference trainer
-REF_STEPS = 95
+REF_STEPS, REF_ONSET, REF_TO = 65, 15, 45  # steps of ~1 s: the loop's few seconds of latency are few steps
 REF = ["--steps", str(REF_STEPS), "--zero", "2", "--micro-batch", "8", "--micro-batches", "2"]
 
 
@@ -169,14 +170,16 @@ def ref(tmp_path_factory):
     (tmp / "bal").mkdir()
     bal = Trainer(tmp / "bal", nproc=4, args=[*REF, "--no-trace"], env={})
     assert bal.wait() == 0, bal.output()[-3000:]
-    # 20 ms a sample of device time: the tiny model's own CPU time (100-300 ms a step at load 12) is noise
-    res = _closed_loop(tmp, "rebalance-ref", [*REF, "--sample-ms", "20", "--inject-slow-samples", f"3:1.5@{ONSET}-{TO}"],
-                       rules={"excess_ms": 60, "ratio": 1.3, "for_steps": 4})
+    # 40 ms a sample of device time: the tiny model's own CPU time (100-300 ms a step at load 12-18, most
+    # of it per step, not per sample) is noise the shares cannot follow
+    res = _closed_loop(tmp, "rebalance-ref", [*REF, "--sample-ms", "40", "--inject-slow-samples",
+                                              f"3:1.5@{REF_ONSET}-{REF_TO}"],
+                       rules={"excess_ms": 100, "ratio": 1.3, "for_steps": 4})
     res["rows"] = _rows(tmp / "ranks")
     res["balanced"] = {r["step"]: r["loss"] for r in _rows(tmp / "bal" / "ranks")[0]}
     return res
 
 
 def test_reference_trainer_zero_shape_rebalance_relieves_the_straggler_keeps_the_loss_and_is_undone(ref):
-    f = _check(ref, ref["rows"], ref["balanced"], "samples")
+    f = _check(ref, ref["rows"], ref["balanced"], "samples", onset=REF_ONSET, to=REF_TO)
     print(f"reference trainer (ZeRO 2): {f}")
