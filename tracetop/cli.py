@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("reference_trainer.plan_cli", "parallelism planner: ranked TP x PP x DP plans, memory per GPU, launch commands"),
     "control": ("collector.control.control_cli", "send a command to a running job: set-micro-batch, offload, approve, reject, rollback"),
     "token": ("tracetop.wire.token_cli", "the ranks' ingest-only token, derived from the operator's --token-file"),
+    "profile": ("collector.control.profile_cli", "torch's profiler on named ranks of a running job for N steps; the trace in the file"),
     "actions": ("collector.control.actions_cli", "every action of the closed loop and its life (from a file or a collector)"),
 }
 

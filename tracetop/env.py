@@ -123,6 +123,14 @@ TRACETOP_TEST_DROP_COMMANDS = "TRACETOP_TEST_DROP_COMMANDS"
 """Tests only: rank 0 discards the commands it receives that match (``all``, or ``KEY=VALUE`` entries,
 comma-separated, e.g. ``micro_batch=1,offload=on``), as if they were lost on the way to it."""
 
+TRACETOP_PROFILE = "TRACETOP_PROFILE"
+"""``0`` turns the on-demand profiling window off (``tracetop profile``; trainer_hooks/profiling.py): a
+trainer that registered no ``on_command`` handler then runs no command boundary at all. Default ``1``."""
+
+TRACETOP_TEST_NO_PROFILER = "TRACETOP_TEST_NO_PROFILER"
+"""Tests only: these ranks (``all``, or ranks comma-separated) act as if torch's profiler were missing
+and refuse a profiling window, saying so."""
+
 TRACETOP_PRICE_PER_GPU_HOUR = "TRACETOP_PRICE_PER_GPU_HOUR"
 """What one GPU-hour costs (a positive number, in the [cost] table's currency, default USD), for the
 collector's and the report's ``--price-per-gpu-hour``: lost GPU-hours are then shown as money too.
