@@ -46,6 +46,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "e2e": ("tui.bench.e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
     "judge": ("collector.bench.judge", "the fault matrix: clean and fault runs judged live: recall, precision, culprit"),
     "compact": ("collector.bench.compact", "a short run's file with compaction at close off and on: MB and close seconds"),
+    "profile": ("trainer_hooks.bench.profile_boundary", "the command boundary a plain loop now runs by default (profiling windows): us per step, A/B"),
     "commands": ("trainer_hooks.bench.commands", "the command path's gloo broadcast on its own: us per K steps"),
 }
 
