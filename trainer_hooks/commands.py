@@ -117,6 +117,11 @@ class CommandBus:
         from trainer_hooks import profiling
 
         self.profiling = profiling.enabled()
+        # with no handler registered the boundary serves profiling windows alone: every
+        # profiling.EVERY_STEPS steps (a window may start a little later; the broadcast costs a fifth),
+        # unless TRACETOP_COMMAND_EVERY_STEPS (or every_steps) says otherwise
+        explicit = every_steps is not None or tenv.get(tenv.TRACETOP_COMMAND_EVERY_STEPS) is not None
+        self.profile_every_steps = self.every_steps if explicit or self.every_steps <= 0 else profiling.EVERY_STEPS
         self.window: Any = None  # the profiling window running (or shipping) on this rank
         self.external = False  # the reference trainer's seam drives the boundary
         self.broken = False
@@ -240,7 +245,8 @@ class CommandBus:
     def receive(self, step: int) -> Pending | None:
         """At every K-th step's boundary, on every rank: one broadcast from rank 0. Returns the
         command every rank received, or None (most boundaries)."""
-        if self.every_steps <= 0 or self.broken or self.closed or step % self.every_steps:
+        k = self.every_steps if self.handlers or self.external else self.profile_every_steps
+        if k <= 0 or self.broken or self.closed or step % k:
             return None
         t0 = time.perf_counter_ns()
         try:

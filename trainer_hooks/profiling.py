@@ -3,7 +3,10 @@ names run torch's profiler for the next N steps, then ship the trace to the coll
 
 The flow, on a named rank:
 
-1. At a command boundary (trainer_hooks/commands.py) every rank receives the PROFILE command
+1. At a command boundary (trainer_hooks/commands.py; every K steps, K = TRACETOP_COMMAND_EVERY_STEPS,
+   and where the trainer registered no ``on_command`` handler and K is not set, every 50 steps: a
+   plain ``Tracer`` or ``trainer_hooks.auto`` runs it by default, ``TRACETOP_PROFILE=0`` turns that
+   off) every rank receives the PROFILE command
    (``value`` = N steps, ``values`` = the ranks). A named rank starts the profiler right there,
    before the next step begins (CPU activities; CUDA too where torch sees a device). The others do
    nothing. Every rank agrees as for any command: if a named rank refuses, the windows started
@@ -43,6 +46,9 @@ from tracetop import env as tenv
 
 log = logging.getLogger("trainer_hooks")
 
+#: steps between command boundaries when no handler is registered and TRACETOP_COMMAND_EVERY_STEPS is
+#: unset: the boundary then serves profiling windows alone, and a window may wait this long to start
+EVERY_STEPS = 50
 #: the most steps one window profiles (the collector refuses more before anything is sent)
 MAX_STEPS = 100
 #: the most ranks one window names (the collector refuses more): a window is to look closer at a few
