@@ -17,17 +17,8 @@ from typing import Any
 
 import grpc
 
-from tracetop.errors import TracetopError
-
 #: the largest trace kept for one rank's window (trainer_hooks/profiling.py MAX_TRACE_BYTES)
 MAX_TRACE_BYTES = 64 << 20
-
-
-class TraceRefused(TracetopError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.code = grpc.StatusCode.FAILED_PRECONDITION
-        self.message = message
 
 
 class Traces:
