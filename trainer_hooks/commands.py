@@ -42,6 +42,11 @@ Two ways a trainer applies commands:
 - the reference trainer's seam: ``tracing.adjustments(step)`` (-> ``receive``),
   ``adjustment_result`` (-> ``settle``), ``adjustment_undone`` (-> ``undone``).
 
+PROFILE (a profiling window, trainer_hooks/profiling.py) is the hooks' own: no handler, both ways
+land in ``CommandBus.profile``. So that any traced loop can be profiled, the Tracer runs the boundary
+even with no handler registered (``TRACETOP_PROFILE``, default on), then every 50 steps unless K is
+set (``profile_every_steps``).
+
 Every rank must use the same one, with the same K: the hooks' configuration is the same on every
 rank of a job (it comes from the same environment).
 """
