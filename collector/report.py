@@ -570,6 +570,44 @@ def risk_html(rows: list[dict]) -> str:
     return head + _table_html(["node", "gpu", "samples", "hours", "risk", "level", "evidence"], table)
 
 
+#: a stored trace up to this size is linked in the report itself (a data: URI); larger ones by command
+PROFILE_LINK_MAX_BYTES = 8 << 20
+
+
+def profiles_html(con, run_id: str) -> str:
+    """The run's profiling windows: per rank, its steps and a link that saves the trace (open it in
+    ui.perfetto.dev), and the export that draws it beside tracetop's own timeline."""
+    import base64
+
+    from collector.control import profiles
+
+    rows = profiles.traces(con, run_id)
+    if not rows:
+        return _none("no profiling window in this run (`tracetop profile --run RUN --steps N` takes one)")
+    out = []
+    for w in rows:
+        first, n = int(w["first_step"]), int(w["steps"] or 0)
+        link = html.escape(w["note"] or "no trace")
+        if w["state"] == "stored" and int(w["bytes"] or 0) <= PROFILE_LINK_MAX_BYTES:
+            blob = b"".join(bytes(p[0]) for p in con.execute(
+                'SELECT data FROM profile_chunks WHERE run_id = ? AND action_id = ? AND rank = ? ORDER BY "offset"',
+                [run_id, w["action_id"], w["rank"]]).fetchall())
+            name = f"{run_id}-rank{w['rank']}-action{w['action_id']}.trace.json.gz"
+            link = (f'<a download="{html.escape(name)}" href="data:application/gzip;base64,'
+                    f'{base64.b64encode(blob).decode()}">{html.escape(name)}</a> ({len(blob) / 1024:.0f} KiB)')
+        elif w["state"] == "stored":
+            link = f"{int(w['bytes']) / 2**20:.1f} MiB: too large to link here; use the export below"
+        out.append((w["action_id"], w["rank"], f"{first}..{first + n - 1}", w["state"], link))
+    lo = min(int(w["first_step"]) for w in rows)
+    hi = max(int(w["first_step"]) + max(1, int(w["steps"] or 0)) - 1 for w in rows)
+    body = _table_html(["action", "rank", "steps", "state", "trace (open in ui.perfetto.dev)"], [])
+    cells = "".join(f"<tr><td>{html.escape(str(a))}</td><td>{r}</td><td>{s}</td><td>{html.escape(st)}</td>"
+                    f"<td>{lk}</td></tr>" for a, r, s, st, lk in out)
+    body = body.replace("</tbody>", cells + "</tbody>", 1)
+    return body + (f"<p>Beside tracetop's own timeline: <code>tracetop export FILE --perfetto profile.json --run "
+                   f"{html.escape(run_id)} --steps {lo}:{hi}</code>, then open profile.json in ui.perfetto.dev.</p>")
+
+
 def _table_html(headers: list[str], rows: list[tuple]) -> str:
     def cell(v: object) -> str:
         if isinstance(v, float):
@@ -705,6 +743,7 @@ def build_report(con, run_id: str, *, slo_ms: float = GRAD_SYNC_SLO_MS, progress
             body = (plot or "") + _table_html(got[0], got[1])
         parts.append(_section(sid, f"{table} timeline", body))
         prog.step(table)
+    parts.append(_section("profiles", "profiling windows (tracetop profile)", profiles_html(con, run_id)))
     gaps = gather_gaps(con, run_id)
     parts.append(_section("gaps", "gaps (events dropped)", _table_html(
         ["kind", "reason", "origin source", "dropped", "gap rows"], gaps) if gaps

@@ -56,6 +56,10 @@ class Traced(Tracing):
             return []
         bus.external = True
         self._pending = bus.receive(step)
+        if self._pending is not None and self._pending.key == "profile":  # the hooks' own: nothing to adjust
+            bus.profile(self._pending)
+            self._pending = None
+            return []
         return [(self._pending.key, self._pending.value)] if self._pending is not None else []
 
     def adjustment_result(self, step: int, key: str, value: Any, applied: bool, message: str) -> bool:

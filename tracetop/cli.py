@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("reference_trainer.plan_cli", "parallelism planner: ranked TP x PP x DP plans, memory per GPU, launch commands"),
     "control": ("collector.control.control_cli", "send a command to a running job: set-micro-batch, offload, approve, reject, rollback"),
     "token": ("tracetop.wire.token_cli", "the ranks' ingest-only token, derived from the operator's --token-file"),
+    "profile": ("collector.control.profile_cli", "torch's profiler on named ranks of a running job for N steps; the trace in the file"),
     "actions": ("collector.control.actions_cli", "every action of the closed loop and its life (from a file or a collector)"),
 }
 
@@ -45,6 +46,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "e2e": ("tui.bench.e2e", "a rank's step end -> visible in a Watch snapshot: p50/p99"),
     "judge": ("collector.bench.judge", "the fault matrix: clean and fault runs judged live: recall, precision, culprit"),
     "compact": ("collector.bench.compact", "a short run's file with compaction at close off and on: MB and close seconds"),
+    "profile": ("trainer_hooks.bench.profile_boundary", "the command boundary a plain loop now runs by default (profiling windows): us per step, A/B"),
     "commands": ("trainer_hooks.bench.commands", "the command path's gloo broadcast on its own: us per K steps"),
 }
 

@@ -113,7 +113,8 @@ carry it beside the step's peak, and the controller keeps the peak under 0.90 of
 
 TRACETOP_COMMAND_EVERY_STEPS = "TRACETOP_COMMAND_EVERY_STEPS"
 """K: every K steps all ranks join one 64-byte gloo broadcast from rank 0 that hands them a command
-from the collector (or, most times, nothing); 0 turns commands off. Default: 10."""
+from the collector (or, most times, nothing); 0 turns commands off. Default: 10; 50 where the trainer
+registered no ``on_command`` handler (the boundary then serves profiling windows alone)."""
 
 TRACETOP_COMMAND_POLL_S = "TRACETOP_COMMAND_POLL_S"
 """Seconds between rank 0's ``Control.Poll`` calls for commands (a unary call; no stream is held
@@ -122,6 +123,15 @@ open). Default: 5."""
 TRACETOP_TEST_DROP_COMMANDS = "TRACETOP_TEST_DROP_COMMANDS"
 """Tests only: rank 0 discards the commands it receives that match (``all``, or ``KEY=VALUE`` entries,
 comma-separated, e.g. ``micro_batch=1,offload=on``), as if they were lost on the way to it."""
+
+TRACETOP_PROFILE = "TRACETOP_PROFILE"
+"""``0`` turns the on-demand profiling window off (``tracetop profile``; trainer_hooks/profiling.py): a
+trainer that registered no ``on_command`` handler then runs no command boundary at all (with it on,
+such a trainer runs one every 50 steps, or every TRACETOP_COMMAND_EVERY_STEPS where that is set). Default ``1``."""
+
+TRACETOP_TEST_NO_PROFILER = "TRACETOP_TEST_NO_PROFILER"
+"""Tests only: these ranks (``all``, or ranks comma-separated) act as if torch's profiler were missing
+and refuse a profiling window, saying so."""
 
 TRACETOP_PRICE_PER_GPU_HOUR = "TRACETOP_PRICE_PER_GPU_HOUR"
 """What one GPU-hour costs (a positive number, in the [cost] table's currency, default USD), for the

@@ -44,6 +44,11 @@ Two ways a trainer applies commands:
 - the reference trainer's seam: ``tracing.adjustments(step)`` (-> ``receive``),
   ``adjustment_result`` (-> ``settle``), ``adjustment_undone`` (-> ``undone``).
 
+PROFILE (a profiling window, trainer_hooks/profiling.py) is the hooks' own: no handler, both ways
+land in ``CommandBus.profile``. So that any traced loop can be profiled, the Tracer runs the boundary
+even with no handler registered (``TRACETOP_PROFILE``, default on), then every 50 steps unless K is
+set (``profile_every_steps``).
+
 Every rank must use the same one, with the same K: the hooks' configuration is the same on every
 rank of a job (it comes from the same environment).
 """
@@ -114,6 +119,17 @@ class CommandBus:
         self._channel_factory = channel_factory
         self._clock_ns = clock_ns
         self.handlers: dict[str, tuple[Callable[[Any], Any], Callable[[], Any] | None]] = {}
+        # profiling windows (trainer_hooks/profiling.py): on by default, so that a plain Tracer or
+        # trainer_hooks.auto, with no handler, runs the boundary and can be profiled
+        from trainer_hooks import profiling
+
+        self.profiling = profiling.enabled()
+        # with no handler registered the boundary serves profiling windows alone: every
+        # profiling.EVERY_STEPS steps (a window may start a little later; the broadcast costs a fifth),
+        # unless TRACETOP_COMMAND_EVERY_STEPS (or every_steps) says otherwise
+        explicit = every_steps is not None or tenv.get(tenv.TRACETOP_COMMAND_EVERY_STEPS) is not None
+        self.profile_every_steps = self.every_steps if explicit or self.every_steps <= 0 else profiling.EVERY_STEPS
+        self.window: Any = None  # the profiling window running (or shipping) on this rank
         self.external = False  # the reference trainer's seam drives the boundary
         self.broken = False
         self.closed = False
@@ -141,8 +157,10 @@ class CommandBus:
     # ------------------------------------------------------------------ API
     @property
     def driving(self) -> bool:
-        """True when the Tracer should run the boundary itself (handlers registered, no seam)."""
-        return bool(self.handlers) and not self.external and self.every_steps > 0 and not self.broken
+        """True when the Tracer should run the boundary itself (handlers registered, or profiling
+        windows on; no seam)."""
+        return ((self.profiling or bool(self.handlers)) and not self.external and self.every_steps > 0
+                and not self.broken)
 
     def on_command(self, kind: str, fn: Callable[[Any], Any], current: Callable[[], Any] | None = None) -> None:
         if kind not in KIND_CODES:
@@ -153,6 +171,9 @@ class CommandBus:
         """The on_command flow at ``step``'s boundary (all ranks)."""
         p = self.receive(step)
         if p is None:
+            return
+        if p.key == "profile":
+            self.profile(p)
             return
         fn, current = self.handlers.get(p.key, (None, None))
         previous = self._current(p, current)
@@ -172,6 +193,57 @@ class CommandBus:
         except Exception as e:
             self.undone(p, False, f"undo to {p.key}={previous} failed: {type(e).__name__}: {e}")
 
+    def profile(self, p: Pending) -> None:
+        """A PROFILE command at ``p.step``'s boundary, on every rank (the on_command flow and the
+        reference trainer's seam both land here): the named ranks start a window, all agree."""
+        from trainer_hooks import profiling
+
+        window, why = None, ""
+        named = self.t.rank in p.values
+        if named:
+            w = self.window
+            why = (profiling.unavailable(self.t.rank) or
+                   ("profiling is off on this rank (TRACETOP_PROFILE=0)" if not self.profiling else "") or
+                   (f"a profiling window (action {w.action_id}) is still running on rank {self.t.rank}"
+                    if w is not None and w.running else ""))
+            if not why:
+                try:
+                    window = profiling.Window(self, p.action_id, int(p.value), p.step)
+                    window.start()
+                    self.window = window
+                except Exception as e:
+                    window, why = None, f"torch's profiler could not start on rank {self.t.rank}: {type(e).__name__}: {e}"
+        message = why or (f"profiling steps {p.step}..{p.step + int(p.value) - 1}" if named
+                          else "not named: nothing to profile here")
+        if self.settle(p, not why, message) or why:
+            return
+        if window is not None:  # another rank refused: no window anywhere
+            window.stop(ship=False)
+            self.window = None
+        self.undone(p, True, "this rank's window stopped, its trace dropped" if window is not None
+                    else "not named: nothing to undo")
+
+    def step_done(self) -> None:
+        """Tracer._step_end: count a step of the running window (stops it after its N steps)."""
+        w = self.window
+        if w is not None and w._prof is not None:
+            try:
+                w.step_done()
+            except Exception as e:
+                self.t.recorder.hook_error("profile", e)
+
+    def end_window(self, timeout_s: float) -> None:
+        """The tracer closes: stop a running window with the steps it had, let its upload finish."""
+        w = self.window
+        if w is None:
+            return
+        try:
+            if w._prof is not None:
+                w.stop(note=f"the run ended after {w.done_steps} of {w.steps} steps")
+            w.join(timeout_s)
+        except Exception as e:
+            self.t.recorder.hook_error("profile close", e)
+
     def _current(self, p: Pending, current: Callable[[], Any] | None) -> Any:
         if current is not None:
             return current()
@@ -183,7 +255,8 @@ class CommandBus:
     def receive(self, step: int) -> Pending | None:
         """At every K-th step's boundary, on every rank: one broadcast from rank 0. Returns the
         command every rank received, or None (most boundaries)."""
-        if self.every_steps <= 0 or self.broken or self.closed or step % self.every_steps:
+        k = self.every_steps if self.handlers or self.external else self.profile_every_steps
+        if k <= 0 or self.broken or self.closed or step % k:
             return None
         t0 = time.perf_counter_ns()
         try:
@@ -292,7 +365,8 @@ class CommandBus:
             # Several ranks but no process group to agree through: applying on rank 0 alone would
             # break "all or none", so this job takes no commands.
             self.broken = True
-            log.warning("trainer_hooks: rank %d: world size %d but torch.distributed is not initialized; "
+            say = log.warning if self.handlers or self.external else log.debug  # profiling alone: quietly
+            say("trainer_hooks: rank %d: world size %d but torch.distributed is not initialized; "
                         "commands are off (they need every rank to agree)", self.t.rank, self.t.world_size)
             self._ready = True
             return

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from tracetop import env as tenv
 from tracetop.events import Kind
 from trainer_hooks import commands as cmds
-from trainer_hooks import progress, shutdown
+from trainer_hooks import profiling, progress, shutdown
 from trainer_hooks.device_clock import CudaClock, DeviceClock
 from trainer_hooks.emitter import Emitter
 from trainer_hooks.identity import Identity, SetupError, resolve
@@ -76,7 +76,7 @@ class _StepCtx:
             if not t._described:
                 t.describe()
             commands = t.commands
-            if commands is not None and commands.handlers and commands.driving:  # before the step's clock starts
+            if commands is not None and commands.driving:  # before the step's clock starts
                 commands.boundary(self.n)
             t.recorder.begin_step(self.n)
         except Exception as e:
@@ -414,6 +414,7 @@ class Tracer:
         try:
             colls.uninstall(rec)
             ddp.uninstall(rec)
+            self.commands.end_window(left(profiling.CLOSE_WAIT_S))
             self.commands.close()
             emitter.stop(timeout_s=left(max(2.0, self.close_timeout_s)))
             emitter.heartbeat(closed=True)  # the clean close: collector/ingest/source_ends.py watches for it
@@ -483,6 +484,9 @@ class Tracer:
         self._loss = _NAN
         peak = self.step_peak.take() if self.step_peak is not None else -1
         rec.end_step(tokens, samples, (loss, self.micro_batch, self.micro_batches, peak))
+        commands = self.commands
+        if commands is not None and commands.window is not None:  # a profiling window counts its steps
+            commands.step_done()
         if self.progress is not None:
             self.progress.step_done(self.recorder.step_n)
         if self._handover_s:

@@ -100,3 +100,26 @@ def _rebalance_refusal(shape: RunShape, relieved: int, counts: list[int]) -> str
     if counts == in_force:
         return f"samples per replica {counts} are already in force on run {run}; nothing to change"
     return None
+
+
+#: the most steps one profiling window may take, the most ranks it may name (trainer_hooks/profiling.py)
+PROFILE_MAX_STEPS = 100
+PROFILE_MAX_RANKS = 16
+
+
+def profile_refusal(shape: RunShape, steps: int, ranks: list[int] | tuple[int, ...]) -> str | None:
+    """None when a profiling window of ``steps`` steps on ``ranks`` can be sent to the run; else why."""
+    if steps < 1 or steps > PROFILE_MAX_STEPS:
+        return (f"profile --steps {steps}: give 1 to {PROFILE_MAX_STEPS} steps (a window, never always on; "
+                "a few steps show what a step does)")
+    if not ranks:
+        return "profile: name the ranks to profile (--ranks 0,3), or let the run's open incidents name them"
+    if len(ranks) > PROFILE_MAX_RANKS:
+        return f"profile: {len(ranks)} ranks, at most {PROFILE_MAX_RANKS} in one window; name the ranks to look at"
+    bad = sorted({r for r in ranks if not 0 <= r < shape.world_size})
+    if bad:
+        return (f"profile: no rank {', '.join(map(str, bad))} in run {shape.run_id} (world size {shape.world_size}: "
+                f"ranks 0..{shape.world_size - 1})")
+    if len(set(ranks)) != len(ranks):
+        return f"profile: a rank named twice in {list(ranks)}"
+    return None

@@ -35,7 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 
 from collector.control import actions as act
-from collector.control.check import RunShape, refusal
+from collector.control import profiles
+from collector.control.check import RunShape, profile_refusal, refusal
 from tracetop.errors import TracetopError
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
@@ -85,6 +86,8 @@ class ControlService:
         self.counts = {"reports": 0, "reports_refused": 0, "subscribers_refused": 0, "writes": 0,
                        "commands_withheld": 0}
         self._warned: set[str] = set()
+        self.profiles = profiles.Traces()  # profiling windows' traces on their way in
+        self._q_profile: list[tuple[str, list]] = []  # ("chunk" | "trace", row) for the writing thread
         self._load()
 
     def close(self) -> None:
@@ -174,8 +177,9 @@ class ControlService:
         with self._q_lock:
             ranks, self._q_ranks = self._q_ranks, []
             actions, self._q_actions = self._q_actions, {}
+            prof, self._q_profile = self._q_profile, []
             self._q_future = None
-        if not ranks and not actions:
+        if not ranks and not actions and not prof:
             return
         cur = self._wcur
         try:
@@ -200,6 +204,7 @@ class ControlService:
                     cur.execute("INSERT INTO action_ranks SELECT * FROM _tracetop_reports")
                 finally:
                     cur.unregister("_tracetop_reports")
+            profiles.write(cur, prof)
             cur.execute("COMMIT")
             self.counts["writes"] += 1
         except Exception:
@@ -264,7 +269,11 @@ class ControlService:
             raise ControlError(grpc.StatusCode.NOT_FOUND,
                                f"no run {run_id!r} in this collector (no RUN_START rows); it knows "
                                f"{known[:10] or 'no runs yet'}. Check --run, or wait for the run's first rows")
-        why = refusal(shape, kind, int(value), values)
+        if kind == "profile":  # a bad request, not a run that cannot take it
+            why = profile_refusal(shape, int(value), tuple(int(v) for v in values))
+            if why:
+                raise ControlError(grpc.StatusCode.INVALID_ARGUMENT, why)
+        why = None if kind == "profile" else refusal(shape, kind, int(value), values)
         if why:
             raise ControlError(grpc.StatusCode.FAILED_PRECONDITION, why)
         for other in self.actions.values():
@@ -294,7 +303,9 @@ class ControlService:
         if a.state != "proposed":
             raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"action {action_id} is {a.state}, not proposed: only a proposal can be approved")
-        why = refusal(self.shape(a.run_id) or _no_shape(a.run_id), a.kind, a.value, a.value_list or ())
+        shape = self.shape(a.run_id) or _no_shape(a.run_id)
+        why = (profile_refusal(shape, a.value, a.value_list or ()) if a.kind == "profile"
+               else refusal(shape, a.kind, a.value, a.value_list or ()))
         if why:
             raise ControlError(grpc.StatusCode.FAILED_PRECONDITION, f"action {action_id} can no longer be sent: {why}")
         self._approve(a, by)
@@ -483,6 +494,31 @@ class ControlService:
         await asyncio.wrap_future(self._queue_write())
         return pb.StatusAck()
 
+    def on_profile(self, c: pb.ProfileChunk) -> None:
+        """One piece of a profiling window's trace (``Control.Profile``); raises ControlError."""
+        a = self.actions.get(c.command_id)
+        if a is None or a.run_id != c.run_id or a.kind != "profile":
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"no profiling action {c.command_id!r} on run {c.run_id!r}: a trace is taken only for one")
+        if int(c.rank) not in (a.value_list or ()):
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"action {a.action_id} did not name rank {c.rank}; its ranks are {a.value_list}")
+        src = self._source(c.source_key)
+        if src is None or (src[0] and (src[0] != c.run_id or src[1] != c.rank)):
+            raise ControlError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "its source_key is not this rank's shipper start (a trace needs the rank's own)")
+        rows = self.profiles.take(c, self._clock_ns())
+        with self._q_lock:
+            self._q_profile.extend(rows)
+
+    async def Profile(self, request: pb.ProfileChunk, context) -> pb.StatusAck:
+        try:
+            self.on_profile(request)
+        except ControlError as e:
+            await context.abort(e.code, e.message)
+        await asyncio.wrap_future(self._queue_write())
+        return pb.StatusAck()
+
     async def Submit(self, request: pb.ControlRequest, context: grpc.aio.ServicerContext) -> pb.ControlReply:
         by = request.by or "person"
         try:
@@ -529,3 +565,6 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     async def Submit(self, request, context):  # noqa: N802
         return await self.s.Submit(request, context)
+
+    async def Profile(self, request, context):  # noqa: N802
+        return await self.s.Profile(request, context)

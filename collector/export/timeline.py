@@ -10,6 +10,13 @@ the same figures are drawn as a counter track per rank ("rank R phase ms"). Time
 microseconds since the first event; each rank's clock is moved by its node's `clock_offset`
 (median `offset_ns`, collector clock minus node clock) where the file has one.
 
+Profiling windows (`tracetop profile`; table `profile_traces`): each stored trace's events go
+beside the rank's own tracks, on threads "rank R profiler ..." (tid = rank * 10 + 4 onward, one
+per thread the profiler saw, at most six), with a slice "profiling window" over the window. Same
+clock base: the profiler writes `ts` in microseconds after its `baseTimeNanoseconds` (the node's
+wall clock, as tracetop's own rows), so an event lands at base + ts, moved by the node's offset
+like the rank's steps. Only complete and instant events are kept (no flow arrows, no metadata).
+
 **Parquet** (`--parquet DIR`): one dataset per table, hive-partitioned by run
 (`DIR/step/run_id=R/part-0.parquet`; tables without a run column unpartitioned). Written into a
 temporary sibling folder that is renamed to DIR at the end, so an error leaves nothing behind.
@@ -30,6 +37,8 @@ from pathlib import Path
 
 from collector.query.post_file import PostFileError, has_relation, pick_run
 
+TID_PROFILER = 4  # rank * 10 + 4 .. + 9: the profiler's threads
+MAX_PROFILER_TRACKS = 6
 PHASES = ("data_wait_ns", "forward_ns", "backward_ns", "optimizer_ns", "comm_exposed_ns", "compute_ns")
 TID_MAIN, TID_COMM, TID_OFFLOAD = 1, 2, 3
 
@@ -152,7 +161,7 @@ def export_perfetto(con, out: Path, run: str | None = None, steps: tuple[int, in
 
     has_offload = {r for (r,) in con.execute(f"SELECT DISTINCT rank FROM offload WHERE {cond}",
                                              params).fetchall()}
-    counts = {"step": 0, "pipe": 0, "collective": 0, "offload": 0, "counter": 0}
+    counts = {"step": 0, "pipe": 0, "collective": 0, "offload": 0, "counter": 0, "profiler": 0}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
@@ -213,12 +222,59 @@ def export_perfetto(con, out: Path, run: str | None = None, steps: tuple[int, in
                 emit({"ph": "X", "cat": "offload", "name": f"{direction} {what}", "pid": p, "tid": t, "ts": ts,
                       "dur": round(dur / 1e3, 3), "args": {"step": step, "bytes": nbytes, "gbps": gbps}})
                 counts["offload"] += 1
+            for e in profiler_events(con, run_id, steps, place):
+                emit(e)
+                counts["profiler"] += 1
             f.write("\n]}\n")
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return counts
+
+
+def profiler_events(con, run_id: str, steps: tuple[int, int] | None, place) -> list[dict]:
+    """The stored profiling windows' events (those whose steps meet ``steps``), placed on the
+    rank's profiler tracks by ``place(rank, wall_ns, k)`` (see the module doc)."""
+    from collector.control import profiles
+
+    out: list[dict] = []
+    for w in profiles.traces(con, run_id):
+        if w["state"] != "stored":
+            continue
+        first, last = int(w["first_step"]), int(w["first_step"]) + max(1, int(w["steps"] or 0)) - 1
+        if steps and (last < steps[0] or first > steps[1]):
+            continue
+        rank = int(w["rank"])
+        trace = profiles.trace_json(con, run_id, w["action_id"], rank)
+        threads: dict[tuple, int] = {}
+        pid, tid0, ts = place(rank, int(w["start_ns"]), TID_PROFILER)
+        _, _, ts_end = place(rank, int(w["end_ns"]), TID_PROFILER)
+        out.append({"ph": "X", "cat": "profiler", "name": f"profiling window (action {w['action_id']})",
+                    "pid": pid, "tid": tid0, "ts": ts, "dur": round(ts_end - ts, 3),
+                    "args": {"first_step": first, "steps": w["steps"], "action_id": w["action_id"]}})
+        names: dict[int, str] = {tid0: f"rank {rank} profiler"}
+        for e in trace.get("traceEvents", ()):
+            ph = e.get("ph")
+            if ph not in ("X", "i", "I") or "ts" not in e:
+                continue
+            key = (e.get("pid"), e.get("tid"))
+            k = threads.get(key)
+            if k is None:
+                k = threads[key] = min(len(threads), MAX_PROFILER_TRACKS - 1)
+                names.setdefault(tid0 + k, f"rank {rank} profiler {e.get('pid')}/{e.get('tid')}")
+            p, t, at = place(rank, profiles.wall_ns(trace, e["ts"]), TID_PROFILER + k)
+            ev = {"ph": ph, "cat": "profiler" + (f":{e['cat']}" if e.get("cat") else ""), "name": e.get("name", "?"),
+                  "pid": p, "tid": t, "ts": at, "args": dict(e.get("args") or {}, rank=rank)}
+            if ph == "X":
+                ev["dur"] = e.get("dur", 0)
+            else:
+                ev["s"] = "t"
+            out.append(ev)
+        for t, name in names.items():
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": t, "args": {"name": name}})
+            out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": t, "args": {"sort_index": t}})
+    return out
 
 
 def _rows(con, sql: str, params: list, chunk: int = 50_000):

@@ -507,10 +507,38 @@ def _v15() -> list[str]:
     return ['ALTER TABLE actions ADD COLUMN IF NOT EXISTS value_list BIGINT[]']
 
 
+def _v16() -> list[str]:
+    """Profiling windows (issue 26): `profile_traces`, one row per rank of a PROFILE action (the
+    window's steps, its wall clock span, what came of its trace), and `profile_chunks`, the gzip'd
+    Chrome/Perfetto JSON trace itself in pieces of at most 1 MiB (in the file, so the trace travels
+    with it; at most 64 MiB a rank and window: trainer_hooks/profiling.py MAX_TRACE_BYTES)."""
+    return [
+        """CREATE TABLE IF NOT EXISTS profile_traces (
+            run_id VARCHAR NOT NULL,
+            action_id VARCHAR NOT NULL,     -- the PROFILE action (actions.action_id)
+            rank INTEGER NOT NULL,
+            state VARCHAR NOT NULL,         -- stored | not_sent (note says why)
+            first_step BIGINT,              -- the first profiled step
+            steps INTEGER,                  -- steps profiled
+            start_ns BIGINT, end_ns BIGINT, -- wall clock ns the profiler started and stopped
+            bytes BIGINT,                   -- the gzip'd trace's size (0: none stored)
+            note VARCHAR,
+            received_ns BIGINT NOT NULL
+        )""",
+        """CREATE TABLE IF NOT EXISTS profile_chunks (
+            run_id VARCHAR NOT NULL,
+            action_id VARCHAR NOT NULL,
+            rank INTEGER NOT NULL,
+            "offset" BIGINT NOT NULL,       -- bytes before this piece
+            data BLOB NOT NULL
+        )""",
+    ]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16]
 STORE_VERSION = len(MIGRATIONS)
 
 

@@ -6,7 +6,7 @@ RPC must carry ``authorization: Bearer <token>``; the check is a constant-time c
 the file's tokens (one a line, so a token can be rotated by listing old and new together).
 
 Roles, by RPC:
-- ``ingest``: Ingest.* and Control.Subscribe / Poll / Report (what trainers' hooks and agents call);
+- ``ingest``: Ingest.* and Control.Subscribe / Poll / Report / Profile (what trainers' hooks and agents call);
 - ``query``: Query.* (the TUI, ``tracetop query --collector``) and ``/metrics``;
 - ``control``: every other Control method (issuing, approving, rejecting commands).
 The operator's token (``--token-file``) grants ingest and query; with ``--query-token-file`` it grants
@@ -37,8 +37,9 @@ from tracetop.errors import TracetopError
 INGEST, QUERY, CONTROL = "ingest", "query", "control"
 HEADER = "authorization"
 _PREFIX = "Bearer "
-#: Control methods any ingest caller may use (rank 0's hooks listen for commands and report back).
-_CONTROL_FOR_INGEST = {"Subscribe", "Poll", "Report"}
+#: Control methods any ingest caller may use (rank 0's hooks listen for commands and report back;
+#: a profiling rank sends its window's trace).
+_CONTROL_FOR_INGEST = {"Subscribe", "Poll", "Report", "Profile"}
 
 
 #: what an ingest-only token is derived from (ingest_token); changing it changes every such token

@@ -226,6 +226,36 @@ class StatusAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ProfileChunk(_message.Message):
+    __slots__ = ("run_id", "rank", "source_key", "command_id", "offset", "data", "last", "total_bytes", "first_step", "steps", "start_ns", "end_ns", "note")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_KEY_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    rank: int
+    source_key: str
+    command_id: str
+    offset: int
+    data: bytes
+    last: bool
+    total_bytes: int
+    first_step: int
+    steps: int
+    start_ns: int
+    end_ns: int
+    note: str
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., source_key: _Optional[str] = ..., command_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., total_bytes: _Optional[int] = ..., first_step: _Optional[int] = ..., steps: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
+
 class CommandBatch(_message.Message):
     __slots__ = ("commands",)
     COMMANDS_FIELD_NUMBER: _ClassVar[int]

@@ -224,6 +224,11 @@ class ControlStub:
                 request_serializer=tracetop_dot_wire_dot_tracetop__pb2.ControlRequest.SerializeToString,
                 response_deserializer=tracetop_dot_wire_dot_tracetop__pb2.ControlReply.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/tracetop.v1.Control/Profile',
+                request_serializer=tracetop_dot_wire_dot_tracetop__pb2.ProfileChunk.SerializeToString,
+                response_deserializer=tracetop_dot_wire_dot_tracetop__pb2.StatusAck.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -259,6 +264,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """A profiling window's trace, piece by piece, from the rank that profiled (an ingest caller,
+        like Report). Refused (FAILED_PRECONDITION) when no PROFILE action named that rank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +294,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=tracetop_dot_wire_dot_tracetop__pb2.ControlRequest.FromString,
                     response_serializer=tracetop_dot_wire_dot_tracetop__pb2.ControlReply.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=tracetop_dot_wire_dot_tracetop__pb2.ProfileChunk.FromString,
+                    response_serializer=tracetop_dot_wire_dot_tracetop__pb2.StatusAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -391,6 +409,33 @@ class Control:
             '/tracetop.v1.Control/Submit',
             tracetop_dot_wire_dot_tracetop__pb2.ControlRequest.SerializeToString,
             tracetop_dot_wire_dot_tracetop__pb2.ControlReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tracetop.v1.Control/Profile',
+            tracetop_dot_wire_dot_tracetop__pb2.ProfileChunk.SerializeToString,
+            tracetop_dot_wire_dot_tracetop__pb2.StatusAck.FromString,
             options,
             channel_credentials,
             insecure,
