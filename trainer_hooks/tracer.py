@@ -289,7 +289,8 @@ class Tracer:
             self._loss = value
 
     def on_command(self, kind: str, fn: Callable[[Any], Any], current: Callable[[], Any] | None = None) -> None:
-        """Apply ``kind`` (``micro_batch``: an int, ``offload``: a bool) commands with ``fn(value)``,
+        """Apply ``kind`` (``micro_batch``: an int, ``offload``: a bool, ``rebalance``: a
+        ``trainer_hooks.rebalance.Rebalance``) commands with ``fn(value)``,
         at a step boundary on every rank at the same step or on none (trainer_hooks/commands.py).
         Register the same kinds on every rank. ``fn`` raises to refuse; an undo calls ``fn`` with
         ``current()`` as read before applying."""
