@@ -88,9 +88,16 @@ class Trainer:
             self.log.close()
 
     def kill(self) -> None:
+        """End the job, its ranks included: torchrun starts each rank in a session of its own, so
+        killing torchrun's group alone leaves the ranks training. SIGTERM makes torchrun end them
+        (and wait for them); SIGKILL only if it has not within 20 s."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
 
     def output(self) -> str:
         return (self.tmp / "trainer.log").read_text()
