@@ -648,7 +648,7 @@ class Evaluator:
         stuck_s = rule.threshold if rule.signal == "stuck_collective" else big
         # the culprit logic needs both views: a silent rank makes the stuck ones waiters
         findings = sg.hangs(heard, run.hb_ns[heard], run.hb_step[heard], list(run.hb_op[heard]),
-                            list(run.hb_role[heard]), run.hb_since[heard], run.usual_sigs(heard), now_ns,
+                            list(run.hb_role[heard]), run.hb_since[heard], _UsualSigs(run, heard), now_ns,
                             silent_s=silent_s, stuck_s=stuck_s, phases=list(run.hb_phase[heard]),
                             first_ns=run.hb_first_ns[heard], beating_s=rule.threshold)
         out = []
@@ -715,6 +715,21 @@ class Evaluator:
                 obs.append(judge.Obs("gpu", labels, g.ecc_uncorrected, rule.breached(g.ecc_uncorrected),
                                      f"GPU {g.gpu} on {g.node} has {g.ecc_uncorrected:.0f} uncorrected ECC errors"))
         return self.book.update(rule, "", obs, -1, now_ns, True)
+
+
+class _UsualSigs:
+    """`RunState.usual_sigs(ranks)` asked one rank at a time, as signals.hangs asks it: of the ranks
+    stuck in a collective only (a window's scan per rank; for all 16,384 ranks twice a tick it was
+    most of the live thread's timer work, and none was stuck)."""
+
+    def __init__(self, run: RunState, ranks: np.ndarray) -> None:
+        self.run, self.ranks = run, ranks
+
+    def __getitem__(self, i: int) -> frozenset[tuple[str, str]]:
+        return self.run.usual_sigs(self.ranks[i:i + 1])[0]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
 
 
 def behind_message(lag: CollectorLag) -> str:
