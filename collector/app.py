@@ -224,7 +224,7 @@ async def start(
 
         live = LiveEngine(config.rules, con=con.cursor(), sinks=[*alert_sinks, exports], baseline=config.baseline,
                           window=config.live_window_steps, cost=config.cost,  # type: ignore[arg-type]
-                          max_inbox_rows=budget.inbox_rows)
+                          max_inbox_rows=budget.inbox_rows, collector_lag=metrics.lag)
         # silence and hang checks compare heartbeat times with the collector's clock: put them on it
         # (a rank's clock 40 s off, or stepped back, raised false silent alerts: live/state.py)
         live.ev.state.receive_clock = True
@@ -241,6 +241,7 @@ async def start(
         on_queue=metrics.on_queue,
         on_commit=live.on_commit if live is not None else None,
     )
+    metrics.attach(writer)
     writer.start()
     ends = watch_source_ends(writer, config.unclosed_after_s, con)
     service = CollectorService(con, writer, metrics, max_query_rows=config.max_query_rows,
@@ -269,6 +270,7 @@ async def start(
 
     def on_commit(batches) -> None:  # the control path learns each hooks' start's run and rank
         control.heard(batches)
+        metrics.on_commit(batches)  # rows the shippers say were not stored (gap rows)
         if committed is not None:
             committed(batches)
 

@@ -379,6 +379,19 @@ def header_line(snap) -> str:
             f"{'s' if h.get('nodes', 0) != 1 else ''}")
 
 
+def behind_line(snap) -> str:
+    """While the collector says it is behind (a live snapshot's `collector_behind`, CollectorLag's
+    fields): how far, so that what is shown is read as late. '' otherwise (and for a file)."""
+    lag = snap.header.get("collector_behind") if snap is not None else None
+    if not lag:
+        return ""
+    held = int(lag.get("streams_held", 0))
+    return (f"collector behind {float(lag.get('behind_s', 0)):.0f} s: oldest batch waited "
+            f"{float(lag.get('oldest_wait_s', 0)):.1f} s"
+            + (f", {held} stream{'s' if held != 1 else ''} held" if held else "")
+            + f", {int(lag.get('rows_not_stored', 0)):,} rows not stored (gap rows); what is shown is late")
+
+
 @dataclass(frozen=True)
 class Figure:
     label: str

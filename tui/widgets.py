@@ -171,6 +171,9 @@ def head_text(snap: snapmod.Snapshot | None, *, description: str, live: bool, pa
     if paused:
         head.append("⏸ PAUSED (p resumes) ", style="bold yellow")
     head.append(f"{description} · step {snap.step}")
+    behind = core.behind_line(snap)
+    if behind:
+        head.append(f" · ‼ {behind}", style="bold red")
     if note:
         head.append(f" · ⚠ {note}", style="yellow")
     return head

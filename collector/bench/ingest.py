@@ -5,6 +5,8 @@ Figures, all from one run:
   p50_ms, p99_ms         record → commit delay per row (a batch's oldest record to its commit; an
                          upper bound for the batch's other rows), weighted by rows
   collector_cpu_pct      collector CPU time / wall time over the run (100 = one core)
+  collector_cpu_s_per_m  collector CPU seconds per million rows stored (the work, however long the
+                         machine's load stretched the run)
   collector_peak_rss_mb  the collector's VmHWM
 
 `--ab 'SETTING'`: interleaved runs of the collector as it is (A) and with SETTING (B: collector flags,
@@ -128,6 +130,7 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
         "p50_ms": round(p50, 1),
         "p99_ms": round(p99, 1),
         "collector_cpu_pct": round(100 * cpu_s / (wall1 - wall0), 1),
+        "collector_cpu_s_per_m": round(cpu_s / max(stored, 1) * 1e6, 2),
         "collector_peak_rss_mb": round(peak_rss, 1),
         "sources_cpu_pct": round(100 * sum(r["cpu_s"] for r in results) / (wall1 - wall0), 1),
         "batches": int(len(n)),
@@ -209,6 +212,8 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
         "p50_ms": round(p50, 1),
         "p99_ms": round(p99, 1),
         "collector_cpu_pct": round(100 * cpu_s / (wall1 - wall0), 1),
+        # CPU seconds per million rows stored: the work, whatever the machine's load stretched the run to
+        "collector_cpu_s_per_m": round(cpu_s / max(stored, 1) * 1e6, 2),
         "collector_peak_rss_mb": round(max(peak_rss, rss_max), 1),
         "sources_cpu_pct": round(100 * sum(r["cpu_s"] for r in results) / (wall1 - wall0), 1),
         "file_mb": round(file_mb, 1),
@@ -247,7 +252,8 @@ def _one(args: argparse.Namespace, workdir: Path, flags: tuple[str, ...], env: d
 
 
 #: the figures an A/B compares (those a run has)
-AB_FIGURES = ("events_per_s", "p50_ms", "p99_ms", "collector_cpu_pct", "collector_peak_rss_mb", "file_mb")
+AB_FIGURES = ("events_per_s", "p50_ms", "p99_ms", "collector_cpu_pct", "collector_cpu_s_per_m", "collector_peak_rss_mb",
+              "file_mb")
 
 
 def ab(args: argparse.Namespace) -> dict:

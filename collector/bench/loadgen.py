@@ -231,6 +231,28 @@ def _mix_template(kind, first_rank: int, ranks: int, per_rank: int) -> dict:
     return cols
 
 
+def healthy_memory_and_gpus(memory: dict, gpus: dict) -> None:
+    """The mix's MEMORY and GPU_SAMPLE columns as healthy 80 GB GPUs report them: 40 GiB allocated of an
+    80 GiB budget, no ECC error, no remap, no throttling, 65 C of a 90 C slowdown. The template's
+    counting numbers (1..1000 bytes of a 1..1000-byte budget, 1..1000 ECC errors) fired 4,096 `memory`,
+    255 `ecc` and 255 `hardware_risk` alerts re-stored every step: an alert storm, not the usual load."""
+    import numpy as np
+
+    gib = 2**30
+    n = len(memory["rank"])
+    for name, value in (("allocated_bytes", 40 * gib), ("reserved_bytes", 44 * gib), ("peak_bytes", 42 * gib),
+                        ("rss_bytes", 8 * gib), ("budget_bytes", 80 * gib)):
+        memory[name] = np.full(n, value, "<i8")
+    n = len(gpus["rank"])
+    for name, value in (("util_pct", 95.0), ("mem_util_pct", 60.0), ("mem_used_bytes", 44.0 * gib),
+                        ("mem_total_bytes", 80.0 * gib), ("power_mw", 500_000.0), ("temp_c", 65.0),
+                        ("sm_clock_mhz", 1980.0), ("clock_event_reasons", 0.0), ("ecc_uncorrected", 0.0),
+                        ("remapped_rows", 0.0), ("ecc_corrected", 0.0), ("remap_pending", 0.0),
+                        ("remap_failure", 0.0), ("pcie_replays", 0.0), ("pcie_correctable", 0.0),
+                        ("temp_slowdown_c", 90.0), ("power_limit_mw", 700_000.0)):
+        gpus[name] = np.full(n, value, "<f8")
+
+
 def run_mix_source(endpoint: str, run_id: str, source: int, first_rank: int, ranks: int, step_s: float,
                    duration_s: float, start_file: str | None = None) -> dict:
     """Ship the realistic per-rank-step mix of `ranks` ranks (first_rank..) every `step_s` for
@@ -252,6 +274,7 @@ def run_mix_source(endpoint: str, run_id: str, source: int, first_rank: int, ran
     # rank stuck, and the live engine judged 16,384 hangs a tick: an alert storm, not the usual load)
     hb_t.update(phase=(np.zeros(ranks, "<i4"), ["forward"]), pending_op=(np.zeros(ranks, "<i4"), [""]),
                 pending_role=(np.zeros(ranks, "<i4"), [""]), pending_since_ns=np.full(ranks, -1, "<i8"))
+    healthy_memory_and_gpus(templates[Kind.MEMORY], gpu_t)
     if start_file:
         Path(f"{start_file}.ready.{source}").touch()
         while not os.path.exists(start_file):

@@ -3,17 +3,39 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable, Sequence
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from collector.ingest.writer import FlushStats
-from tracetop.events import table_name
+from collector.live.model import CollectorLag
+from tracetop.events import Kind, table_name
 
 log = logging.getLogger("tracetop.collector")
 
-#: the collector says it is behind when a batch waited this long in its queue, or a stream is held
+#: the collector says it is behind when the oldest batch not yet committed has waited this long,
+#: or a stream is held by backpressure
 BEHIND_AFTER_S = 2.0
+#: ... and says it caught up once it kept up (no stream held, no batch waiting that long) this long
+CAUGHT_UP_AFTER_S = 2.0
+
+
+def gap_rows(batches: Sequence) -> int:
+    """Rows the shippers counted as not stored in these committed batches: the `dropped` column of
+    their GAP rows, less the rows counting whole batches (kind "batch": a refused batch, its rows
+    not known). A source that ended without its close claims 0 (source_ends.py)."""
+    n = 0
+    for b in batches:
+        if b.kind != Kind.GAP:
+            continue
+        codes, dictionary = b.columns["kind"]
+        dropped = np.asarray(b.columns["dropped"])
+        whole = [i for i, d in enumerate(dictionary) if d == "batch"]
+        n += int(dropped[~np.isin(codes, whole)].sum()) if whole else int(dropped.sum())
+    return n
 
 
 class CollectorMetrics:
@@ -59,13 +81,39 @@ class CollectorMetrics:
             "Seconds streams spent held by backpressure (summed over streams)", registry=r)
         self.behind = Gauge(
             "tracetop_collector_behind",
-            "1 while the collector is behind: a stream held, or the oldest queued batch waited over "
-            "BEHIND_AFTER_S for its commit", registry=r)
+            "1 while the collector is behind: a stream held, or the oldest batch not yet committed waited over "
+            "BEHIND_AFTER_S (2 s), until it has kept up for CAUGHT_UP_AFTER_S (2 s)", registry=r)
         self.commit_wait = Gauge(
             "tracetop_collector_commit_wait_seconds",
             "How long the batches of the latest commit waited in the writer's queue (the oldest)", registry=r)
         self.queue_bytes = Gauge(
             "tracetop_collector_writer_queue_bytes", "Bytes (Arrow) waiting for the writer thread", registry=r)
+        self.oldest_wait = Gauge(
+            "tracetop_collector_oldest_wait_seconds",
+            "How long the oldest batch not yet committed (queued or in the commit running) has waited", registry=r)
+        self.not_stored = Counter(
+            "tracetop_collector_rows_not_stored",
+            "Rows the shippers counted as not stored (the dropped rows of committed GAP rows)", registry=r)
+        self._lock = threading.Lock()
+        #: the oldest uncommitted batch's wait now (`attach(writer)`); without a writer, the latest commit's
+        self._oldest_wait_s: Callable[[], float] = lambda: self._wait_s
+        self.oldest_wait.set_function(lambda: self._oldest_wait_s())
+        self.behind.set_function(lambda: 1.0 if self.is_behind else 0.0)  # now, at each scrape
+        self._gap_rows = 0
+        self._gap_rows_behind = 0  # _gap_rows when it last fell behind
+        self._queue_bytes = 0
+
+    def attach(self, writer) -> None:
+        """Judge "behind" by `writer`'s oldest uncommitted batch (Writer.oldest_wait_s), now."""
+        self._oldest_wait_s = writer.oldest_wait_s
+
+    def on_commit(self, batches: Sequence) -> None:
+        """The writer's committed batches: count what the shippers say they did not get stored."""
+        n = gap_rows(batches)
+        if n:
+            self.not_stored.inc(n)
+            with self._lock:
+                self._gap_rows += n
 
     def on_flush(self, stats: FlushStats) -> None:
         for kind, rows in stats.rows_by_kind.items():
@@ -84,6 +132,7 @@ class CollectorMetrics:
     _held_now = 0
     _wait_s = 0.0
     _behind_since = 0.0
+    _keeping_up_since = 0.0
 
     def hold(self, delta: int, held_s: float = 0.0) -> None:
         """A stream is held (+1) by backpressure, or let go (-1) after held_s seconds."""
@@ -93,26 +142,50 @@ class CollectorMetrics:
             self.held_seconds.inc(held_s)
         self._update_behind()
 
-    def _update_behind(self) -> None:
-        behind = self._held_now > 0 or self._wait_s > BEHIND_AFTER_S
-        if behind and not self._behind_since:
-            self._behind_since = time.monotonic()
-            log.warning("collector: behind: %d streams held by backpressure, the latest commit's oldest batch "
-                        "waited %.1f s; shippers keep, spool or drop (and count) what is not taken",
-                        self._held_now, self._wait_s)
-        elif not behind and self._behind_since:
-            log.warning("collector: caught up after %.1f s behind", time.monotonic() - self._behind_since)
-            self._behind_since = 0.0
-        self.behind.set(1 if behind else 0)
+    def _update_behind(self) -> float:
+        """Behind now? Logs the change; returns the oldest uncommitted batch's wait. It has caught up
+        once it kept up for CAUGHT_UP_AFTER_S: under overload the held streams are let go for a moment
+        each time the writer takes its queue, which is no catching up."""
+        wait_s = self._oldest_wait_s()
+        behind_now = self._held_now > 0 or wait_s > BEHIND_AFTER_S
+        now = time.monotonic()
+        with self._lock:
+            if behind_now:
+                self._keeping_up_since = 0.0
+            elif self._behind_since and not self._keeping_up_since:
+                self._keeping_up_since = now
+            behind = behind_now or (bool(self._behind_since) and now - self._keeping_up_since < CAUGHT_UP_AFTER_S)
+            if behind and not self._behind_since:
+                self._behind_since = now
+                self._gap_rows_behind = self._gap_rows
+                log.warning("collector: behind: %d streams held by backpressure, the oldest batch not yet "
+                            "committed waited %.1f s; shippers keep, spool or drop (and count) what is not taken",
+                            self._held_now, wait_s)
+            elif not behind and self._behind_since:
+                log.warning("collector: caught up after %.1f s behind (%d rows counted as not stored by the "
+                            "shippers meanwhile)", self._keeping_up_since - self._behind_since,
+                            self._gap_rows - self._gap_rows_behind)
+                self._behind_since = self._keeping_up_since = 0.0
+        return wait_s
 
     @property
     def is_behind(self) -> bool:
+        self._update_behind()
         return bool(self._behind_since)
+
+    def lag(self) -> CollectorLag:
+        """How far behind the collector is now (the `collector_behind` rule's input, the TUI's line)."""
+        wait_s = self._update_behind()
+        since = self._behind_since
+        return CollectorLag(behind_s=time.monotonic() - since if since else 0.0, oldest_wait_s=wait_s,
+                            streams_held=max(self._held_now, 0), rows_not_stored=self._gap_rows - self._gap_rows_behind,
+                            queue_mb=self._queue_bytes / 2**20)
 
     def on_queue(self, depth: int, rows: int, nbytes: int = 0) -> None:
         self.queue_depth.set(depth)
         self.queue_rows.set(rows)
         self.queue_bytes.set(nbytes)
+        self._queue_bytes = nbytes
 
 
 def serve_metrics(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1", auth=None):

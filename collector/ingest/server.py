@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -362,9 +363,12 @@ class CollectorService:
                 if not run_id:  # nothing started yet: say so, keep the stream
                     data = snap.encode(snap.Snapshot({"run_id": "", "waiting": True, "source": "collector"}))
                 else:
+                    def encoded(run_id: str = run_id, state: snap.Cursor = state) -> bytes:
+                        built = build(watch.build, run_id, cursor=state, live=self.live_snapshots)
+                        return snap.encode(self.with_lag(built))
+
                     try:
-                        data = await asyncio.to_thread(build, watch.snapshot, run_id, cursor=state,
-                                                       live=self.live_snapshots)
+                        data = await asyncio.to_thread(encoded)
                     except watch.UnknownRun as e:
                         await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
                 await context.write(pb.Snapshot(taken_ns=time.time_ns(), arrow_ipc=data))
@@ -378,6 +382,14 @@ class CollectorService:
                 self._watch_cursors.pop(id(cur), None)
 
             asyncio.get_running_loop().run_in_executor(None, close)
+
+    def with_lag(self, built):
+        """The snapshot with the collector's own state in its header while it is behind (the TUI's
+        "collector behind" line): `collector_behind` = CollectorLag's fields."""
+        lag = self.metrics.lag()
+        if not lag.behind_s:
+            return built
+        return dataclasses.replace(built, header={**built.header, "collector_behind": dataclasses.asdict(lag)})
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         ingest = grpc.method_handlers_generic_handler(

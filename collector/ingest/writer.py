@@ -167,6 +167,7 @@ class Writer:
         self.peak_queued_bytes = 0  # the most the queue held (Arrow bytes)
         self._oldest_mono = 0.0
         self._wait_s = 0.0  # the oldest item's wait, at the latest take
+        self._inflight_mono = 0.0  # when the oldest item of the commit running now was queued (0: none)
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="tracetop-writer", daemon=True)
@@ -194,6 +195,12 @@ class Writer:
     @property
     def queued_bytes(self) -> int:
         return self._queued_bytes
+
+    def oldest_wait_s(self) -> float:
+        """How long the oldest batch not yet committed (in the commit running now, else queued) has
+        waited so far; 0 when nothing waits. Any thread (a racy read of two floats: a gauge)."""
+        t = self._inflight_mono or (self._oldest_mono if self._items else 0.0)
+        return time.monotonic() - t if t else 0.0
 
     def full(self) -> bool:
         return self._queued_rows >= self.max_queued_rows or self._queued_bytes >= self.max_queued_bytes
@@ -250,6 +257,7 @@ class Writer:
                     break
                 self._cond.wait(left)
             self._wait_s = time.monotonic() - self._oldest_mono
+            self._inflight_mono = self._oldest_mono
             items, self._items, self._queued_rows, self._queued_bytes = self._items, [], 0, 0
         if self.on_queue:
             self.on_queue(0, 0, 0)
@@ -264,6 +272,7 @@ class Writer:
                 self.flush(items)
             except Exception as e:  # keep serving: the shippers still hold these batches
                 log.exception("collector: commit failed")
+                self._inflight_mono = 0.0
                 self._fail(items, f"{type(e).__name__}: {e}")
 
     def flush(self, items: list[QueuedBatch | Barrier]) -> FlushStats:
@@ -293,6 +302,7 @@ class Writer:
                     len(accepted), sum(i.batch.n for i in accepted), (time.perf_counter() - t0) * 1e3,
                 )
             self.hwm = hwm
+            self._inflight_mono = 0.0
             for item in accepted:
                 b = item.batch
                 stats.batches += 1
@@ -301,6 +311,7 @@ class Writer:
                 if b.sealed_ns > 0:
                     stats.latencies_s.append(max(0, committed_ns - b.sealed_ns) / 1e9)
         self.flushes += 1
+        self._inflight_mono = 0.0
         for replies, sources in acks.items():
             for key in sorted(sources):
                 source, epoch = sources[key]

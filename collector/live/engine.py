@@ -41,6 +41,7 @@ from collector.live.model import (
     RESOLVED,
     Alert,
     AlertSink,
+    CollectorLag,
     RunGauges,
     cause_text,
     culprit_text,
@@ -89,6 +90,8 @@ SLACK_STEPS = 5
 #: For a cause judged on the timer (no step): seconds before its first breach beyond its own threshold
 #: (heartbeats come every 5 s).
 SLACK_S = 10.0
+#: a firing collector_behind alert's row is re-stored this often (how far behind it is now)
+BEHIND_STORE_S = 2.0
 
 
 @dataclass
@@ -361,6 +364,9 @@ class Evaluator:
         self.timer_rules = [r for r in self.rules if _time_based(r) and r.signal not in DASHBOARD_SIGNALS]
         #: judged by the dashboard's SQL on their own cadence (LiveEngine._dashboard_tick), not here
         self.dashboard_rules = [r for r in self.rules if r.signal in DASHBOARD_SIGNALS]
+        #: how far behind the collector is (CollectorMetrics.lag): the collector_behind rule's input;
+        #: None (a replay, an engine without a collector): that rule judges nothing
+        self.collector_lag: Callable[[], CollectorLag] | None = None
 
     def baseline(self, mono_s: float) -> judge.Baseline | None:
         if self.baseline_id is None or self.baseline_lookup is None:
@@ -509,9 +515,18 @@ class Evaluator:
                     obs = self._first_failure_obs(rule, run, now_ns) if rule.signal == "first_failure" \
                         else self._unheard_obs(rule, run, now_ns)
                     changed += self.book.update(rule, run.run_id, obs, -1, now_ns, True)
+            elif rule.signal == "collector_behind":
+                changed += self._collector_rule(rule, now_ns)
             else:
                 changed += self._gpu_rule(rule, now_ns)
         return changed
+
+    def _collector_rule(self, rule: Rule, now_ns: int) -> list[Alert]:
+        if self.collector_lag is None:
+            return []
+        lag = self.collector_lag()
+        obs = judge.Obs("collector", {}, lag.behind_s, rule.breached(lag.behind_s), behind_message(lag))
+        return self.book.update(rule, "", [obs], -1, now_ns, True)
 
     @staticmethod
     def _ranks_text(ranks) -> str:
@@ -633,7 +648,7 @@ class Evaluator:
         stuck_s = rule.threshold if rule.signal == "stuck_collective" else big
         # the culprit logic needs both views: a silent rank makes the stuck ones waiters
         findings = sg.hangs(heard, run.hb_ns[heard], run.hb_step[heard], list(run.hb_op[heard]),
-                            list(run.hb_role[heard]), run.hb_since[heard], run.usual_sigs(heard), now_ns,
+                            list(run.hb_role[heard]), run.hb_since[heard], _UsualSigs(run, heard), now_ns,
                             silent_s=silent_s, stuck_s=stuck_s, phases=list(run.hb_phase[heard]),
                             first_ns=run.hb_first_ns[heard], beating_s=rule.threshold)
         out = []
@@ -702,6 +717,32 @@ class Evaluator:
         return self.book.update(rule, "", obs, -1, now_ns, True)
 
 
+class _UsualSigs:
+    """`RunState.usual_sigs(ranks)` asked one rank at a time, as signals.hangs asks it: of the ranks
+    stuck in a collective only (a window's scan per rank; for all 16,384 ranks twice a tick it was
+    most of the live thread's timer work, and none was stuck)."""
+
+    def __init__(self, run: RunState, ranks: np.ndarray) -> None:
+        self.run, self.ranks = run, ranks
+
+    def __getitem__(self, i: int) -> frozenset[tuple[str, str]]:
+        return self.run.usual_sigs(self.ranks[i:i + 1])[0]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+
+def behind_message(lag: CollectorLag) -> str:
+    """The collector_behind alert's words: how far behind, and what to do."""
+    held = f", {lag.streams_held} stream{'s' if lag.streams_held != 1 else ''} held by backpressure" \
+        if lag.streams_held else ""
+    return (f"the collector has been behind for {lag.behind_s:.0f} s: its oldest batch not yet committed has "
+            f"waited {lag.oldest_wait_s:.1f} s{held}, {lag.queue_mb:.0f} MB queued; the shippers counted "
+            f"{lag.rows_not_stored:,} rows as not stored (gap rows) since it fell behind (they keep, spool, or drop "
+            "and count what it cannot take). Give it more CPU, shard the nodes over more collectors, or ship less "
+            "(docs/benchmarks.md, the knee of one collector)")
+
+
 def _per_gpu_samples(f: judge.Figures) -> float:
     c = f.view.cols
     ok = (c["samples"] >= 0) & (c["duration_ns"] > 0)
@@ -722,11 +763,13 @@ class LiveEngine:
     def __init__(self, rules: Sequence[Rule], *, con=None, sinks: Sequence[AlertSink] = (), baseline: str | None = None,
                  window: int = 64, tick_s: float = 0.5, step_deadline_s: float = 15.0, settle_s: float = 1.0,
                  max_inbox_rows: int = 4_000_000, clock_ns: Callable[[], int] = time.time_ns,
-                 cost: lost_mod.CostSettings | None = None) -> None:
+                 cost: lost_mod.CostSettings | None = None,
+                 collector_lag: Callable[[], CollectorLag] | None = None) -> None:
         self._cur = con
         lookup = (lambda run_id: lookup_baseline(self._cur, run_id)) if con is not None else None
         self.ev = Evaluator(rules, window=window, baseline=baseline, baseline_lookup=lookup,
                             step_deadline_s=step_deadline_s, settle_s=settle_s, cost=cost)
+        self.ev.collector_lag = collector_lag
         self.sinks = list(sinks)
         self.tick_s = tick_s
         self.clock_ns = clock_ns
@@ -738,6 +781,7 @@ class LiveEngine:
         self._lock = threading.Lock()  # guards the evaluator against readers (gauges/alerts)
         self._thread = threading.Thread(target=self._run, name="tracetop-live", daemon=True)
         self.errors = 0
+        self._behind_stored = 0.0  # monotonic time a firing collector_behind row was last re-stored
         self._dash_next: dict[str, float] = {}  # rule name -> monotonic time of its next evaluation
         self._dash_stop = threading.Event()
         # the dashboard thread's own cursor (a DuckDB connection is not shared between threads)
@@ -807,14 +851,19 @@ class LiveEngine:
                             self.ev.stats.rows += b.n
                     judged = self.ev.stats.steps_evaluated
                     changed = self.ev.evaluate_ready(now, time.monotonic())
-                    if time.monotonic() >= next_tick or stop:
+                    ticked = time.monotonic() >= next_tick or stop
+                    if ticked:
                         next_tick = time.monotonic() + self.tick_s
                         changed += self.ev.evaluate_timer(now)
                     firing = self.ev.book.firing()
+                    ids = {alert_id(a) for a in changed}
                     if changed or self.ev.stats.steps_evaluated > judged:
                         # state changes, and the firing alerts' latest step / value / message
-                        ids = {alert_id(a) for a in changed}
                         self._store(changed + [a for a in firing if alert_id(a) not in ids and a.first_step >= 0])
+                    if ticked and time.monotonic() >= self._behind_stored + BEHIND_STORE_S:
+                        # a firing collector_behind row says how far behind now, not only when it fired
+                        self._behind_stored = time.monotonic()
+                        self._store([a for a in firing if a.signal == "collector_behind" and alert_id(a) not in ids])
                 if changed:
                     self._publish(changed, firing)
             except Exception:  # the engine never takes the collector down

@@ -14,7 +14,7 @@ from typing import Protocol
 #: Alert states, in the order an alert goes through them.
 PENDING, FIRING, RESOLVED = "pending", "firing", "resolved"
 SEVERITIES = ("info", "warning", "critical")
-SCOPES = ("run", "stage", "rank", "role", "node", "gpu")
+SCOPES = ("run", "stage", "rank", "role", "node", "gpu", "collector")
 #: What an alert says: a fault (something broke or slowed: it opens an incident naming the culprit
 #: and the cause), an SLA breach (a figure past its objective: standalone, or a consequence of an
 #: incident that explains it), or a hardware event (XID, ECC, throttling: an incident of its own).
@@ -69,6 +69,19 @@ class Alert:
     @property
     def key(self) -> tuple[str, str, tuple[tuple[str, str], ...]]:
         return (self.rule, self.run_id, tuple(sorted(self.labels.items())))
+
+
+@dataclass(frozen=True)
+class CollectorLag:
+    """How far behind the collector itself is (collector/ingest/metrics.py `CollectorMetrics.lag`):
+    the `collector_behind` rule's input. Behind: a stream held by backpressure, or the oldest batch
+    not yet committed waiting over BEHIND_AFTER_S (2 s)."""
+
+    behind_s: float         # how long it has been behind without a break (0: keeping up)
+    oldest_wait_s: float    # the oldest batch not yet committed (queued, or in the commit running): its wait so far
+    streams_held: int       # streams held by backpressure now
+    rows_not_stored: int    # rows the shippers counted as not stored (gap rows) since it fell behind
+    queue_mb: float = 0.0   # the writer's queue now (Arrow MB)
 
 
 @dataclass(frozen=True)

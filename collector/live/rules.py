@@ -135,6 +135,11 @@ SIGNALS: dict[str, SignalSpec] = {s.name: s for s in (
     SignalSpec("ecc", ("gpu",), (
         Key("ecc_errors_above", "above", doc="uncorrected ECC errors"),
     ), time_based=True),
+    SignalSpec("collector_behind", ("collector",), (
+        Key("behind_s_above", "above", doc="seconds the collector has been behind without a break: a stream held "
+                                           "by backpressure, or its oldest batch not yet committed waiting over 2 s"),
+    ), time_based=True, doc="the collector itself cannot keep up with what it is offered; the alert says how far "
+                            "behind (the oldest batch's wait, streams held, rows the shippers counted as not stored)"),
     # the seed dashboard's judgments (collector/query/dashboard.py), live: evaluated every `every_s`
     # on the engine's thread, outside its lock, by the dashboard's SQL over the last `window_s` of rows
     SignalSpec("cross_node_share", ("role",), (
@@ -174,7 +179,7 @@ DEFAULT_KIND = {
     "grad_sync": "sla", "grad_sync_scaling": "sla", "comm_share": "sla", "bubble": "sla", "stage_imbalance": "sla",
     "scaling_efficiency": "sla", "throughput_per_gpu": "sla", "offload_bandwidth": "sla",
     "xid": "hardware", "thermal_throttle": "hardware", "ecc": "hardware", "hardware_risk": "hardware",
-    "cross_node_share": "sla", "fragmentation": "sla",
+    "cross_node_share": "sla", "fragmentation": "sla", "collector_behind": "sla",
 }
 #: a firing step rule keeps firing through this many cleared steps (Prometheus' keep_firing_for): a
 #: breach again within them is the same alert, not a new one (the demo's memory pressure fired and
@@ -633,6 +638,14 @@ severity = "warning"
 signal = "ecc"
 ecc_errors_above = 0
 severity = "critical"
+
+[rule.collector_behind]
+signal = "collector_behind"   # the collector cannot keep up: streams held by backpressure, batches waiting
+scope = "collector"           # for their commit; shippers keep, spool or drop (and count) what it cannot take
+behind_s_above = 10           # behind this long without a break
+clear_below = 1               # once firing, it fires while behind at all ...
+keep_firing_s = 5             # ... and resolves once caught up this long
+severity = "warning"
 
 [rule.cross_node_share]
 signal = "cross_node_share"   # a DP/TP group's communication time mostly between nodes, the group named

@@ -17,6 +17,7 @@ Definitions (DESIGN §3, issue 10):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,7 +118,7 @@ class HangFinding:
 
 
 def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str], roles: list[str],
-          since_ns: np.ndarray, usual: list[frozenset[tuple[str, str]]], now_ns: int, *,
+          since_ns: np.ndarray, usual: Sequence[frozenset[tuple[str, str]]], now_ns: int, *,
           silent_s: float, stuck_s: float, phases: list[str] | None = None,
           first_ns: np.ndarray | None = None, beating_s: float | None = None) -> list[HangFinding]:
     """From each rank's latest heartbeat: silent ranks (no heartbeat for silent_s) and ranks stuck

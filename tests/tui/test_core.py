@@ -226,3 +226,12 @@ def test_overview_lost_line_names_the_injected_straggler() -> None:
     before = core.lost_figure(_snap(STRAGGLER_FROM_STEP - 1))
     m = re.match(r"(\d+)% rank (\d+)", before.note)
     assert m and not (m.group(2) == "3" and int(m.group(1)) >= 50), before.note  # not rank 3's before the onset
+
+
+def test_behind_line_only_while_the_collector_says_it_is_behind():
+    Snapshot = snapmod.Snapshot
+    assert core.behind_line(Snapshot({"run_id": "r", "step": 3})) == ""
+    lag = {"behind_s": 34.2, "oldest_wait_s": 12.34, "streams_held": 6, "rows_not_stored": 693452, "queue_mb": 120.0}
+    line = core.behind_line(Snapshot({"run_id": "r", "step": 3, "collector_behind": lag}))
+    assert line == ("collector behind 34 s: oldest batch waited 12.3 s, 6 streams held, 693,452 rows not stored "
+                    "(gap rows); what is shown is late")
