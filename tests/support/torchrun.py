@@ -1,5 +1,7 @@
-"""torchrun jobs for the tests: each in a session of its own, so every process it started is found
-and killed by its group (a test never leaves ranks behind), with the run's logs read back.
+"""torchrun jobs for the tests: each in a session of its own, and every process it started marked
+by a token in its environment (torchrun starts each rank in a session of its own, so the group alone
+does not find them), so that whatever outlives the job is found and killed (a test never leaves
+ranks behind), with the run's logs read back.
 
     r = torchrun(tmp_path, nproc=4, args=["--pp", "2", "--steps", "5"])      # the reference trainer
     r.rc, r.output, r.rows (rank 0's --log-jsonl), r.ranks[k] (rank k's --rank-log-dir rows)
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +58,8 @@ def launch(cmd: list[str], *, timeout_s: float = 400.0, env: dict[str, str] | No
            cwd: Path = ROOT) -> Launched:
     """Run ``cmd`` to its end in a session of its own (JOB_ENV over ``env`` or os.environ). Fails the
     test after ``timeout_s``, killing the whole group; kills whatever of the group outlived it."""
-    full_env = dict(env if env is not None else os.environ, **JOB_ENV)
+    token = uuid.uuid4().hex
+    full_env = dict(env if env is not None else os.environ, **JOB_ENV, **{JOB_TOKEN: token})
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -63,13 +67,46 @@ def launch(cmd: list[str], *, timeout_s: float = 400.0, env: dict[str, str] | No
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        kill_job(token)
         out, _ = proc.communicate()
         raise AssertionError(f"{' '.join(cmd[:6])} … did not finish in {timeout_s} s:\n{out[-3000:]}") from None
     exit_t, exit_unix_s = time.monotonic(), time.time()
-    leftover = group_members(proc.pid)
-    if leftover:
+    in_group = group_members(proc.pid)
+    leftover = sorted(set(in_group) | set(job_members(token)))
+    if in_group:
         os.killpg(proc.pid, signal.SIGKILL)
+    kill_job(token)
     return Launched(proc.returncode, out, exit_t - t0, exit_unix_s, leftover)
+
+
+#: the environment variable that marks every process of one test job (inherited by torchrun's ranks)
+JOB_TOKEN = "TRACETOP_TEST_JOB"
+
+
+def job_members(token: str) -> list[int]:
+    """Live processes whose environment carries ``TRACETOP_TEST_JOB=token``, in whatever session."""
+    needle = f"{JOB_TOKEN}={token}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle not in (d / "environ").read_bytes().split(b"\0"):
+                continue
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rindex(")") + 2:].split()[0] != "Z":
+            pids.append(int(d.name))
+    return pids
+
+
+def kill_job(token: str) -> None:
+    for pid in job_members(token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def torchrun(tmp: Path, *, nproc: int, args: list[str], timeout_s: float = 400.0, trace: bool = False,

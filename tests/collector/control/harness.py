@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -18,6 +19,7 @@ import grpc
 
 from tests.support import ROOT
 from tests.support.services import start_collector
+from tests.support.torchrun import JOB_TOKEN, kill_job
 from tests.support.wait import wait_for as wait_for_condition
 from tracetop.wire import tracetop_pb2 as pb
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
@@ -72,6 +74,7 @@ class Trainer:
         target = [script] if script else ["-m", module, "--quiet", "--rank-log-dir", str(self.rank_dir)]
         e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                  TRACETOP_COMMAND_POLL_S="0.5", **env)
+        self.token = e[JOB_TOKEN] = uuid.uuid4().hex
         self.log = open(tmp / "trainer.log", "w")
         self.proc = subprocess.Popen([*launcher, *target, *args], cwd=ROOT, env=e, stdout=self.log,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -83,6 +86,7 @@ class Trainer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+            kill_job(self.token)
             raise AssertionError(f"trainer did not finish in {timeout_s} s:\n{self.output()[-3000:]}") from None
         finally:
             self.log.close()
@@ -98,6 +102,7 @@ class Trainer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        kill_job(self.token)  # any rank torchrun did not end
 
     def output(self) -> str:
         return (self.tmp / "trainer.log").read_text()
