@@ -45,9 +45,11 @@ Two ways a trainer applies commands:
   ``adjustment_result`` (-> ``settle``), ``adjustment_undone`` (-> ``undone``).
 
 PROFILE (a profiling window, trainer_hooks/profiling.py) is the hooks' own: no handler, both ways
-land in ``CommandBus.profile``. So that any traced loop can be profiled, the Tracer runs the boundary
-even with no handler registered (``TRACETOP_PROFILE``, default on), then every 50 steps unless K is
-set (``profile_every_steps``).
+land in ``CommandBus.profile``. Wherever a boundary runs (handlers, the seam) windows are taken
+(``TRACETOP_PROFILE=0``: refused). With ``TRACETOP_PROFILE=1`` the Tracer also runs the boundary with
+no handler registered, every 50 steps unless K is set (``profile_every_steps``), never at step 0. Not
+by default: the boundary is a collective, and a job where some rank does not trace the same steps
+(a Tracer on rank 0 only) would hang in it.
 
 Every rank must use the same one, with the same K: the hooks' configuration is the same on every
 rank of a job (it comes from the same environment).
@@ -119,11 +121,13 @@ class CommandBus:
         self._channel_factory = channel_factory
         self._clock_ns = clock_ns
         self.handlers: dict[str, tuple[Callable[[Any], Any], Callable[[], Any] | None]] = {}
-        # profiling windows (trainer_hooks/profiling.py): on by default, so that a plain Tracer or
-        # trainer_hooks.auto, with no handler, runs the boundary and can be profiled
+        # profiling windows (trainer_hooks/profiling.py): taken wherever a boundary runs (handlers,
+        # the reference trainer's seam); with TRACETOP_PROFILE=1 a plain Tracer or trainer_hooks.auto,
+        # with no handler, runs the boundary for them alone
         from trainer_hooks import profiling
 
         self.profiling = profiling.enabled()
+        self.profile_alone = self.profiling and profiling.boundary_alone()
         # with no handler registered the boundary serves profiling windows alone: every
         # profiling.EVERY_STEPS steps (a window may start a little later; the broadcast costs a fifth),
         # unless TRACETOP_COMMAND_EVERY_STEPS (or every_steps) says otherwise
@@ -159,7 +163,7 @@ class CommandBus:
     def driving(self) -> bool:
         """True when the Tracer should run the boundary itself (handlers registered, or profiling
         windows on; no seam)."""
-        return ((self.profiling or bool(self.handlers)) and not self.external and self.every_steps > 0
+        return ((self.profile_alone or bool(self.handlers)) and not self.external and self.every_steps > 0
                 and not self.broken)
 
     def on_command(self, kind: str, fn: Callable[[Any], Any], current: Callable[[], Any] | None = None) -> None:
@@ -255,8 +259,13 @@ class CommandBus:
     def receive(self, step: int) -> Pending | None:
         """At every K-th step's boundary, on every rank: one broadcast from rank 0. Returns the
         command every rank received, or None (most boundaries)."""
-        k = self.every_steps if self.handlers or self.external else self.profile_every_steps
-        if k <= 0 or self.broken or self.closed or step % k:
+        alone = not (self.handlers or self.external)  # the boundary serves profiling windows alone
+        k = self.profile_every_steps if alone else self.every_steps
+        if k <= 0 or self.broken or self.closed or step % k or (alone and step < k):
+            # profiling alone: not at step 0. Its first boundary creates the command group, and a
+            # rank that starts late would leave its peers waiting there, outside every collective
+            # the run records, instead of in the training's first all-reduce, where the judgment
+            # "never heard from, while ranks … wait in all_reduce" sees them
             return None
         t0 = time.perf_counter_ns()
         try:

@@ -4,9 +4,9 @@ names run torch's profiler for the next N steps, then ship the trace to the coll
 The flow, on a named rank:
 
 1. At a command boundary (trainer_hooks/commands.py; every K steps, K = TRACETOP_COMMAND_EVERY_STEPS,
-   and where the trainer registered no ``on_command`` handler and K is not set, every 50 steps: a
-   plain ``Tracer`` or ``trainer_hooks.auto`` runs it by default, ``TRACETOP_PROFILE=0`` turns that
-   off) every rank receives the PROFILE command
+   and where the trainer registered no ``on_command`` handler, only with ``TRACETOP_PROFILE=1``:
+   then every 50 steps unless K is set, never at step 0; ``TRACETOP_PROFILE=0`` refuses windows)
+   every rank receives the PROFILE command
    (``value`` = N steps, ``values`` = the ranks). A named rank starts the profiler right there,
    before the next step begins (CPU activities; CUDA too where torch sees a device). The others do
    nothing. Every rank agrees as for any command: if a named rank refuses, the windows started
@@ -62,8 +62,17 @@ CLOSE_WAIT_S = 10.0
 
 
 def enabled() -> bool:
-    """TRACETOP_PROFILE (default on): whether the tracer runs the boundary for profiling windows."""
+    """TRACETOP_PROFILE (default on): whether this rank takes profiling windows at all."""
     return (tenv.get(tenv.TRACETOP_PROFILE, "1") or "1") not in ("0", "off", "false", "False")
+
+
+def boundary_alone() -> bool:
+    """TRACETOP_PROFILE=1 (said, not the default): a trainer with no ``on_command`` handler runs
+    the command boundary for profiling windows alone. Not by default: the boundary is a collective
+    over every rank (its first one creates a process group), so a job where some rank does not
+    trace the same steps (a Tracer on rank 0 only, a rank that skips steps) would wait there until
+    the group's timeout: a hang the job did not have without tracetop."""
+    return (tenv.get(tenv.TRACETOP_PROFILE, "") or "") in ("1", "on", "true", "True")
 
 
 def unavailable(rank: int) -> str | None:

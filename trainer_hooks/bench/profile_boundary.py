@@ -3,9 +3,9 @@ that registered no handler (the profiling window's way in: trainer_hooks/profili
 
 N processes (default 2) on gloo over loopback, each a plain DDP loop (Linear(256, 256) x 2, SGD,
 batch 32) traced by ``trainer_hooks.auto`` and shipping to an in-memory transport. Blocks of
-``--block`` steps alternate the boundary on (``TRACETOP_PROFILE`` default: one 64-byte gloo
+``--block`` steps alternate the boundary on (``TRACETOP_PROFILE=1``: one 64-byte gloo
 broadcast every 50 steps with no handler registered, trainer_hooks/profiling.py EVERY_STEPS;
-``--every-steps K`` for another K) and off (``commands.profiling = False``: no boundary), in quads ordered ABBA
+``--every-steps K`` for another K) and off (``commands.profile_alone = False``: no boundary), in quads ordered ABBA
 or BAAB by a seeded coin every rank draws alike (so every rank switches at the same step). Per
 quad: (on - off) wall time per step, timed around the whole step on the training thread; the
 median over quads and over ranks (``us_per_step``: what the step sees, indirect effects
@@ -59,7 +59,7 @@ def _child(rank: int, world: int, port: int, quads: int, block: int, every: int 
     tracer = trainer_hooks.Tracer(run_id="bench-profile", rank=rank, world_size=world, transport=MemoryTransport(),
                                   heartbeat_s=60)
     bus = tracer.commands
-    assert bus is not None and bus.profiling, "TRACETOP_PROFILE=0 in the environment: unset it"
+    assert bus is not None and bus.profile_alone, "TRACETOP_PROFILE is not 1 in the ranks' environment"
     bus.subscribe = False  # no collector to poll here
     if every is not None:
         bus.every_steps = bus.profile_every_steps = every
@@ -74,7 +74,7 @@ def _child(rank: int, world: int, port: int, quads: int, block: int, every: int 
         order = ("on", "off", "off", "on") if coin.random() < 0.5 else ("off", "on", "on", "off")
         per: dict[str, list[float]] = {"on": [], "off": []}
         for arm in order:
-            bus.profiling = arm == "on"
+            bus.profile_alone = arm == "on"
             for _ in range(block):
                 t0 = time.perf_counter_ns()
                 model(x).square().mean().backward()
@@ -128,8 +128,8 @@ def start_costs() -> dict[str, float]:
 def run(args: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
-    for var in ("TRACETOP_PROFILE", "TRACETOP_COMMAND_EVERY_STEPS"):  # the defaults are what is measured
-        os.environ.pop(var, None)
+    os.environ.pop("TRACETOP_COMMAND_EVERY_STEPS", None)  # the default K is what is measured
+    os.environ["TRACETOP_PROFILE"] = "1"  # the boundary for profiling alone (off unless said)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -20,6 +20,7 @@ def test_a_second_window_is_refused_and_close_ends_the_first(tmp_path, monkeypat
 
     monkeypatch.setenv("TRACETOP_COMMAND_POLL_S", "0.2")
     monkeypatch.setenv("TRACETOP_COMMAND_EVERY_STEPS", "2")
+    monkeypatch.setenv("TRACETOP_PROFILE", "1")  # no handler: the boundary runs for profiling alone
     monkeypatch.setenv("TRACETOP_FLUSH_S", "0.2")
     c = start_collector(tmp_path, extra_args=["--controller", "off"])
     client = Client(c.addr)

@@ -39,7 +39,8 @@ def window(tmp_path_factory):
     client = Client(c.addr)
     t = Trainer(tmp, nproc=2, args=["100000"], script=str(ROOT / "tests" / "collector" / "control" / "profile_loop.py"),
                 env={"TRACETOP_ENDPOINT": c.addr, "TRACETOP_RUN_ID": RUN, "TRACETOP_FLUSH_S": "0.5",
-                     "TRACETOP_COMMAND_EVERY_STEPS": "4", "TRACETOP_TEST_NO_PROFILER": "1"})
+                     "TRACETOP_COMMAND_EVERY_STEPS": "4", "TRACETOP_TEST_NO_PROFILER": "1",
+                     "TRACETOP_PROFILE": "1"})
     out: dict = {}
     base = ["profile", "--collector", c.addr, "--run", RUN]
     try:
