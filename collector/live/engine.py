@@ -149,7 +149,8 @@ class AlertBook:
                     fresh = False
                 t.count += 1
                 t.cleared = 0
-                t.base = o.message.replace("{steps}", str(t.count))
+                t.base = o.message.replace("{steps} steps", "1 step" if t.count == 1 else f"{t.count} steps").replace(
+                    "{steps}", str(t.count))
                 a = t.alert
                 new_state = a.state
                 held = (now_ns - a.first_ns) / 1e9 >= rule.for_s if rule.for_s else t.count >= rule.for_steps

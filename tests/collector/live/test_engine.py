@@ -38,6 +38,16 @@ def test_pending_firing_resolved_with_hold_and_hysteresis():
     assert done.fired_step == 5 and done.last_step == 5 and done.message == "p99 3; an SLA breach, not a fault"  # last step it held
 
 
+def test_the_message_counts_one_step_in_the_singular():
+    """The demo's memory alert read "for 1 steps"."""
+    book = AlertBook()
+    msgs = []
+    for step in range(2):
+        book.update(GS, "r", [judge.Obs("run", {}, 150, True, "p99 for {steps} steps")], step, step * 10**9)
+        msgs.append(book.all()[0].message)
+    assert msgs[0].startswith("p99 for 1 step;") and msgs[1].startswith("p99 for 2 steps;"), msgs
+
+
 def test_a_breach_within_the_resolve_hold_is_the_same_alert():
     rule = parse('[rule.m]\nsignal = "grad_sync"\ngrad_sync_ms_above = 100\nfor_steps = 2\n')[0]
     assert rule.keep_firing == 10  # the default hold of a step rule
