@@ -15,27 +15,16 @@ sends nothing. Otherwise it prints the action's id and state; `tracetop actions`
 from __future__ import annotations
 
 import argparse
-import getpass
-import sys
 
-EXIT_REFUSED = 2
-EXIT_UNREACHABLE = 3
+from collector.control import client
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tracetop import env
-
-    parser.add_argument("--collector", default=None,
-                        help=f"the collector's address (default ${env.TRACETOP_COLLECTOR}, else {env.DEFAULT_COLLECTOR})")
     parser.add_argument("--run", default="", help="the run id (required except for approve/reject/rollback)")
-    parser.add_argument("--reason", default="", help="why, in words (stored with the action)")
-    parser.add_argument("--by", default=None, help="who asks (default person:$USER)")
     parser.add_argument("command", choices=("set-micro-batch", "offload", "rebalance", "approve", "reject", "rollback"))
     parser.add_argument("value", help="N for set-micro-batch, on|off for offload, N,N,... for rebalance, the action id "
                         "otherwise")
-    from tracetop.wire.auth import add_client_arguments
-
-    add_client_arguments(parser)  # a collector with --control-token-file: give that token here
+    client.add_common_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,8 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from tracetop.wire import tracetop_pb2 as pb
     from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 
-    by = args.by or f"person:{_user()}"
-    req = pb.ControlRequest(run_id=args.run, reason=args.reason, by=by)
+    req = pb.ControlRequest(run_id=args.run, reason=args.reason, by=client.who(args.by))
     if args.command in ("set-micro-batch", "offload", "rebalance"):
         if not args.run:
             return _fail(f"{args.command} needs --run RUN (the run id, see `tracetop query ... \"SELECT * FROM runs\"`)")
@@ -83,24 +71,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             reply = pb_grpc.ControlStub(channel).Submit(req, timeout=30, metadata=auth.metadata())
         except grpc.RpcError as e:
-            code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                print(f"tracetop control: no collector answers at {addr} ({code.name}); start one or pass --collector",
-                      file=sys.stderr)
-                return EXIT_UNREACHABLE
-            print(f"tracetop control: refused, nothing sent: {e.details()}", file=sys.stderr)
-            return EXIT_REFUSED
+            return client.rpc_failure("control", e, addr)
     print(f"action {reply.action_id}: {reply.state}" + (f" ({reply.message})" if reply.message else ""))
     return 0
 
 
 def _fail(msg: str) -> int:
-    print(f"tracetop control: {msg}", file=sys.stderr)
-    return EXIT_REFUSED
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:
-        return "unknown"
+    return client.fail("control", msg)

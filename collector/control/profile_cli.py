@@ -15,43 +15,33 @@ Exit codes: 0 stored; 2 refused (a bad request, a rank that cannot profile: the 
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import statistics
-import sys
 import time
 from typing import Any
 
-EXIT_REFUSED = 2
-EXIT_UNREACHABLE = 3
+from collector.control import client
+from collector.control.client import EXIT_REFUSED
+
 EXIT_TIMEOUT = 4
 FINAL = ("applied", "verified", "rejected", "lost", "inconsistent", "incomplete", "dismissed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from tracetop import env
-
-    parser.add_argument("--collector", default=None,
-                        help=f"the collector's address (default ${env.TRACETOP_COLLECTOR}, else {env.DEFAULT_COLLECTOR})")
     parser.add_argument("--run", required=True, help="the run id")
     parser.add_argument("--ranks", default="", metavar="R,R",
                         help="the ranks to profile (default: the ranks the run's firing alerts name)")
     parser.add_argument("--steps", type=int, required=True, metavar="N", help="steps to profile (1..100)")
-    parser.add_argument("--reason", default="", help="why, in words (stored with the action)")
-    parser.add_argument("--by", default=None, help="who asks (default person:$USER)")
     parser.add_argument("--timeout-s", type=float, default=600.0,
                         help="how long to wait for the window and its trace (default 600)")
     parser.add_argument("--compare-steps", type=int, default=10, metavar="M",
                         help="steps before and after the window whose median time is shown (default 10; 0: do not wait)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    from tracetop.wire.auth import add_client_arguments
-
-    add_client_arguments(parser)
+    client.add_common_arguments(parser)
 
 
 def _fail(msg: str, code: int = EXIT_REFUSED) -> int:
-    print(f"tracetop profile: {msg}", file=sys.stderr)
-    return code
+    return client.fail("profile", msg, code)
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -98,17 +88,13 @@ def run(args: argparse.Namespace) -> int:
                 if not ranks:
                     return _fail(f"no firing alert of run {args.run} names a rank; say which: --ranks 0,3")
             req = pb.ControlRequest(run_id=args.run, op=pb.PROPOSE, kind=pb.PROFILE, int_value=args.steps,
-                                    values=ranks, approve=True, rule="manual", by=args.by or f"person:{_user()}",
+                                    values=ranks, approve=True, rule="manual", by=client.who(args.by),
                                     reason=args.reason or f"profile {args.steps} steps on ranks {ranks}",
                                     expected=f"a trace of {args.steps} steps from ranks {ranks}")
             reply = control.Submit(req, timeout=30, metadata=md)
             result = _follow(sql, args, reply.action_id, ranks)
         except grpc.RpcError as e:
-            code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                return _fail(f"no collector answers at {addr} ({code.name}); start one or pass --collector",
-                             EXIT_UNREACHABLE)
-            return _fail(f"refused, nothing sent: {e.details()}")
+            return client.rpc_failure("profile", e, addr)
     if args.json:
         print(json.dumps(result, default=str))
     else:
@@ -182,10 +168,3 @@ def _print(r: dict) -> None:
         hi = max(int(t["first_step"]) + int(t["steps"] or 1) - 1 for t in r["traces"])
         print(f"open it: tracetop export FILE.duckdb --perfetto profile.json --run {r['run_id']} --steps {lo}:{hi} "
               "(then ui.perfetto.dev); `tracetop report` lists it")
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:
-        return "unknown"
