@@ -381,3 +381,49 @@ def test_stragglers_in_linear_time_gives_the_list_sqls_rows_with_ties_and_nulls(
     assert con.execute(f"SELECT count(*) FROM ({new}) WHERE is_straggler").fetchone()[0] > 0
     for a, b in ((new, old), (old, new)):
         assert con.execute(f"SELECT count(*) FROM (SELECT * FROM ({a}) EXCEPT ALL SELECT * FROM ({b}))").fetchone()[0] == 0
+
+
+def _rank_step_rows(con, run: str, step: int, ranks) -> None:
+    """Step rows and two collectives a rank for `ranks` of `step` (values vary by rank and step)."""
+    for r in ranks:
+        con.execute("INSERT INTO step (run_id, rank, step, start_ns, duration_ns, compute_ns, comm_exposed_ns, tokens) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, 100)",
+                    [run, r, step, step * 10**9 + r, 10**6 + 997 * r + 31 * step, 5 * 10**5 + 13 * r * step, 7 * r]).fetchall()
+        con.execute("INSERT INTO collective (run_id, rank, step, start_ns, duration_ns, op, role, group_size, bytes) "
+                    "SELECT ?, ?, ?, i, 10000 + i * 37 + ?, 'all_reduce', 'dp', 4, 4096 FROM range(2) t(i)",
+                    [run, r, step, r * step]).fetchall()
+
+
+def test_a_run_without_run_start_rows_materializes_a_step_once_its_ranks_are_in(tmp_path) -> None:
+    """A run with no run_start rows does not say how many ranks it has: a step is taken once the run
+    has rows of a later step and the step has as many ranks' step rows as the run's recently
+    materialized steps (not as soon as it has one, which materialized it again at every roll while its
+    ranks' rows came in). The views equal the original SQL at every point."""
+    con = open_store(str(tmp_path / "n.duckdb"))
+    try:
+        def materialized() -> dict[int, int]:
+            return dict(con.execute("SELECT step, count(*) FROM step_ranks_m GROUP BY step").fetchall())
+
+        _rank_step_rows(con, "run-n", 0, [0, 1])
+        matviews.advance(con)
+        assert materialized() == {} and matviews.pending_rows(con) == 1  # step 0: no later step yet
+        check_views(con, reference(con))
+        _rank_step_rows(con, "run-n", 0, [2, 3])
+        _rank_step_rows(con, "run-n", 1, [0, 1, 2, 3])
+        matviews.advance(con)
+        assert materialized() == {0: 4}  # step 1 is the newest: pending
+        _rank_step_rows(con, "run-n", 2, [0, 1])  # ranks 2 and 3 late
+        _rank_step_rows(con, "run-n", 3, [0, 1, 2, 3])
+        matviews.advance(con)
+        assert materialized() == {0: 4, 1: 4}  # step 2 has 2 of the 4 ranks step 0 had: pending
+        assert sorted(s for (s,) in con.execute("SELECT step FROM views_pending").fetchall()) == [2, 3]
+        check_views(con, reference(con))
+        _rank_step_rows(con, "run-n", 2, [2, 3])
+        matviews.advance(con)
+        assert materialized() == {0: 4, 1: 4, 2: 4}
+        check_views(con, reference(con))
+        matviews.advance(con, final=True)  # a writer closing: everything, complete or not
+        assert materialized() == {0: 4, 1: 4, 2: 4, 3: 4} and matviews.pending_rows(con) == 0
+        check_views(con, reference(con))
+    finally:
+        con.close()
