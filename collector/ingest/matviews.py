@@ -115,64 +115,47 @@ _STRAGGLER_JUDGMENT = """SELECT run_id, step, stage, rank, stage_ranks, compute_
               FROM o)"""
 
 
-def stragglers_lists_sql(sr: str = "step_ranks") -> str:
-    """_v5's stragglers SELECT over the step_ranks relation `sr`, as _v5 wrote it: each row carries its
-    stage's sorted values as a list, so a stage of n ranks costs n^2 (at 16,384 ranks in one stage,
-    2 GB and 129 s per step). Kept as the reference `stragglers_sql` must equal (tests)."""
-    return f"""WITH g AS (
-            SELECT run_id, step, stage, rank, compute_ms, wait_ms,
-                   count(*) OVER w AS stage_ranks,
-                   list_sort(list(compute_ms) OVER w) AS cl, list_sort(list(wait_ms) OVER w) AS wl,
-                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY compute_ms) - 1 AS pc,
-                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY wait_ms) - 1 AS pw,
-                   median(compute_ms) OVER w AS mc, median(wait_ms) OVER w AS mw
-            FROM {sr} WINDOW w AS (PARTITION BY run_id, step, stage)
-        ), m AS (
-            SELECT *, median(abs(compute_ms - mc)) OVER w AS madc, median(abs(wait_ms - mw)) OVER w AS madw,
-                   (stage_ranks - 2) // 2 AS ia, (stage_ranks - 1) // 2 AS ib
-            FROM g WINDOW w AS (PARTITION BY run_id, step, stage)
-        ), o AS (
-            SELECT *,
-                   CASE WHEN stage_ranks > 1 THEN (cl[ia + CAST(ia >= pc AS INTEGER) + 1]
-                                                   + cl[ib + CAST(ib >= pc AS INTEGER) + 1]) / 2 END AS others_compute_ms,
-                   CASE WHEN stage_ranks > 1 THEN (wl[ia + CAST(ia >= pw AS INTEGER) + 1]
-                                                   + wl[ib + CAST(ib >= pw AS INTEGER) + 1]) / 2 END AS others_wait_ms
-            FROM m
-        )
-        {_STRAGGLER_JUDGMENT}"""
+def _at_or_before(v: str, x: str) -> str:
+    """Whether value v's first position in its stage's sorted values (NULLs last, as ORDER BY and
+    list_sort put them) is at or before the position holding x: v <= x, a NULL being the largest."""
+    return f"(CASE WHEN {x} IS NULL THEN true WHEN {v} IS NULL THEN false ELSE {v} <= {x} END)"
 
 
 def stragglers_sql(sr: str = "step_ranks") -> str:
-    """The stragglers SELECT over the step_ranks relation `sr` (_v13): `stragglers_lists_sql`'s rows,
-    exactly, in time and memory linear in the ranks. "Others" is the median of the stage without
-    this rank: the values at sorted positions ia and ib of the stage less this rank (at position pc),
-    which are the stage's sorted values at ia or ia + 1 and ib or ib + 1; those four values per
-    stage are window aggregates, not a list per row."""
-    def at(v: str, pos: str) -> str:
-        return ", ".join(f"any_value({v}) FILTER (WHERE {pos} = {j}) OVER w AS {v}_{n}"
-                         for n, j in (("a0", "ia"), ("a1", "ia + 1"), ("b0", "ib"), ("b1", "ib + 1")))
+    """The stragglers SELECT over the step_ranks relation `sr` (_v17): `stragglers_windows_sql`'s rows,
+    exactly, from grouped aggregates joined back instead of four window passes. Per stage: its count,
+    medians and one sorted list of each value (linear: a list per stage, not per row), from which the
+    four sorted values around the median; a rank's "others" median is read at ia or ia + 1 (ib or
+    ib + 1) as its own value is or is not at or before position ia (ib): the windows' row_number
+    position among ties differs, but removing any one of equal values leaves the same values. The
+    MAD is a median over the rows joined with their stage's median, grouped again."""
+    def picks(v: str, lst: str) -> str:
+        return (f"{lst}[(stage_ranks - 2) // 2 + 1] AS {v}_a0, {lst}[(stage_ranks - 2) // 2 + 2] AS {v}_a1, "
+                f"{lst}[(stage_ranks - 1) // 2 + 1] AS {v}_b0, {lst}[(stage_ranks - 1) // 2 + 2] AS {v}_b1")
 
-    def others(v: str, pos: str) -> str:
-        return (f"CASE WHEN stage_ranks > 1 THEN ((CASE WHEN ia >= {pos} THEN {v}_a1 ELSE {v}_a0 END) "
-                f"+ (CASE WHEN ib >= {pos} THEN {v}_b1 ELSE {v}_b0 END)) / 2 END")
+    def others(v: str) -> str:
+        return (f"CASE WHEN q.stage_ranks > 1 THEN ((CASE WHEN {_at_or_before('s.' + v, 'q.' + v + '_a0')} "
+                f"THEN q.{v}_a1 ELSE q.{v}_a0 END) + (CASE WHEN {_at_or_before('s.' + v, 'q.' + v + '_b0')} "
+                f"THEN q.{v}_b1 ELSE q.{v}_b0 END)) / 2 END")
 
-    return f"""WITH g AS (
-            SELECT run_id, step, stage, rank, compute_ms, wait_ms,
-                   count(*) OVER w AS stage_ranks,
-                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY compute_ms) - 1 AS pc,
-                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY wait_ms) - 1 AS pw,
-                   median(compute_ms) OVER w AS mc, median(wait_ms) OVER w AS mw
-            FROM {sr} WINDOW w AS (PARTITION BY run_id, step, stage)
-        ), m AS (
-            SELECT *, median(abs(compute_ms - mc)) OVER w AS madc, median(abs(wait_ms - mw)) OVER w AS madw,
-                   (stage_ranks - 2) // 2 AS ia, (stage_ranks - 1) // 2 AS ib
-            FROM g WINDOW w AS (PARTITION BY run_id, step, stage)
-        ), k AS (
-            SELECT *, {at('compute_ms', 'pc')}, {at('wait_ms', 'pw')}
-            FROM m WINDOW w AS (PARTITION BY run_id, step, stage)
+    def same(a: str, b: str) -> str:  # the windows' partitions: NULL keys are one partition
+        return " AND ".join(f"{a}.{c} IS NOT DISTINCT FROM {b}.{c}" for c in ("run_id", "step", "stage"))
+
+    return f"""WITH l AS (
+            SELECT run_id, step, stage, count(*) AS stage_ranks, median(compute_ms) AS mc, median(wait_ms) AS mw,
+                   list_sort(list(compute_ms)) AS cl, list_sort(list(wait_ms)) AS wl
+            FROM {sr} GROUP BY run_id, step, stage
+        ), q AS (
+            SELECT run_id, step, stage, stage_ranks, mc, mw, {picks('compute_ms', 'cl')}, {picks('wait_ms', 'wl')} FROM l
+        ), j AS (
+            SELECT s.run_id, s.step, s.stage, s.rank, q.stage_ranks, s.compute_ms, s.wait_ms, q.mc, q.mw,
+                   {others('compute_ms')} AS others_compute_ms, {others('wait_ms')} AS others_wait_ms
+            FROM {sr} s JOIN q ON {same('q', 's')}
+        ), d AS (
+            SELECT run_id, step, stage, median(abs(compute_ms - mc)) AS madc, median(abs(wait_ms - mw)) AS madw
+            FROM j GROUP BY run_id, step, stage
         ), o AS (
-            SELECT *, {others('compute_ms', 'pc')} AS others_compute_ms, {others('wait_ms', 'pw')} AS others_wait_ms
-            FROM k
+            SELECT j.*, d.madc, d.madw FROM j JOIN d ON {same('d', 'j')}
         )
         {_STRAGGLER_JUDGMENT}"""
 
