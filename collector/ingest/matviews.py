@@ -296,7 +296,15 @@ def advance_in(con, *, final: bool = False) -> int:
     con.execute(f"CREATE OR REPLACE TEMP TABLE _tt_touched AS SELECT DISTINCT run_id, step FROM "
                 f"({' UNION ALL '.join(tails)}) WHERE step >= 0")
     lo, hi = con.execute("SELECT min(step), max(step) FROM _tt_touched").fetchone()
-    if final or lo is None:  # (nothing touched: a roll reads no more; the steps' scans below had no bound)
+    # a run without run_start rows whose only touched step is its newest has nothing complete (no later
+    # step, nothing SETTLE_STEPS later): when every touched run is one, the test below is skipped (two of
+    # the three rolls a step at 16k ranks, while the step's rows come in)
+    waiting = lo is not None and not final and con.execute(
+        "SELECT count(*) = 0 FROM (SELECT run_id FROM _tt_touched GROUP BY run_id "
+        "HAVING count(*) > 1 OR run_id IN (SELECT run_id FROM run_start))").fetchone()[0]
+    if waiting:
+        con.execute("CREATE OR REPLACE TEMP TABLE _tt_done AS SELECT * FROM _tt_touched LIMIT 0")
+    elif final or lo is None:  # (nothing touched: a roll reads no more; the steps' scans below had no bound)
         con.execute("CREATE OR REPLACE TEMP TABLE _tt_done AS SELECT * FROM _tt_touched")
     else:
         # complete: each of the run's started ranks has its step row, or the run has rows SETTLE_STEPS
