@@ -11,7 +11,9 @@ the rows of the *materialized* steps, and:
   rows below the mark have been taken into the `_m` tables (the event tables are append-only, so
   rowids are dense and never move);
 - `views_pending`: the (run_id, step) keys rolled past the watermarks but not materialized yet
-  (a step still incomplete: not every started rank of the run has its step row).
+  (a step still incomplete: not every started rank of the run has its step row; for a run without
+  run_start rows, the run has no rows of a later step yet or the step has fewer ranks' step rows
+  than its recently materialized steps).
 
 The *live set* is every (run_id, step) with a row past a watermark in step / collective /
 pipe_instr, every step of a run with a run_start row past its watermark, and the pending keys.
@@ -52,7 +54,7 @@ def _rows(table: str, keys: str | None, lo: int | None = None, hi: int | None = 
     uncorrelated SEMI JOIN: the keys are the hash table, so an empty or small key set reads
     little; a correlated EXISTS scanned the whole table) and in literal steps lo..hi, when given."""
     semi = f" SEMI JOIN {keys} k ON k.run_id = x.run_id AND k.step = x.step" if keys is not None else ""
-    rng = f" AND x.step BETWEEN {int(lo)} AND {int(hi)}" if lo is not None else ""
+    rng = f" AND x.step BETWEEN {int(lo)} AND {int(hi)}" if lo is not None and hi is not None else ""
     if keys is not None and table == "step":
         # the live set reads `step` too, and DuckDB then built the SEMI JOIN's hash table from all
         # 10^7 step rows (1.9 s with an empty live set); IN keeps the keys on the build side
@@ -64,7 +66,10 @@ def _rows(table: str, keys: str | None, lo: int | None = None, hi: int | None = 
 def step_ranks_sql(keys: str | None = None, lo: int | None = None, hi: int | None = None) -> str:
     """_v5's step_ranks SELECT (its `step` rows filtered before the joins: the same rows, and the
     restriction is applied before them); restricted to the (run_id, step) keys of relation `keys` (and steps
-    lo..hi) when given."""
+    lo..hi) when given. With a step range, the collective and pipe_instr rows are read by the range
+    alone: they only meet the (restricted) step rows through LEFT JOINs, so keys outside `keys` drop out
+    there, and the SEMI JOIN cost more than the aggregation (330k collective rows a step at 16k ranks)."""
+    by_range = None if lo is not None and hi is not None else keys  # the live views (no range) keep the SEMI JOIN: it reads little
     return f"""WITH c AS (
             SELECT run_id, step, rank,
                    sum(duration_ns) FILTER (WHERE role NOT LIKE 'p2p%') AS coll_wait_ns,
@@ -72,10 +77,10 @@ def step_ranks_sql(keys: str | None = None, lo: int | None = None, hi: int | Non
                    sum(duration_ns) FILTER (WHERE role LIKE 'p2p%') AS p2p_ns,
                    sum(bytes) FILTER (WHERE role LIKE 'p2p%') AS p2p_bytes,
                    max(bytes / duration_ns) FILTER (WHERE role LIKE 'p2p%' AND duration_ns > 0) AS best_p2p_bytes_per_ns
-            FROM {_rows('collective', keys, lo, hi)} GROUP BY run_id, step, rank
+            FROM {_rows('collective', by_range, lo, hi)} GROUP BY run_id, step, rank
         ), i AS (
             SELECT run_id, step, rank, sum(duration_ns) AS reduce_ns
-            FROM {_rows('pipe_instr', keys, lo, hi)} WHERE instr IN ('ReduceGrads', 'ReduceTiedGrads')
+            FROM {_rows('pipe_instr', by_range, lo, hi)} WHERE instr IN ('ReduceGrads', 'ReduceTiedGrads')
             GROUP BY run_id, step, rank
         ), r AS (
             SELECT run_id, rank, max(stage) AS stage FROM run_start GROUP BY run_id, rank
@@ -110,64 +115,47 @@ _STRAGGLER_JUDGMENT = """SELECT run_id, step, stage, rank, stage_ranks, compute_
               FROM o)"""
 
 
-def stragglers_lists_sql(sr: str = "step_ranks") -> str:
-    """_v5's stragglers SELECT over the step_ranks relation `sr`, as _v5 wrote it: each row carries its
-    stage's sorted values as a list, so a stage of n ranks costs n^2 (at 16,384 ranks in one stage,
-    2 GB and 129 s per step). Kept as the reference `stragglers_sql` must equal (tests)."""
-    return f"""WITH g AS (
-            SELECT run_id, step, stage, rank, compute_ms, wait_ms,
-                   count(*) OVER w AS stage_ranks,
-                   list_sort(list(compute_ms) OVER w) AS cl, list_sort(list(wait_ms) OVER w) AS wl,
-                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY compute_ms) - 1 AS pc,
-                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY wait_ms) - 1 AS pw,
-                   median(compute_ms) OVER w AS mc, median(wait_ms) OVER w AS mw
-            FROM {sr} WINDOW w AS (PARTITION BY run_id, step, stage)
-        ), m AS (
-            SELECT *, median(abs(compute_ms - mc)) OVER w AS madc, median(abs(wait_ms - mw)) OVER w AS madw,
-                   (stage_ranks - 2) // 2 AS ia, (stage_ranks - 1) // 2 AS ib
-            FROM g WINDOW w AS (PARTITION BY run_id, step, stage)
-        ), o AS (
-            SELECT *,
-                   CASE WHEN stage_ranks > 1 THEN (cl[ia + CAST(ia >= pc AS INTEGER) + 1]
-                                                   + cl[ib + CAST(ib >= pc AS INTEGER) + 1]) / 2 END AS others_compute_ms,
-                   CASE WHEN stage_ranks > 1 THEN (wl[ia + CAST(ia >= pw AS INTEGER) + 1]
-                                                   + wl[ib + CAST(ib >= pw AS INTEGER) + 1]) / 2 END AS others_wait_ms
-            FROM m
-        )
-        {_STRAGGLER_JUDGMENT}"""
+def _at_or_before(v: str, x: str) -> str:
+    """Whether value v's first position in its stage's sorted values (NULLs last, as ORDER BY and
+    list_sort put them) is at or before the position holding x: v <= x, a NULL being the largest."""
+    return f"(CASE WHEN {x} IS NULL THEN true WHEN {v} IS NULL THEN false ELSE {v} <= {x} END)"
 
 
 def stragglers_sql(sr: str = "step_ranks") -> str:
-    """The stragglers SELECT over the step_ranks relation `sr` (_v13): `stragglers_lists_sql`'s rows,
-    exactly, in time and memory linear in the ranks. "Others" is the median of the stage without
-    this rank: the values at sorted positions ia and ib of the stage less this rank (at position pc),
-    which are the stage's sorted values at ia or ia + 1 and ib or ib + 1; those four values per
-    stage are window aggregates, not a list per row."""
-    def at(v: str, pos: str) -> str:
-        return ", ".join(f"any_value({v}) FILTER (WHERE {pos} = {j}) OVER w AS {v}_{n}"
-                         for n, j in (("a0", "ia"), ("a1", "ia + 1"), ("b0", "ib"), ("b1", "ib + 1")))
+    """The stragglers SELECT over the step_ranks relation `sr` (_v17): `stragglers_windows_sql`'s rows,
+    exactly, from grouped aggregates joined back instead of four window passes. Per stage: its count,
+    medians and one sorted list of each value (linear: a list per stage, not per row), from which the
+    four sorted values around the median; a rank's "others" median is read at ia or ia + 1 (ib or
+    ib + 1) as its own value is or is not at or before position ia (ib): the windows' row_number
+    position among ties differs, but removing any one of equal values leaves the same values. The
+    MAD is a median over the rows joined with their stage's median, grouped again."""
+    def picks(v: str, lst: str) -> str:
+        return (f"{lst}[(stage_ranks - 2) // 2 + 1] AS {v}_a0, {lst}[(stage_ranks - 2) // 2 + 2] AS {v}_a1, "
+                f"{lst}[(stage_ranks - 1) // 2 + 1] AS {v}_b0, {lst}[(stage_ranks - 1) // 2 + 2] AS {v}_b1")
 
-    def others(v: str, pos: str) -> str:
-        return (f"CASE WHEN stage_ranks > 1 THEN ((CASE WHEN ia >= {pos} THEN {v}_a1 ELSE {v}_a0 END) "
-                f"+ (CASE WHEN ib >= {pos} THEN {v}_b1 ELSE {v}_b0 END)) / 2 END")
+    def others(v: str) -> str:
+        return (f"CASE WHEN q.stage_ranks > 1 THEN ((CASE WHEN {_at_or_before('s.' + v, 'q.' + v + '_a0')} "
+                f"THEN q.{v}_a1 ELSE q.{v}_a0 END) + (CASE WHEN {_at_or_before('s.' + v, 'q.' + v + '_b0')} "
+                f"THEN q.{v}_b1 ELSE q.{v}_b0 END)) / 2 END")
 
-    return f"""WITH g AS (
-            SELECT run_id, step, stage, rank, compute_ms, wait_ms,
-                   count(*) OVER w AS stage_ranks,
-                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY compute_ms) - 1 AS pc,
-                   row_number() OVER (PARTITION BY run_id, step, stage ORDER BY wait_ms) - 1 AS pw,
-                   median(compute_ms) OVER w AS mc, median(wait_ms) OVER w AS mw
-            FROM {sr} WINDOW w AS (PARTITION BY run_id, step, stage)
-        ), m AS (
-            SELECT *, median(abs(compute_ms - mc)) OVER w AS madc, median(abs(wait_ms - mw)) OVER w AS madw,
-                   (stage_ranks - 2) // 2 AS ia, (stage_ranks - 1) // 2 AS ib
-            FROM g WINDOW w AS (PARTITION BY run_id, step, stage)
-        ), k AS (
-            SELECT *, {at('compute_ms', 'pc')}, {at('wait_ms', 'pw')}
-            FROM m WINDOW w AS (PARTITION BY run_id, step, stage)
+    def same(a: str, b: str) -> str:  # the windows' partitions: NULL keys are one partition
+        return " AND ".join(f"{a}.{c} IS NOT DISTINCT FROM {b}.{c}" for c in ("run_id", "step", "stage"))
+
+    return f"""WITH l AS (
+            SELECT run_id, step, stage, count(*) AS stage_ranks, median(compute_ms) AS mc, median(wait_ms) AS mw,
+                   list_sort(list(compute_ms)) AS cl, list_sort(list(wait_ms)) AS wl
+            FROM {sr} GROUP BY run_id, step, stage
+        ), q AS (
+            SELECT run_id, step, stage, stage_ranks, mc, mw, {picks('compute_ms', 'cl')}, {picks('wait_ms', 'wl')} FROM l
+        ), j AS (
+            SELECT s.run_id, s.step, s.stage, s.rank, q.stage_ranks, s.compute_ms, s.wait_ms, q.mc, q.mw,
+                   {others('compute_ms')} AS others_compute_ms, {others('wait_ms')} AS others_wait_ms
+            FROM {sr} s JOIN q ON {same('q', 's')}
+        ), d AS (
+            SELECT run_id, step, stage, median(abs(compute_ms - mc)) AS madc, median(abs(wait_ms - mw)) AS madw
+            FROM j GROUP BY run_id, step, stage
         ), o AS (
-            SELECT *, {others('compute_ms', 'pc')} AS others_compute_ms, {others('wait_ms', 'pw')} AS others_wait_ms
-            FROM k
+            SELECT j.*, d.madc, d.madw FROM j JOIN d ON {same('d', 'j')}
         )
         {_STRAGGLER_JUDGMENT}"""
 
@@ -281,8 +269,11 @@ def _marks(con) -> dict[str, tuple[int, int]]:
     old = dict(con.execute("SELECT table_name, rows_upto FROM views_state").fetchall())
     out = {}
     for t in INPUTS:
-        new = con.execute(f"SELECT coalesce(max(rowid) + 1, 0) FROM {t}").fetchone()[0]
-        out[t] = (int(old.get(t, 0)), int(new))
+        # from the mark on only: the rowid filter skips the row groups below it (max(rowid) over the
+        # whole table read all of them: 10 ms a roll per 10^7 rows, growing with the file)
+        mark = int(old.get(t, 0))
+        new = con.execute(f"SELECT coalesce(max(rowid) + 1, {mark}) FROM {t} WHERE rowid >= {mark}").fetchone()[0]
+        out[t] = (mark, int(new))
     return out
 
 
@@ -304,13 +295,26 @@ def advance_in(con, *, final: bool = False) -> int:
     tails.append("SELECT run_id, step FROM views_pending")
     con.execute(f"CREATE OR REPLACE TEMP TABLE _tt_touched AS SELECT DISTINCT run_id, step FROM "
                 f"({' UNION ALL '.join(tails)}) WHERE step >= 0")
-    if final:
+    lo, hi = con.execute("SELECT min(step), max(step) FROM _tt_touched").fetchone()
+    # a run without run_start rows whose only touched step is its newest has nothing complete (no later
+    # step, nothing SETTLE_STEPS later): when every touched run is one, the test below is skipped (two of
+    # the three rolls a step at 16k ranks, while the step's rows come in)
+    waiting = lo is not None and not final and con.execute(
+        "SELECT count(*) = 0 FROM (SELECT run_id FROM _tt_touched GROUP BY run_id "
+        "HAVING count(*) > 1 OR run_id IN (SELECT run_id FROM run_start))").fetchone()[0]
+    if waiting:
+        con.execute("CREATE OR REPLACE TEMP TABLE _tt_done AS SELECT * FROM _tt_touched LIMIT 0")
+    elif final or lo is None:  # (nothing touched: a roll reads no more; the steps' scans below had no bound)
         con.execute("CREATE OR REPLACE TEMP TABLE _tt_done AS SELECT * FROM _tt_touched")
     else:
-        # complete: each of the run's started ranks has its step row (a run with no run_start rows:
-        # every step with a step row), or the run has rows SETTLE_STEPS steps later
-        lo, hi = con.execute("SELECT min(step), max(step) FROM _tt_touched").fetchone()
-        rng = f"AND s.step BETWEEN {int(lo)} AND {int(hi)}" if lo is not None else ""
+        # complete: each of the run's started ranks has its step row, or the run has rows SETTLE_STEPS
+        # steps later. A run with no run_start rows does not say its ranks: its step is complete once it
+        # has as many ranks' step rows as its recently materialized steps had (grad_sync_m.ranks, its
+        # step rows a step) and the run has rows of a later step. Taking such a step as soon as it had a
+        # step row materialized it again at every roll while its ranks' rows came in (3-7 times a step
+        # at 16k ranks, the more the further the collector was behind)
+        rng = f"AND s.step BETWEEN {int(lo)} AND {int(hi)}"
+        seen = f"AND step BETWEEN {int(lo) - SETTLE_STEPS} AND {int(hi)}"
         con.execute(f"""CREATE OR REPLACE TEMP TABLE _tt_done AS
             WITH n AS (SELECT s.run_id, s.step, count(DISTINCT s.rank) AS ranks FROM step s
                        WHERE EXISTS (SELECT 1 FROM _tt_touched t WHERE t.run_id = s.run_id AND t.step = s.step) {rng}
@@ -318,19 +322,28 @@ def advance_in(con, *, final: bool = False) -> int:
                               OR EXISTS (SELECT 1 FROM run_start r WHERE r.run_id = s.run_id AND r.rank = s.rank))
                        GROUP BY ALL),
                  r AS (SELECT run_id, count(DISTINCT rank) AS started FROM run_start GROUP BY run_id),
-                 newest AS (SELECT run_id, max(step) AS step FROM _tt_touched GROUP BY run_id)
+                 newest AS (SELECT run_id, max(step) AS step FROM _tt_touched GROUP BY run_id),
+                 seen AS (SELECT run_id, max(ranks) AS ranks FROM grad_sync_m
+                          WHERE run_id IN (SELECT run_id FROM newest) {seen} GROUP BY run_id)
             SELECT t.run_id, t.step FROM _tt_touched t
             LEFT JOIN n ON n.run_id = t.run_id AND n.step = t.step
             LEFT JOIN r ON r.run_id = t.run_id
             LEFT JOIN newest ON newest.run_id = t.run_id
-            WHERE n.ranks >= coalesce(r.started, 0) OR t.step + {SETTLE_STEPS} <= newest.step""")
+            LEFT JOIN seen ON seen.run_id = t.run_id
+            WHERE n.ranks >= r.started
+               OR (r.started IS NULL AND n.ranks >= coalesce(seen.ranks, 1) AND t.step < newest.step)
+               OR t.step + {SETTLE_STEPS} <= newest.step""")
     steps = [s for (s,) in con.execute("SELECT DISTINCT step FROM _tt_done ORDER BY 1").fetchall()]
     if steps:
         per_step = con.execute("SELECT coalesce(max(ranks_started), 1) FROM runs").fetchone()[0]
         runs = con.execute("SELECT count(DISTINCT run_id) FROM _tt_done").fetchone()[0]
         for lo, hi in _chunks(steps, int(per_step) * int(runs)):
             keys = f"(SELECT * FROM _tt_done WHERE step BETWEEN {lo} AND {hi})"
-            for v in VIEWS:
+            # a step materialized before has step_ranks_m rows (every view's rows come from them): when
+            # none of these steps has, there is nothing to delete (six statements less a roll)
+            again = con.execute(f"SELECT count(*) FROM (SELECT 1 FROM step_ranks_m WHERE step BETWEEN {lo} AND {hi} "
+                                "LIMIT 1)").fetchone()[0]
+            for v in VIEWS if again else ():
                 con.execute(f"DELETE FROM {v}_m m WHERE m.step BETWEEN {lo} AND {hi} AND EXISTS "
                             f"(SELECT 1 FROM {keys} k WHERE k.run_id = m.run_id AND k.step = m.step)")
             con.execute(f"CREATE OR REPLACE TEMP TABLE _tt_sr AS {step_ranks_sql(keys, lo, hi)}")
@@ -341,8 +354,9 @@ def advance_in(con, *, final: bool = False) -> int:
     con.execute("DELETE FROM views_pending")
     con.execute("INSERT INTO views_pending SELECT run_id, step FROM _tt_touched t WHERE NOT EXISTS "
                 "(SELECT 1 FROM _tt_done d WHERE d.run_id = t.run_id AND d.step = t.step)")
-    for t, (_, new) in marks.items():
-        con.execute("INSERT OR REPLACE INTO views_state VALUES (?, ?)", [t, new])
+    moved = [f"('{t}', {int(new)})" for t, (old, new) in marks.items() if new != old]
+    if moved:  # one statement (one upsert a table cost ~2 ms each)
+        con.execute(f"INSERT OR REPLACE INTO views_state VALUES {', '.join(moved)}")
     con.execute("DROP TABLE _tt_touched")
     con.execute("DROP TABLE _tt_done")
     return len(steps)

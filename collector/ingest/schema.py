@@ -535,10 +535,21 @@ def _v16() -> list[str]:
     ]
 
 
+def _v17() -> list[str]:
+    """The views' roll at 16k ranks (issue 28): stragglers and lost_time computed from grouped
+    aggregates joined back instead of window passes over (run, step[, stage]) (matviews.stragglers_sql,
+    collector/query/lost_sql.py's text; the same rows, held equal to the _v13 and _v10 texts in tests).
+    Their text is stored in the file, so the two views are created again; their `_m` tables keep
+    their rows (the same columns, the same values)."""
+    from collector.ingest import matviews
+
+    return [matviews.view_sql(v) for v in ("stragglers", "lost_time")]
+
+
 #: MIGRATIONS[i] takes a file from schema version i to i + 1. Append only; never edit a shipped one.
 #: _v7 (post's rank_step) and _v6 (the closed loop's actions) were written beside _v5 and merged after it,
 #: in that order; the function names are their branches', the list's order is the files' versions.
-MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16]
+MIGRATIONS: list[Callable[[], list[str]]] = [_v1, _v2, _v3, _v4, _v5, _v7, _v6, _v8, _v9, _v10, _v11, _v12, _v13, _v14, _v15, _v16, _v17]
 STORE_VERSION = len(MIGRATIONS)
 
 

@@ -28,7 +28,88 @@ from __future__ import annotations
 
 DEFAULT_COMM_BASELINE_SHARE = 0.30  # collector/live/lost.py has the same default (a test holds them equal)
 
+# schema 17's text (materialized by collector/ingest/matviews.py, run bounded by the TUI and the report):
+# _SQL_V10's rows, exactly, with its window passes over (run, step[, stage]) replaced by grouped
+# aggregates joined back (56 -> ~40 ms CPU a step at 16,384 ranks): the stage's others' median from one
+# sorted list a stage (a rank's value at or before a position: <= the value there, NULLs last, which
+# among ties picks another row than row_number did but leaves the same values), and the pacer, the
+# lowest rank of those latest by their own doing, as the max of (own_late_ms, -rank)
 _SQL = """
+WITH k AS (SELECT run_id, step, rank, any_value(stage) AS stage, any_value(p2p_ms) AS p2p_ms,
+                  any_value(p2p_bytes) AS p2p_bytes, any_value(best_p2p_bytes_per_ns) AS best_p2p_bytes_per_ns
+           FROM {sr} GROUP BY run_id, step, rank),
+-- one step row per (run, step, rank): the one that ended last (a step re-run after a restart from a
+-- checkpoint; the others' figures are not mixed in, and repeats cost linear time, not their cube)
+s AS (SELECT run_id, step, rank, data_wait_ns, start_ns + duration_ns AS end_ns, micro_batches,
+             duration_ns / 1e6 AS step_ms, compute_ns / 1e6 AS compute_ms, (forward_ns + backward_ns) / 1e6 AS fwd_bwd_ms,
+             comm_exposed_ns / 1e6 AS comm_exposed_ms
+      FROM {step}
+      QUALIFY row_number() OVER (PARTITION BY run_id, step, rank
+                                 ORDER BY start_ns + duration_ns DESC, duration_ns DESC, compute_ns DESC,
+                                          forward_ns + backward_ns DESC, comm_exposed_ns DESC, data_wait_ns DESC,
+                                          micro_batches DESC) = 1),
+sr AS (SELECT k.*, s.* EXCLUDE (run_id, step, rank) FROM k JOIN s ON s.run_id = k.run_id AND s.step = k.step AND s.rank = k.rank),
+-- the median compute of each rank's stage's *other* ranks (the stragglers view's others_compute_ms):
+-- the stage's sorted values at the 4 positions around its median, from one sorted list a stage; a
+-- rank's own value is at or before position x when it is <= the value there (NULLs last)
+q AS (SELECT run_id, step, stage, n, cl[(n - 2) // 2 + 1] AS va, cl[(n - 2) // 2 + 2] AS va1,
+             cl[(n - 1) // 2 + 1] AS vb, cl[(n - 1) // 2 + 2] AS vb1
+      FROM (SELECT run_id, step, stage, count(*) AS n, list_sort(list(compute_ms)) AS cl FROM sr GROUP BY run_id, step, stage)),
+-- per step: what the windows over (run, step) gave, as one grouped aggregate joined back
+w AS (SELECT run_id, step, max(micro_batches) AS micro_batches, max(best_p2p_bytes_per_ns) AS best, count(*) AS n
+      FROM sr GROUP BY run_id, step),
+r AS (SELECT run_id, max(pp) AS pp, max(micro_batches) AS micro_batches, max(world_size) AS world_size
+      FROM run_start {runs} GROUP BY run_id),
+h AS (SELECT run_id, rank, any_value(hostname) AS node FROM run_start {runs} GROUP BY run_id, rank),
+a AS (
+    SELECT sr.run_id, sr.step, sr.rank, sr.stage, h.node, sr.step_ms, sr.fwd_bwd_ms, sr.p2p_ms, sr.p2p_bytes,
+           sr.comm_exposed_ms, sr.end_ns,
+           greatest(sr.compute_ms - coalesce(
+               CASE WHEN q.n > 1 THEN ((CASE WHEN (CASE WHEN q.va IS NULL THEN true WHEN sr.compute_ms IS NULL THEN false ELSE sr.compute_ms <= q.va END) THEN q.va1 ELSE q.va END)
+                                       + (CASE WHEN (CASE WHEN q.vb IS NULL THEN true WHEN sr.compute_ms IS NULL THEN false ELSE sr.compute_ms <= q.vb END) THEN q.vb1 ELSE q.vb END)) / 2 END,
+               sr.compute_ms), 0) AS excess_ms,
+           greatest(coalesce(sr.data_wait_ns, 0) / 1e6, 0) AS data_wait_ms,
+           coalesce(r.pp, 1) AS pp,
+           coalesce(nullif(greatest(w.micro_batches, 0), 0), r.micro_batches, 0) AS m,
+           w.best AS best,
+           greatest(coalesce(r.world_size, 0), w.n) AS gpus
+    FROM sr
+    JOIN w ON w.run_id = sr.run_id AND w.step = sr.step
+    LEFT JOIN q ON q.run_id = sr.run_id AND q.step = sr.step AND q.stage = sr.stage
+    LEFT JOIN r ON r.run_id = sr.run_id
+    LEFT JOIN h ON h.run_id = sr.run_id AND h.rank = sr.rank
+), b AS (
+    SELECT *, excess_ms + data_wait_ms AS own_late_ms,
+           CASE WHEN best > 0 THEN least(p2p_bytes / (best * 1e6), p2p_ms) ELSE 0 END AS transfer_ms,
+           CASE WHEN pp > 1 AND m > 0 THEN fwd_bwd_ms * ((pp - 1) / m) ELSE 0 END AS ideal_wait_ms
+    FROM a
+), p AS (
+    -- the pacer: the rank latest by its own doing, the lowest rank of a tie (own_late_ms is never NULL)
+    SELECT run_id, step, max(own_late_ms) AS late_ms, median(step_ms) AS step_ms_p50,
+           -max({{'l': own_late_ms, 'r': -CAST(rank AS BIGINT)}}).r AS pacer
+    FROM b GROUP BY run_id, step
+), c AS (
+    SELECT b.*, p.late_ms, p.step_ms_p50, p.pacer FROM b JOIN p ON p.run_id = b.run_id AND p.step = b.step
+), d AS (
+    SELECT *, late_ms - own_late_ms AS victim_ms, greatest(p2p_ms - transfer_ms - ideal_wait_ms, 0) AS pipe_excess_ms,
+           greatest(step_ms_p50 - late_ms, 0) AS what_if_step_ms, (rank = pacer AND late_ms > 0) AS is_pacer
+    FROM c
+), e AS (
+    SELECT *,
+           CASE WHEN is_pacer THEN excess_ms * gpus ELSE 0 END AS straggler_gpu_ms,
+           CASE WHEN is_pacer THEN data_wait_ms * gpus ELSE 0 END AS data_gpu_ms,
+           greatest(pipe_excess_ms - victim_ms, 0) AS pipeline_gpu_ms,
+           greatest(greatest(greatest(comm_exposed_ms - p2p_ms, 0) - {baseline} * what_if_step_ms, 0)
+                    - greatest(victim_ms - pipe_excess_ms, 0), 0) AS comm_gpu_ms
+    FROM d
+)
+SELECT run_id, step, rank, stage, node, gpus, end_ns, step_ms, step_ms_p50, late_ms, what_if_step_ms, is_pacer,
+       excess_ms, data_wait_ms, straggler_gpu_ms, data_gpu_ms, pipeline_gpu_ms, comm_gpu_ms,
+       straggler_gpu_ms + data_gpu_ms + pipeline_gpu_ms + comm_gpu_ms AS lost_gpu_ms
+FROM e"""
+
+# schema 10's text (_v10 .. _v16; the reference _SQL is held equal to in tests)
+_SQL_V10 = """
 WITH k AS (SELECT run_id, step, rank, any_value(stage) AS stage, any_value(p2p_ms) AS p2p_ms,
                   any_value(p2p_bytes) AS p2p_bytes, any_value(best_p2p_bytes_per_ns) AS best_p2p_bytes_per_ns
            FROM {sr} GROUP BY run_id, step, rank),
@@ -187,6 +268,11 @@ def lost_time_over(sr: str, step: str, *, runs: str = "",
     if not 0.0 <= b <= 1.0:
         raise ValueError(f"comm_baseline_share {comm_baseline_share!r} must lie in 0..1")
     return _SQL.format(sr=sr, step=step, runs=runs, baseline=repr(b)).strip()
+
+
+def lost_time_over_v10(sr: str, step: str) -> str:
+    """Schema 10's text (built-in baseline) over `sr` and `step`: the reference `lost_time_over` equals."""
+    return _SQL_V10.format(sr=sr, step=step, runs="", baseline=repr(DEFAULT_COMM_BASELINE_SHARE)).strip()
 
 
 def lost_time_sql_v8() -> str:

@@ -58,7 +58,7 @@ FORMAT = "1"
 #: The newest collector file schema (collector/ingest/schema.py STORE_VERSION) this SQL was written
 #: against; a file of a newer schema is refused by the TUI. tests/tui/test_sources.py holds the two
 #: equal, so a migration makes whoever adds it look here.
-MAX_STORE_VERSION = 16
+MAX_STORE_VERSION = 17
 #: Steps before the snapshot's step that its per-step sections cover.
 DEFAULT_WINDOW_STEPS = 30
 #: Steps the collectives section covers (the heaviest: every call of every rank).

@@ -16,10 +16,10 @@ import duckdb
 import numpy as np
 import pytest
 
-from collector.ingest import matviews, rollup
+from collector.ingest import matviews, matviews_ref, rollup
 from collector.ingest.schema import MIGRATIONS, open_store
 from collector.ingest.writer import QueuedBatch, StreamReplies, Writer, batch_to_arrow
-from collector.query.lost_sql import lost_time_sql, lost_time_sql_v8
+from collector.query.lost_sql import lost_time_over, lost_time_over_v10, lost_time_sql_v8
 from collector.query.multifile import connect_many
 from tests.support import ROOT
 from tracetop.events import SCHEMAS, Kind, table_name
@@ -31,14 +31,15 @@ KEYS = {"step_ranks": 3, "stragglers": 4, "grad_sync": 2, "bubble_budget": 3, "s
 
 def original_db() -> duckdb.DuckDBPyConnection:
     """An empty in-memory database at schema 9 (the views' original definitions over the raw rows),
-    its lost_time being collector/query/lost_sql.py's text (schema 8's text, frozen in _v8, crossed every
-    repeat of a (run, step, rank) step row with every other)."""
+    its lost_time being collector/query/lost_sql.py's schema-10 text (schema 8's text, frozen in _v8,
+    crossed every repeat of a (run, step, rank) step row with every other)."""
     ref = duckdb.connect(":memory:")
     ref.execute("CREATE TABLE schema_meta (version INTEGER NOT NULL, applied_ns BIGINT NOT NULL)")
     for mig in MIGRATIONS[:9]:
         for stmt in mig():
             ref.execute(stmt)
-    ref.execute(f"CREATE OR REPLACE VIEW lost_time AS {lost_time_sql()}")
+    # schema 10's text, not the current one (_v17's grouped rewrite): the current text must equal it
+    ref.execute(f"CREATE OR REPLACE VIEW lost_time AS {lost_time_over_v10('(SELECT * FROM step_ranks)', '(SELECT * FROM step)')}")
     return ref
 
 
@@ -377,7 +378,151 @@ def test_stragglers_in_linear_time_gives_the_list_sqls_rows_with_ties_and_nulls(
         CASE WHEN i < 600 THEN 9 ELSE (i % 5) END AS stage, i AS rank,
         CASE WHEN random() < 0.1 THEN NULL WHEN i % 97 = 0 THEN 900.0 ELSE round(random() * 5) * 20 END AS compute_ms,
         CASE WHEN random() < 0.1 THEN NULL ELSE round(random() * 4) END AS wait_ms FROM range(6000) t(i)""")
-    new, old = matviews.stragglers_sql("sr"), matviews.stragglers_lists_sql("sr")
-    assert con.execute(f"SELECT count(*) FROM ({new}) WHERE is_straggler").fetchone()[0] > 0
-    for a, b in ((new, old), (old, new)):
+    windows, old = matviews_ref.stragglers_windows_sql("sr"), matviews_ref.stragglers_lists_sql("sr")
+    assert con.execute(f"SELECT count(*) FROM ({windows}) WHERE is_straggler").fetchone()[0] > 0
+    for a, b in ((windows, old), (old, windows)):
         assert con.execute(f"SELECT count(*) FROM (SELECT * FROM ({a}) EXCEPT ALL SELECT * FROM ({b}))").fetchone()[0] == 0
+
+
+def test_stragglers_grouped_gives_the_window_sqls_rows_with_ties_nulls_and_nans() -> None:
+    """_v17's stragglers SQL (grouped aggregates joined back) against _v13's window SQL and _v5's list SQL:
+    stages of 1 to 9 ranks and one of 600, tied, NULL and NaN times, a NULL stage; same columns and types."""
+    con = duckdb.connect(":memory:")
+    con.execute("SELECT setseed(0.5)")
+    con.execute("""CREATE TABLE sr AS SELECT 'r' || (i % 2) AS run_id, (i // 17) % 40 AS step,
+        CASE WHEN i < 600 THEN 9 ELSE nullif(i % 5, 4) END AS stage, i AS rank,
+        CASE WHEN random() < 0.1 THEN NULL WHEN i % 97 = 0 THEN 900.0 WHEN i % 89 = 0 THEN 'nan'::DOUBLE
+             ELSE round(random() * 5) * 20 END AS compute_ms,
+        CASE WHEN random() < 0.1 THEN NULL ELSE round(random() * 4) END AS wait_ms FROM range(6000) t(i)""")
+    new = matviews.stragglers_sql("sr")
+    assert con.execute(f"DESCRIBE {new}").fetchall() == con.execute(f"DESCRIBE {matviews_ref.stragglers_windows_sql('sr')}").fetchall()
+    assert con.execute(f"SELECT count(*) FROM ({new}) WHERE is_straggler").fetchone()[0] > 0
+    assert con.execute(f"SELECT count(*) FROM ({new}) WHERE stage IS NULL AND others_compute_ms IS NOT NULL").fetchone()[0] > 0
+    for ref in (matviews_ref.stragglers_windows_sql("sr"), matviews_ref.stragglers_lists_sql("sr")):
+        for a, b in ((new, ref), (ref, new)):
+            assert con.execute(f"SELECT count(*) FROM (SELECT * FROM ({a}) EXCEPT ALL SELECT * FROM ({b}))").fetchone()[0] == 0
+    # the planted error: one rank's wait changed in the relation only the new SQL reads
+    con.execute("CREATE TABLE sr2 AS SELECT * REPLACE (CASE WHEN rank = 700 THEN wait_ms + 1 ELSE wait_ms END AS wait_ms) FROM sr")
+    assert con.execute(f"SELECT count(*) FROM (SELECT * FROM ({matviews.stragglers_sql('sr2')}) "
+                       f"EXCEPT ALL SELECT * FROM ({matviews_ref.stragglers_windows_sql('sr')}))").fetchone()[0] > 0
+
+
+def _lost_rows(tmp_path):
+    """A file with two runs: 'run-p' (run_start rows: 3 stages of 5 ranks, one rank without a
+    run_start row, tied and NULL compute, a slow rank, repeated step rows of one step, p2p) and
+    'run-q' (no run_start rows); every view materialized."""
+    con = open_store(str(tmp_path / "lost.duckdb"))
+    con.execute("INSERT INTO run_start (run_id, rank, step, stage, world_size, pp, dp, micro_batches, hostname) "
+                "SELECT 'run-p', i, -1, i % 3, 16, 3, 5, 4, 'n' || (i // 4) FROM range(15) r(i)").fetchall()
+    con.execute("INSERT INTO step (run_id, rank, step, start_ns, duration_ns, compute_ns, forward_ns, backward_ns, "
+                "comm_exposed_ns, data_wait_ns, micro_batches, tokens) "
+                "SELECT run, r, s, s * 10000000000 + r * 1000 + a * 7, 60000000 + ((r * 7 + s) % 4) * 1000000 + a, "
+                "CASE WHEN (r + s) % 11 = 0 THEN NULL WHEN r = 4 AND s = 3 THEN 90000000 "
+                "     ELSE 30000000 + ((r * 3 + s) % 3) * 2000000 END, "
+                "5000000, 6000000, ((r + a) % 5) * 1000000, ((r + s) % 3) * 2000000, 4, 4096 "
+                "FROM (SELECT 'run-p' AS run, r FROM range(16) t(r) UNION ALL SELECT 'run-q', r FROM range(5) t(r)), "
+                "range(6) u(s), range(3) v(a) WHERE a = 0 OR (s = 2 AND r % 4 = 1)").fetchall()
+    con.execute("INSERT INTO collective (run_id, rank, step, start_ns, duration_ns, op, role, group_size, bytes) "
+                "SELECT 'run-p', i % 16, (i // 16) % 6, i, 10000 + (i * 37) % 5000000, "
+                "CASE WHEN i % 3 = 0 THEN 'all_reduce' ELSE 'send' END, CASE WHEN i % 3 = 0 THEN 'dp' ELSE 'p2p:pp' END, "
+                "2, 1048576 * (1 + i % 4) FROM range(16 * 6 * 4) r(i)").fetchall()
+    matviews.advance(con, final=True)
+    return con
+
+
+def test_lost_time_grouped_gives_the_schema_10_rows_with_ties_nulls_and_repeats(tmp_path) -> None:
+    """lost_sql's _v17 text (grouped aggregates, no window passes) against its schema-10 text over the
+    same rows: two runs, stages, tied and NULL compute, repeated step rows, p2p; same columns and
+    types, a pacer and lost time in them; a planted error fails."""
+    con = _lost_rows(tmp_path)
+    try:
+        sr, step = f"({matviews.step_ranks_sql()})", "(SELECT * FROM step WHERE step >= 0)"
+        new, old = lost_time_over(sr, step), lost_time_over_v10(sr, step)
+        assert con.execute(f"DESCRIBE {new}").fetchall() == con.execute(f"DESCRIBE {old}").fetchall()
+        for a, b in ((new, old), (old, new)):
+            assert con.execute(f"SELECT count(*) FROM (SELECT * FROM ({a}) EXCEPT ALL SELECT * FROM ({b}))").fetchone()[0] == 0
+        n, pacers, lost, runs = con.execute(f"SELECT count(*), count(*) FILTER (WHERE is_pacer), "
+                                            f"count(*) FILTER (WHERE lost_gpu_ms > 0), count(DISTINCT run_id) FROM ({new})").fetchone()
+        assert n == 6 * 21 and pacers > 0 and lost > 0 and runs == 2
+        planted = lost_time_over(sr, "(SELECT * REPLACE (CASE WHEN rank = 4 AND step = 3 THEN compute_ns + 1 "
+                                     "ELSE compute_ns END AS compute_ns) FROM step WHERE step >= 0)")
+        assert con.execute(f"SELECT count(*) FROM (SELECT * FROM ({planted}) EXCEPT ALL SELECT * FROM ({old}))").fetchone()[0] > 0
+        check_views(con, reference(con))  # the materialized rows, from the grouped text, against schema 10's
+    finally:
+        con.close()
+
+
+def test_a_schema_16_file_gets_the_grouped_views_and_the_same_rows(tmp_path, monkeypatch) -> None:
+    """A file written at schema 16 (its stragglers and lost_time views the window texts, its steps
+    materialized by them) opened by this version: _v17 creates the two views again from the grouped
+    texts, the _m rows stay, and every view equals the original SQL, before and after a roll."""
+    old_lost = lambda sr, keys=None, lo=None, hi=None: lost_time_over_v10(sr, matviews._rows("step", keys, lo, hi))  # noqa: E731
+    monkeypatch.setitem(matviews.DERIVED, "stragglers", matviews_ref.stragglers_windows_sql)
+    monkeypatch.setitem(matviews.WITH_STEP, "lost_time", old_lost)
+    monkeypatch.setattr("collector.ingest.schema.MIGRATIONS", MIGRATIONS[:16])
+    monkeypatch.setattr("collector.ingest.schema.STORE_VERSION", 16)
+    con = _lost_rows(tmp_path)
+    path = con.execute("SELECT path FROM duckdb_databases() WHERE database_name = current_database()").fetchone()[0]
+    con.execute("INSERT INTO step (run_id, rank, step, start_ns, duration_ns, compute_ns, comm_exposed_ns, tokens) "
+                "SELECT 'run-p', i, 6, i, 1000000, 500000 + i, 0, 1 FROM range(16) t(i)").fetchall()  # a live step
+    texts = dict(con.execute("SELECT view_name, sql FROM duckdb_views() WHERE view_name IN ('stragglers', 'lost_time')").fetchall())
+    assert con.execute("SELECT max(version) FROM schema_meta").fetchone()[0] == 16
+    con.close()
+    monkeypatch.undo()
+    con = open_store(path)
+    try:
+        assert con.execute("SELECT max(version) FROM schema_meta").fetchone()[0] == len(MIGRATIONS) == 17
+        now = dict(con.execute("SELECT view_name, sql FROM duckdb_views() WHERE view_name IN ('stragglers', 'lost_time')").fetchall())
+        assert all(now[v] != texts[v] and "list_sort(list(compute_ms))" in now[v] for v in now) and len(now) == 2
+        assert matviews.pending_rows(con) > 0
+        check_views(con, reference(con))
+        matviews.advance(con, final=True)
+        check_views(con, reference(con))
+    finally:
+        con.close()
+
+
+def _rank_step_rows(con, run: str, step: int, ranks) -> None:
+    """Step rows and two collectives a rank for `ranks` of `step` (values vary by rank and step)."""
+    for r in ranks:
+        con.execute("INSERT INTO step (run_id, rank, step, start_ns, duration_ns, compute_ns, comm_exposed_ns, tokens) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, 100)",
+                    [run, r, step, step * 10**9 + r, 10**6 + 997 * r + 31 * step, 5 * 10**5 + 13 * r * step, 7 * r]).fetchall()
+        con.execute("INSERT INTO collective (run_id, rank, step, start_ns, duration_ns, op, role, group_size, bytes) "
+                    "SELECT ?, ?, ?, i, 10000 + i * 37 + ?, 'all_reduce', 'dp', 4, 4096 FROM range(2) t(i)",
+                    [run, r, step, r * step]).fetchall()
+
+
+def test_a_run_without_run_start_rows_materializes_a_step_once_its_ranks_are_in(tmp_path) -> None:
+    """A run with no run_start rows does not say how many ranks it has: a step is taken once the run
+    has rows of a later step and the step has as many ranks' step rows as the run's recently
+    materialized steps (not as soon as it has one, which materialized it again at every roll while its
+    ranks' rows came in). The views equal the original SQL at every point."""
+    con = open_store(str(tmp_path / "n.duckdb"))
+    try:
+        def materialized() -> dict[int, int]:
+            return dict(con.execute("SELECT step, count(*) FROM step_ranks_m GROUP BY step").fetchall())
+
+        _rank_step_rows(con, "run-n", 0, [0, 1])
+        matviews.advance(con)
+        assert materialized() == {} and matviews.pending_rows(con) == 1  # step 0: no later step yet
+        check_views(con, reference(con))
+        _rank_step_rows(con, "run-n", 0, [2, 3])
+        _rank_step_rows(con, "run-n", 1, [0, 1, 2, 3])
+        matviews.advance(con)
+        assert materialized() == {0: 4}  # step 1 is the newest: pending
+        _rank_step_rows(con, "run-n", 2, [0, 1])  # ranks 2 and 3 late
+        _rank_step_rows(con, "run-n", 3, [0, 1, 2, 3])
+        matviews.advance(con)
+        assert materialized() == {0: 4, 1: 4}  # step 2 has 2 of the 4 ranks step 0 had: pending
+        assert sorted(s for (s,) in con.execute("SELECT step FROM views_pending").fetchall()) == [2, 3]
+        check_views(con, reference(con))
+        _rank_step_rows(con, "run-n", 2, [2, 3])
+        matviews.advance(con)
+        assert materialized() == {0: 4, 1: 4, 2: 4}
+        check_views(con, reference(con))
+        matviews.advance(con, final=True)  # a writer closing: everything, complete or not
+        assert materialized() == {0: 4, 1: 4, 2: 4, 3: 4} and matviews.pending_rows(con) == 0
+        check_views(con, reference(con))
+    finally:
+        con.close()
