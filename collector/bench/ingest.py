@@ -274,14 +274,33 @@ def _split_setting(setting: str) -> tuple[tuple[str, ...], dict[str, str]]:
     return tuple(flags), env
 
 
+#: the tree this bench runs from (the folder holding `collector/`)
+OWN_TREE = str(Path(__file__).resolve().parents[2])
+
+
+def side_env(env: dict[str, str]) -> dict[str, str]:
+    """One side's environment words, with PYTHONPATH always set: the side's own, else this bench's tree
+    first. The children run `python -m ...` in the work dir (see `_one`): run in a checkout, `-m` puts
+    the current directory first on sys.path, ahead of PYTHONPATH, and B ran A's tree (the A/Bs of
+    other trees before this fix compared a tree with itself)."""
+    if "PYTHONPATH" in env:
+        return env
+    rest = os.environ.get("PYTHONPATH", "")
+    return {**env, "PYTHONPATH": OWN_TREE + (os.pathsep + rest if rest else "")}
+
+
 def _one(args: argparse.Namespace, workdir: Path, flags: tuple[str, ...], env: dict[str, str]) -> dict:
+    env, workdir = side_env(env), workdir.resolve()
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the collector process inherits it
+    os.environ.update(env)  # the collector and source processes inherit it
+    cwd = os.getcwd()
+    os.chdir(workdir)  # ... and this directory, which holds no package to shadow PYTHONPATH's
     try:
         if args.mix == "realistic":
             return ingest_mix(args.ranks, args.step_s, args.duration_s, args.sources, workdir, args.listen, flags)
         return ingest(args.sources, args.events, workdir, args.listen, flags)
     finally:
+        os.chdir(cwd)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
