@@ -114,8 +114,8 @@ class MemoryBudget:
     inbox_rows: int       # the live engine's inbox (committed batches waiting for judgment)
     #: DuckDB's checkpoint_threshold: committed rows live in memory, uncompressed, until the WAL
     #: reaches it. Each checkpoint re-compresses every table's last (partial) row group, so at
-    #: DuckDB's 16 MB the writer's small group commits cost 1.7 CPU-s per million STEP rows, at
-    #: 64 MB 1.05 (docs/benchmarks.md, "the writer's checkpoints"); a quarter of DuckDB's share.
+    #: DuckDB's 16 MB the writer's 16k-row commits cost 2.0 CPU-s per million STEP rows, at 64 MB
+    #: 1.4 (`python -m collector.bench.writer`, docs/benchmarks.md); a quarter of DuckDB's share.
     checkpoint_mb: int = 16
 
 
@@ -133,8 +133,12 @@ def memory_budget(config: CollectorConfig) -> MemoryBudget:
 
 def duckdb_settings(budget: MemoryBudget) -> dict[str, str | int]:
     """DuckDB's settings for the collector's file, beyond its memory limit. (DuckDB's threads stay
-    at one per core: at 1 the rows bench's CPU per row was the same, its rate far lower.)"""
-    return {"checkpoint_threshold": f"{budget.checkpoint_mb}MB"}
+    at one per core: at 1 the rows bench's CPU per row was the same, its rate far lower.)
+    TRACETOP_CHECKPOINT_MB overrides the checkpoint threshold (for A/B runs: `bench ingest --ab`)."""
+    import os
+
+    mb = int(os.environ.get("TRACETOP_CHECKPOINT_MB") or budget.checkpoint_mb)
+    return {"checkpoint_threshold": f"{mb}MB"}
 
 
 @dataclass

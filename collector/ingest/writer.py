@@ -50,7 +50,7 @@ ROLL_DEFER_S = 5.0
 #: the most rows of one table a commit holds (more queued: successive commits). Under DuckDB's row
 #: group (122,880 rows): a transaction holding more writes its row groups out at once ("optimistic
 #: writes"), which cost ~400 MB more RSS and twice the file in `python -m collector.bench.writer`
-#: (131k-row commits against 65k-98k: no less CPU; docs/benchmarks.md, "the writer's commits")
+#: (131k-row commits against 65k-98k: no less CPU; docs/benchmarks.md, "the writer's commits and checkpoints")
 COMMIT_TABLE_ROWS = 100_000
 
 
