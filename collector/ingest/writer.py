@@ -5,8 +5,7 @@ gRPC handlers only decode, validate and convert a batch to Arrow (`batch_to_arro
 the oldest item has waited `flush_interval_s`, and commits the lot in one transaction: per event
 kind one `INSERT … SELECT` from the concatenated Arrow tables, the ingest log, and each source's
 high-water mark. Only then does it hand each stream its acks. Under load the queue grows while a
-commit runs, so commits grow with it (group commit), which is what makes ingest fast; up to
-`COMMIT_TABLE_ROWS` rows of one table a commit (more: successive commits, in order).
+commit runs, so commits grow with it (group commit), which is what makes ingest fast.
 
 Once `rollup.ROLL_EVERY_ROWS` step or collective rows are past their rollup's watermark, a second
 thread (`tracetop-rollup`, its own cursor and transactions) rolls them up for the views
@@ -47,28 +46,6 @@ log = logging.getLogger("tracetop.collector")
 
 #: the roll thread waits this long at most for the writer to have no backlog
 ROLL_DEFER_S = 5.0
-#: the most rows of one table a commit holds (more queued: successive commits). Under DuckDB's row
-#: group (122,880 rows): a transaction holding more writes its row groups out at once ("optimistic
-#: writes"), which cost ~400 MB more RSS and twice the file in `python -m collector.bench.writer`
-#: (131k-row commits against 65k-98k: no less CPU; docs/benchmarks.md, "the writer's commits and checkpoints")
-COMMIT_TABLE_ROWS = 100_000
-
-
-def commit_parts(items: list, max_rows: int = COMMIT_TABLE_ROWS) -> list[list]:
-    """`items` in order, cut so that no part holds more than `max_rows` rows of one kind (a part
-    holds at least one batch). A barrier stays in the part of the batches before it, so a stream
-    still gets its acks before its end."""
-    parts: list[list] = [[]]
-    rows: dict[Kind, int] = defaultdict(int)
-    for item in items:
-        if isinstance(item, QueuedBatch):
-            kind, n = item.batch.kind, item.batch.n
-            if rows[kind] and rows[kind] + n > max_rows:
-                parts.append([])
-                rows.clear()
-            rows[kind] += n
-        parts[-1].append(item)
-    return parts
 
 
 def batch_to_arrow(batch: DecodedBatch) -> pa.Table:
@@ -291,15 +268,12 @@ class Writer:
             items = self._take()
             if items is None:
                 return
-            taken_mono = self._inflight_mono  # the take's oldest item: the later parts waited as long
-            for part in commit_parts(items):
-                self._inflight_mono = taken_mono
-                try:
-                    self.flush(part)
-                except Exception as e:  # keep serving: the shippers still hold these batches
-                    log.exception("collector: commit failed")
-                    self._inflight_mono = 0.0
-                    self._fail(part, f"{type(e).__name__}: {e}")
+            try:
+                self.flush(items)
+            except Exception as e:  # keep serving: the shippers still hold these batches
+                log.exception("collector: commit failed")
+                self._inflight_mono = 0.0
+                self._fail(items, f"{type(e).__name__}: {e}")
 
     def flush(self, items: list[QueuedBatch | Barrier]) -> FlushStats:
         """Commit `items` in one transaction, then deliver acks and barriers. Called by the
