@@ -112,13 +112,33 @@ class MemoryBudget:
     duckdb_mb: int        # DuckDB's memory_limit (buffer pool, rolls, queries; it spills past it)
     queue_bytes: int      # the writer's queue (Arrow bytes of batches waiting for their commit)
     inbox_rows: int       # the live engine's inbox (committed batches waiting for judgment)
+    #: DuckDB's checkpoint_threshold: committed rows live in memory, uncompressed, until the WAL
+    #: reaches it. Each checkpoint re-compresses every table's last (partial) row group, so at
+    #: DuckDB's 16 MB the writer's 16k-row commits cost 2.0 CPU-s per million STEP rows, at 64 MB
+    #: 1.4 (`python -m collector.bench.writer`, docs/benchmarks.md); a quarter of DuckDB's share.
+    checkpoint_mb: int = 16
+
+
+#: the checkpoint threshold's ceiling (MB): past it the writer's CPU gains nothing measurable
+CHECKPOINT_MB = 64
 
 
 def memory_budget(config: CollectorConfig) -> MemoryBudget:
     cap = config.memory_cap_mb or machine_cap_mb()
     duckdb_mb = config.memory_limit_mb or max(128, cap * 3 // 8)
     # ~100 B a row in the inbox (decoded columns); an eighth of the cap each
-    return MemoryBudget(cap, duckdb_mb, cap * 2**20 // 8, max(100_000, cap * 2**20 // 8 // 100))
+    return MemoryBudget(cap, duckdb_mb, cap * 2**20 // 8, max(100_000, cap * 2**20 // 8 // 100),
+                        checkpoint_mb=max(16, min(CHECKPOINT_MB, duckdb_mb // 4)))
+
+
+def duckdb_settings(budget: MemoryBudget) -> dict[str, str | int]:
+    """DuckDB's settings for the collector's file, beyond its memory limit. (DuckDB's threads stay
+    at one per core: at 1 the rows bench's CPU per row was the same, its rate far lower.)
+    TRACETOP_CHECKPOINT_MB overrides the checkpoint threshold (for A/B runs: `bench ingest --ab`)."""
+    import os
+
+    mb = int(os.environ.get("TRACETOP_CHECKPOINT_MB") or budget.checkpoint_mb)
+    return {"checkpoint_threshold": f"{mb}MB"}
 
 
 @dataclass
@@ -215,7 +235,7 @@ async def start(
     if bind.startswith("unix:"):
         clear_stale_socket(unix_path(bind))
     budget = memory_budget(config)
-    con = open_store(db_path, memory_limit_mb=budget.duckdb_mb)
+    con = open_store(db_path, memory_limit_mb=budget.duckdb_mb, settings=duckdb_settings(budget))
     metrics = CollectorMetrics()
     exports = exports if exports is not None else Exports()
     live = None
@@ -299,8 +319,27 @@ async def start(
         metrics_port = http.server_port
     exports.start_otlp(gauges_fn or no_gauges, alerts_fn or no_alerts)
     tasks = control_loop.start_tasks(control, con, config.controller, live=live, sinks=[*alert_sinks, exports])
+    name_os_threads()
     return Collector(server, service, writer, con, address, db_path, metrics, metrics_port, http, exports, live,
                      control, tasks, ends)
+
+
+def name_os_threads() -> None:
+    """Give the collector's threads their names in the OS too (``top -H``, /proc/PID/task/*/comm), so
+    CPU per thread can be read from outside (`tracetop bench ingest` reports it): Python 3.11 leaves
+    every thread named as the process. The main thread keeps the process's name; threads DuckDB or
+    gRPC made keep theirs. Linux only; elsewhere, or refused, nothing happens."""
+    import os
+
+    for t in threading.enumerate():
+        tid = t.native_id
+        if tid is None or tid == os.getpid() or not t.is_alive():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/comm", "w") as f:
+                f.write(t.name[:15])
+        except OSError:
+            pass
 
 
 def watch_source_ends(writer: Writer, after_s: float | None, con=None):

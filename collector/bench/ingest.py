@@ -7,6 +7,8 @@ Figures, all from one run:
   collector_cpu_pct      collector CPU time / wall time over the run (100 = one core)
   collector_cpu_s_per_m  collector CPU seconds per million rows stored (the work, however long the
                          machine's load stretched the run)
+  collector_cpu_s_per_m_by_thread  the same by thread (their OS names: tracetop-writer, tracetop-rollup,
+                         tracetop-live, main (gRPC edge), and DuckDB's workers under the process's name)
   collector_peak_rss_mb  the collector's VmHWM
 
 `--ab 'SETTING'`: interleaved runs of the collector as it is (A) and with SETTING (B: collector flags,
@@ -67,6 +69,40 @@ def _peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def _thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each thread of process `pid`: (its OS name, CPU seconds so far). The main thread is named
+    "main (gRPC edge)"; the collector names its own threads in the OS (app.name_os_threads), so
+    what keeps the process's name was made by DuckDB (its workers) or a library."""
+    import psutil
+
+    out: dict[int, tuple[str, float]] = {}
+    try:
+        threads = psutil.Process(pid).threads()
+        process_name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except (psutil.Error, OSError):
+        return out
+    for t in threads:
+        try:
+            name = Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip()
+        except OSError:
+            name = "?"
+        if t.id == pid:
+            name = "main (gRPC edge)"
+        elif name == process_name:
+            name = "DuckDB workers"
+        out[t.id] = (name, t.user_time + t.system_time)
+    return out
+
+
+def _cpu_by_thread(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], rows: int) -> dict:
+    """CPU seconds per million rows stored, by thread name (threads of one name summed; a thread
+    that ended within the window is missing), largest first."""
+    per: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        per[name] = per.get(name, 0.0) + cpu - before.get(tid, (name, 0.0))[1]
+    return {k: round(v / max(rows, 1) * 1e6, 3) for k, v in sorted(per.items(), key=lambda kv: -kv[1]) if v >= 0.005}
+
+
 def _commit_delays(db: Path, where: str = ""):
     """From the file's ingest_log: rows per batch, the row-weighted p50 / p99 of record -> commit (ms),
     and the first record / last commit (ns)."""
@@ -112,9 +148,9 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
     go = workdir / "go"
     procs = start_sources(listen, "bench", sources, events // sources, start_file=go)
     release(go, procs)  # every source set up: interpreter start-up stays out of the figures
-    cpu0, wall0 = ps.cpu_times(), time.monotonic()
+    cpu0, wall0, threads0 = ps.cpu_times(), time.monotonic(), _thread_cpu(ps.pid)
     results = collect_sources(procs)
-    cpu1, wall1 = ps.cpu_times(), time.monotonic()
+    cpu1, wall1, threads1 = ps.cpu_times(), time.monotonic(), _thread_cpu(ps.pid)
     peak_rss = _peak_rss_mb(collector.proc.pid)
     collector.stop()
 
@@ -131,6 +167,7 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
         "p99_ms": round(p99, 1),
         "collector_cpu_pct": round(100 * cpu_s / (wall1 - wall0), 1),
         "collector_cpu_s_per_m": round(cpu_s / max(stored, 1) * 1e6, 2),
+        "collector_cpu_s_per_m_by_thread": _cpu_by_thread(threads0, threads1, stored),
         "collector_peak_rss_mb": round(peak_rss, 1),
         "sources_cpu_pct": round(100 * sum(r["cpu_s"] for r in results) / (wall1 - wall0), 1),
         "batches": int(len(n)),
@@ -164,13 +201,13 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
     go = workdir / "go"
     procs = start_mix_sources(listen, "mix", sources, ranks, step_s, duration_s, go)
     release(go, procs)
-    cpu0, wall0 = ps.cpu_times(), time.monotonic()
+    cpu0, wall0, threads0 = ps.cpu_times(), time.monotonic(), _thread_cpu(ps.pid)
     rss_max = 0.0
     while any(p.poll() is None for p in procs):
         rss_max = max(rss_max, ps.memory_info().rss / 2**20)
         time.sleep(0.5)
     results = collect_sources(procs)
-    cpu1, wall1 = ps.cpu_times(), time.monotonic()
+    cpu1, wall1, threads1 = ps.cpu_times(), time.monotonic(), _thread_cpu(ps.pid)
     peak_rss = _peak_rss_mb(collector.proc.pid)
     collector.stop()
     n, p50, p99, t_first, t_last = _commit_delays(db, "WHERE kind <> 'gap'")
@@ -214,6 +251,7 @@ def ingest_mix(ranks: int, step_s: float, duration_s: float, sources: int, workd
         "collector_cpu_pct": round(100 * cpu_s / (wall1 - wall0), 1),
         # CPU seconds per million rows stored: the work, whatever the machine's load stretched the run to
         "collector_cpu_s_per_m": round(cpu_s / max(stored, 1) * 1e6, 2),
+        "collector_cpu_s_per_m_by_thread": _cpu_by_thread(threads0, threads1, stored),
         "collector_peak_rss_mb": round(max(peak_rss, rss_max), 1),
         "sources_cpu_pct": round(100 * sum(r["cpu_s"] for r in results) / (wall1 - wall0), 1),
         "file_mb": round(file_mb, 1),
@@ -236,14 +274,33 @@ def _split_setting(setting: str) -> tuple[tuple[str, ...], dict[str, str]]:
     return tuple(flags), env
 
 
+#: the tree this bench runs from (the folder holding `collector/`)
+OWN_TREE = str(Path(__file__).resolve().parents[2])
+
+
+def side_env(env: dict[str, str]) -> dict[str, str]:
+    """One side's environment words, with PYTHONPATH always set: the side's own, else this bench's tree
+    first. The children run `python -m ...` in the work dir (see `_one`): run in a checkout, `-m` puts
+    the current directory first on sys.path, ahead of PYTHONPATH, and B ran A's tree (the A/Bs of
+    other trees before this fix compared a tree with itself)."""
+    if "PYTHONPATH" in env:
+        return env
+    rest = os.environ.get("PYTHONPATH", "")
+    return {**env, "PYTHONPATH": OWN_TREE + (os.pathsep + rest if rest else "")}
+
+
 def _one(args: argparse.Namespace, workdir: Path, flags: tuple[str, ...], env: dict[str, str]) -> dict:
+    env, workdir = side_env(env), workdir.resolve()
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the collector process inherits it
+    os.environ.update(env)  # the collector and source processes inherit it
+    cwd = os.getcwd()
+    os.chdir(workdir)  # ... and this directory, which holds no package to shadow PYTHONPATH's
     try:
         if args.mix == "realistic":
             return ingest_mix(args.ranks, args.step_s, args.duration_s, args.sources, workdir, args.listen, flags)
         return ingest(args.sources, args.events, workdir, args.listen, flags)
     finally:
+        os.chdir(cwd)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -276,6 +333,12 @@ def ab(args: argparse.Namespace) -> dict:
         med = {side: statistics.median(xs) for side, xs in per.items()}
         out[fig] = {side: {"median": round(med[side], 1), "min": min(xs), "max": max(xs)} for side, xs in per.items()}
         out[fig]["b_over_a"] = round(med["B"] / med["A"], 3) if med["A"] else None
+    by_thread: dict = {}
+    for side in "AB":
+        rs = [r.get("collector_cpu_s_per_m_by_thread", {}) for r in runs if r["side"] == side]
+        names = sorted({k for r in rs for k in r})
+        by_thread[side] = {k: round(statistics.median(r.get(k, 0.0) for r in rs), 3) for k in names}
+    out["collector_cpu_s_per_m_by_thread_median"] = by_thread
     if args.mix == "realistic":
         out["kept_up"] = {side: sum(r["kept_up"] for r in runs if r["side"] == side) for side in "AB"}
     out["load_1m"] = [r["load_1m"] for r in runs]

@@ -614,18 +614,21 @@ def migrate(con, path: str = "") -> tuple[int, int]:
     return found, STORE_VERSION
 
 
-def open_store(path: str, *, memory_limit_mb: int | None = None):
+def open_store(path: str, *, memory_limit_mb: int | None = None, settings: dict[str, str | int] | None = None):
     """Open (or create) a collector file for writing, migrated to STORE_VERSION, with its
     configuration locked so that no SQL can turn external access back on.
 
     ``memory_limit_mb`` caps DuckDB's memory for the whole file (DuckDB has no per-query cap): a
     query through the collector that needs more fails with an out-of-memory error instead of
-    growing the collector; DuckDB's default is 80% of the machine's RAM."""
+    growing the collector; DuckDB's default is 80% of the machine's RAM. ``settings``: more DuckDB
+    settings (name: value) to set before the lock (the collector's checkpoint threshold)."""
     con = connect(path)
     try:
         migrate(con, path)
         if memory_limit_mb:
             con.execute(f"SET memory_limit = '{int(memory_limit_mb)}MB'")
+        for name, value in (settings or {}).items():
+            con.execute(f"SET {name} = ?", [value])
         con.execute("SET lock_configuration = true")
     except Exception:
         con.close()

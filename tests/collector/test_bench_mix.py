@@ -57,3 +57,15 @@ def test_ab_setting_splits_flags_from_environment_words() -> None:
 
     assert _split_setting("--no-rules --memory-cap-mb 512 TRACETOP_X=a=b") == (
         ("--no-rules", "--memory-cap-mb", "512"), {"TRACETOP_X": "a=b"})
+
+
+def test_each_side_runs_the_tree_it_names(monkeypatch) -> None:
+    """A (no PYTHONPATH of its own) runs this bench's tree first; B runs the PYTHONPATH it gives, and
+    both run in the work dir, where `python -m` cannot put a checkout ahead of it (it did: run from a
+    checkout, B ran A's tree)."""
+    from collector.bench.ingest import OWN_TREE, side_env
+
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    assert side_env({"X": "1"}) == {"X": "1", "PYTHONPATH": OWN_TREE + ":/elsewhere"}
+    assert side_env({"PYTHONPATH": "/other/tree"}) == {"PYTHONPATH": "/other/tree"}
+    assert (ROOT / "collector" / "bench" / "ingest.py").samefile(OWN_TREE + "/collector/bench/ingest.py")

@@ -88,11 +88,13 @@ class DecodedBatch:
         return source_key(self.source_id, self.epoch)
 
 
-def _checksum_parts(columns: Sequence[pb.Column]) -> int:
+def _checksum_parts(columns: Sequence[pb.Column], datas: Sequence[bytes] | None = None) -> int:
+    """The batch's CRC32C. ``datas``: the columns' data already read (each read of a bytes field
+    of a parsed message copies it: upb hands out a new bytes object every time)."""
     crc = 0
-    for c in columns:
+    for i, c in enumerate(columns):
         crc = _crc32c.crc32c(c.name.encode(), crc)
-        crc = _crc32c.crc32c(c.data, crc)
+        crc = _crc32c.crc32c(c.data if datas is None else datas[i], crc)
         for s in c.dictionary:
             crc = _crc32c.crc32c(s.encode() + b"\0", crc)
     return crc
@@ -163,6 +165,7 @@ def encode_batch(
         raise ValueError(f"encode_batch: {kind.name} has no columns {extra}; see tracetop/events.py")
     n = None
     out = []
+    datas: list[bytes] = []
     for col in schema:
         value: Any = columns[col.name]
         dictionary: list[str] = []
@@ -180,7 +183,8 @@ def encode_batch(
             n = len(arr)
         elif len(arr) != n:
             raise ValueError(f"encode_batch: column {col.name} has {len(arr)} rows, expected {n}")
-        out.append(pb.Column(name=col.name, data=np.ascontiguousarray(arr).tobytes(), dictionary=dictionary))
+        datas.append(np.ascontiguousarray(arr).tobytes())
+        out.append(pb.Column(name=col.name, data=datas[-1], dictionary=dictionary))
     batch = pb.ColumnBatch(
         schema_version=SCHEMA_VERSION,
         source_id=source_id,
@@ -193,7 +197,7 @@ def encode_batch(
         sealed_ns=time.time_ns(),
         epoch=epoch,
     )
-    batch.crc32c = _checksum_parts(batch.columns)
+    batch.crc32c = _checksum_parts(batch.columns, datas)
     return batch
 
 
@@ -229,15 +233,18 @@ def decode_batch(batch: pb.ColumnBatch) -> DecodedBatch:
         )
     cols: dict[str, np.ndarray | tuple[np.ndarray, tuple[str, ...]]] = {}
     nbytes = 0
+    datas: list[bytes] = []  # each column's data, read once (a read copies it) and viewed, not copied again
     for spec, col in zip(schema, batch.columns):
         dtype = np.dtype(NUMPY_DTYPES[spec.dtype])
         expected = n * dtype.itemsize
-        if len(col.data) != expected:
+        data = col.data
+        datas.append(data)
+        if len(data) != expected:
             raise BatchError(
                 "column_length",
-                f"{kind.name} column {spec.name!r} holds {len(col.data)} bytes, n={n} needs {expected}",
+                f"{kind.name} column {spec.name!r} holds {len(data)} bytes, n={n} needs {expected}",
             )
-        arr = np.frombuffer(col.data, dtype=dtype)
+        arr = np.frombuffer(data, dtype=dtype)
         nbytes += expected
         if spec.dtype == "str":
             d = tuple(col.dictionary)
@@ -248,7 +255,7 @@ def decode_batch(batch: pb.ColumnBatch) -> DecodedBatch:
             cols[spec.name] = arr
     for spec in SCHEMAS[kind][len(schema):]:  # appended since the sender's schema: floats, NaN
         cols[spec.name] = np.full(n, np.nan)
-    if _checksum_parts(batch.columns) != batch.crc32c:
+    if _checksum_parts(batch.columns, datas) != batch.crc32c:
         raise BatchError("crc32c", f"batch {batch.source_id}/{batch.seq}: CRC32C mismatch, the payload is corrupt")
     return DecodedBatch(
         kind=kind,
