@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tracetop import env as tenv
 from tracetop.events import Kind
+from trainer_hooks import closing, progress, shutdown
 from trainer_hooks import commands as cmds
-from trainer_hooks import profiling, progress, shutdown
 from trainer_hooks.device_clock import CudaClock, DeviceClock
 from trainer_hooks.emitter import Emitter
 from trainer_hooks.identity import Identity, SetupError, resolve
@@ -177,8 +177,8 @@ class Tracer:
         statm_path: str = "/proc/self/statm",
     ) -> None:
         self.enabled = (not tenv.disabled()) if enabled is None else bool(enabled)
-        self._closed = False
-        self._final_beat = False  # the exit path sent the closed heartbeat
+        self.closed = False  # close() ran (or began)
+        self.final_beat = False  # the exit path sent the closed heartbeat
         self._handover_s = 0.0  # local endpoints: seconds between handovers at step ends
         self.progress: progress.Progress | None = None  # the progress record (enabled tracers)
         self._next_handover = 0.0
@@ -389,78 +389,16 @@ class Tracer:
     def close(self) -> None:
         """Restore the collectives, stop the emitter, flush (up to close_timeout_s). Idempotent. Not
         calling it loses nothing either: exit and SIGTERM/SIGINT flush too (shutdown.py)."""
-        self._close_within(None)
+        closing.close(self, None)
 
-    def _close_within(self, deadline: float | None) -> None:
-        """close(); with ``deadline`` (monotonic), all of it bounded by it (the exit path)."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self.enabled:
-            return
-        shutdown.unregister(self)
-        shutdown.closing(True)  # a SIGTERM meanwhile waits for this close (up to its deadline)
-        try:
-            self._close_body(deadline)
-        finally:
-            shutdown.closing(False)  # hands on a signal that came meanwhile
+    def close_within(self, deadline: float) -> None:
+        """close(), all of it bounded by ``deadline`` (monotonic): the interpreter's exit (shutdown.py)."""
+        closing.close(self, deadline)
 
-    def _close_body(self, deadline: float | None) -> None:
-        rec, emitter = self.recorder, self.emitter
-        assert emitter is not None and self.commands is not None and self.step_peak is not None
-
-        def left(cap: float) -> float:
-            return cap if deadline is None else max(0.0, min(cap, deadline - time.monotonic()))
-
-        try:
-            colls.uninstall(rec)
-            ddp.uninstall(rec)
-            self.commands.end_window(left(profiling.CLOSE_WAIT_S))
-            self.commands.close()
-            emitter.stop(timeout_s=left(max(2.0, self.close_timeout_s)))
-            emitter.heartbeat(closed=True)  # the clean close: collector/ingest/source_ends.py watches for it
-        except Exception as e:
-            rec.hook_error("close", e)
-        finally:
-            timeout_s = left(self.close_timeout_s)
-            st = self.shipper.stats()
-            if st and st.get("last_error") and not st.get("connected") and not st.get("batches_acked"):
-                # never reached the endpoint: do not hold the trainer's exit for long
-                timeout_s = min(timeout_s, 1.0)
-                log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
-                            self.rank, self.endpoint, st.get("unacked_batches", 0))
-            if self.progress is not None:  # a rank of this run killed on this node: count its loss
-                progress.claim_dead(self.shipper, self.run_id)
-            self.shipper.close(timeout_s)
-            if self.progress is not None and not self.shipper.stats().get("unacked_batches"):
-                self.progress.remove()  # all handed over; else a neighbour counts what was not
-            emitter.close()
-            self.step_peak.close()
-            if rec.errors:
-                log.warning("trainer_hooks: %d hook errors were counted and skipped on rank %d", rec.errors, self.rank)
-
-    def _exit_flush(self, deadline: float, final: bool) -> None:
-        """The process is ending (a signal; trainer_hooks/shutdown.py): the rows the training thread
-        recorded go to the shipper and out, acked by ``deadline`` (monotonic) or left. ``final``:
-        the process dies after this, so once all is acked a last heartbeat says ``closed``. Called
-        from the main thread's handler or the watcher thread; never raises."""
-        emitter = self.emitter
-        if self._closed or not self.enabled or emitter is None:
-            return
-        try:
-            # (device-clock pairs are resolved by the emitter thread alone, every 50 ms: not here)
-            emitter.drain()
-            ok = self.shipper.flush(max(0.0, deadline - time.monotonic()))
-            # a rank of this run killed on this node (torchrun ends the rest right after): count its loss
-            if progress.claim_dead(self.shipper, self.run_id):
-                ok = self.shipper.flush(max(0.0, deadline - time.monotonic())) and ok
-            if ok and final and not self._final_beat:
-                self._final_beat = True
-                emitter.heartbeat(closed=True)
-                if self.shipper.flush(max(0.0, deadline - time.monotonic())) and self.progress is not None:
-                    self.progress.remove()  # all handed over
-        except Exception as e:
-            self.recorder.hook_error("exit-flush", e)
+    def exit_flush(self, deadline: float, final: bool) -> None:
+        """The process is ending on a signal (shutdown.py): ship what was recorded, acked by
+        ``deadline`` (monotonic) or left (:func:`trainer_hooks.closing.exit_flush`). Never raises."""
+        closing.exit_flush(self, deadline, final)
 
     def __enter__(self) -> Tracer:
         return self
@@ -486,8 +424,8 @@ class Tracer:
         peak = self.step_peak.take() if self.step_peak is not None else -1
         rec.end_step(tokens, samples, (loss, self.micro_batch, self.micro_batches, peak))
         commands = self.commands
-        if commands is not None and commands.window is not None:  # a profiling window counts its steps
-            commands.step_done()
+        if commands is not None and commands.windows.current is not None:  # a profiling window counts its steps
+            commands.windows.step_done()
         if self.progress is not None:
             self.progress.step_done(self.recorder.step_n)
         if self._handover_s:
