@@ -159,7 +159,9 @@ class CommandBus:
         self.handlers[kind] = (fn, current)
 
     def boundary(self, step: int) -> None:
-        """The on_command flow at ``step``'s boundary (all ranks)."""
+        """The on_command flow at ``step``'s boundary (all ranks); nothing unless ``driving``."""
+        if not self.driving:
+            return
         p = self.receive(step)
         if p is None:
             return

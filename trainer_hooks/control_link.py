@@ -112,9 +112,11 @@ class ControlLink:
         from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 
         wait_s = self.poll_s
+        stub: Any = None
         while not self.stopping.wait(wait_s):
             try:
-                stub = pb_grpc.ControlStub(self.channel())
+                if stub is None:  # one stub for the run (made at each poll, it cost a few calls' worth)
+                    stub = pb_grpc.ControlStub(self.channel())
                 batch = stub.Poll(pb.SubscribeRequest(run_id=self.t.run_id, rank=self.t.rank,
                                                       source_key=self.source_key()), timeout=10,
                                   metadata=self.metadata())
@@ -182,7 +184,7 @@ class ControlLink:
         from tracetop.wire import tracetop_pb2_grpc as pb_grpc
 
         while True:
-            self.wake.wait(1.0)
+            self.wake.wait()  # no timer: report() and close() set it (an idle reporter never wakes)
             self.wake.clear()
             while self.outbox:
                 cid, applied, step, message, stage, mb, mbs = self.outbox[0]

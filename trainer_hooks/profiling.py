@@ -11,7 +11,7 @@ The flow, on a named rank:
    before the next step begins (CPU activities; CUDA too where torch sees a device). The others do
    nothing. Every rank agrees as for any command: if a named rank refuses, the windows started
    elsewhere are stopped and their traces dropped, and the action says who refused and why.
-2. The window counts step ends (``Tracer._step_end``) and stops the profiler after the N-th step
+2. The window counts step ends (the Tracer's step context) and stops the profiler after the N-th step
    ends, before the next begins (or when the tracer closes, with the steps it had).
 3. A thread of its own writes the trace (Chrome/Perfetto JSON, gzip'd) to a temporary file and
    sends it to the collector in pieces of at most 1 MiB (``Control.Profile``); the collector keeps

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tracetop import env as tenv
 from tracetop.events import Kind
-from trainer_hooks import closing, progress, shutdown
+from trainer_hooks import closing, profiling, progress, shutdown
 from trainer_hooks import commands as cmds
 from trainer_hooks.device_clock import CudaClock, DeviceClock
 from trainer_hooks.emitter import Emitter
@@ -76,18 +76,42 @@ class _StepCtx:
             if not t._described:
                 t.describe()
             commands = t.commands
-            if commands is not None and commands.driving:  # before the step's clock starts
+            # before the step's clock starts; two reads a step where no boundary is wanted (the rest
+            # of ``driving``, a seam, K = 0, a broken path, is boundary()'s to check)
+            if commands is not None and (commands.handlers or commands.profile_alone):
                 commands.boundary(self.n)
             t.recorder.begin_step(self.n)
         except Exception as e:
             t.recorder.hook_error("step", e)
 
     def __exit__(self, *exc: Any) -> Literal[False]:
+        """The step's end: its row with the loss, batch shape and memory peak in force now (the
+        peak reset for the next step), a profiling window's count, the progress record."""
         t = self.t
+        rec = t.recorder
         try:
-            t._step_end(self.tokens, self.samples)
+            loss = t._loss
+            if type(loss) is not float:  # a tensor (read now; a device one copied, read by the emitter), None, an int
+                try:
+                    loss = loss_value(loss, deferred=rec.device_clock is not None)
+                except Exception as e:
+                    rec.hook_error("loss", e)
+                    loss = _NAN
+            t._loss = _NAN
+            peak = t.step_peak.take() if t.step_peak is not None else -1
+            rec.end_step(self.tokens, self.samples, loss, t.micro_batch, t.micro_batches, peak)
+            windows = t.windows
+            if windows is not None and windows.current is not None:  # a profiling window counts its steps
+                windows.step_done()
+            if t.progress is not None:
+                t.progress.step_done(rec.step_n)
+            if t._handover_s:
+                now = time.monotonic()
+                if now >= t._next_handover:
+                    t._next_handover = now + t._handover_s
+                    t.emitter.handover()  # type: ignore[union-attr]
         except Exception as e:
-            t.recorder.hook_error("step", e)
+            rec.hook_error("step", e)
         return False
 
 
@@ -192,6 +216,7 @@ class Tracer:
         self.samples_per_step = samples_per_step if samples_per_step is not None else -1
         self.memory_budget_bytes = tenv.memory_budget_bytes(memory_budget_bytes)
         self.commands: cmds.CommandBus | None = None  # enabled tracers: commands at step boundaries
+        self.windows: profiling.Windows | None = None  # enabled tracers: its profiling windows
         self.emitter: Emitter | None = None  # enabled tracers
         self.step_peak: StepPeak | None = None  # the step's memory peak (enabled tracers)
         # the batch shape in force, stamped on every STEP row (describe() sets it; -1 = unknown)
@@ -247,6 +272,7 @@ class Tracer:
                                memory_budget_bytes=self.memory_budget_bytes, statm_path=statm_path)
         self.step_peak = StepPeak(_torch_cuda() if device_clock is not None and own_clock else None)
         self.commands = cmds.CommandBus(self)
+        self.windows = self.commands.windows  # the step's end counts a running profiling window's steps
         if wrap_collectives:
             self._wrapped = self._install_collectives()
         self.emitter.start()
@@ -283,7 +309,7 @@ class Tracer:
     def set_loss(self, value: Any) -> None:
         """The current step's loss (a float or a tensor; a CUDA tensor is read by the emitter once
         the step's end event is done, never synced here: trainer_hooks/loss.py). Only kept here:
-        the value in force at the step's end is read then (``_step_end``), so a tensor replaced
+        the value in force at the step's end is read then (``_StepCtx.__exit__``), so a tensor replaced
         before that (DeepSpeed's ``train_batch`` result, then the trainer's own float) is never read."""
         if self.enabled:
             self._loss = value
@@ -408,31 +434,6 @@ class Tracer:
 
     def stats(self) -> dict[str, Any]:
         return {"errors": self.errors, "events": self.events, "shipper": self.shipper.stats()}
-
-    # ------------------------------------------------------------------ steps
-    def _step_end(self, tokens: int, samples: int) -> None:
-        # as in force at this step's end, and the step's memory peak (reset for the next step)
-        rec = self.recorder
-        loss = self._loss
-        if type(loss) is not float:  # a tensor (read now; a device one copied, read by the emitter), None, an int
-            try:
-                loss = loss_value(loss, deferred=rec.device_clock is not None)
-            except Exception as e:
-                rec.hook_error("loss", e)
-                loss = _NAN
-        self._loss = _NAN
-        peak = self.step_peak.take() if self.step_peak is not None else -1
-        rec.end_step(tokens, samples, (loss, self.micro_batch, self.micro_batches, peak))
-        commands = self.commands
-        if commands is not None and commands.windows.current is not None:  # a profiling window counts its steps
-            commands.windows.step_done()
-        if self.progress is not None:
-            self.progress.step_done(self.recorder.step_n)
-        if self._handover_s:
-            now = time.monotonic()
-            if now >= self._next_handover:
-                self._next_handover = now + self._handover_s
-                self.emitter.handover()  # type: ignore[union-attr]
 
     def _install_collectives(self) -> list[str]:
         try:
