@@ -51,22 +51,43 @@ def instr_columns(rank: int, stage: int, rows: Sequence[tuple], names: Sequence[
     }
 
 
-#: one tuple per step, in this order, split into the STEP, THROUGHPUT and MEMORY kinds
-STEP_FIELDS = ("step", "start_ns", "duration_ns", "data_wait_ns", "forward_ns", "backward_ns", "optimizer_ns",
-               "comm_exposed_ns", "compute_ns", "tokens", "samples", "tokens_per_s", "samples_per_s", "tflops",
-               "mfu", "loss", "micro_batch", "micro_batches", "allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "budget_bytes")
-_FLOATS = {"tokens_per_s", "samples_per_s", "tflops", "mfu", "loss"}
+#: one tuple per step, as the training thread appends it (the least work there): the step's own
+#: figures, the loss and batch shape in force, the step's memory peak (-1: not measured) and the
+#: index of the MFU inputs in force (``Recorder.mfu_table``: flops_per_token, model_share, peak_flops)
+STEP_ROW = ("step", "start_ns", "duration_ns", "data_wait_ns", "forward_ns", "backward_ns", "optimizer_ns",
+            "comm_exposed_ns", "tokens", "samples", "loss", "micro_batch", "micro_batches", "step_peak_bytes",
+            "mfu_index")
+_FLOATS = {"loss"}
 
 
-def step_columns(rank: int, rows: Sequence[tuple]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def step_columns(rank: int, rows: Sequence[tuple], memory: tuple[int, int, int, int, int],
+                 mfu_table: Sequence[tuple[float, float, float]]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """STEP, THROUGHPUT and MEMORY columns of ``rows`` (``STEP_ROW`` tuples). ``memory``: the
+    emitter's sample (allocated, reserved, peak, rss, budget bytes); a row's own peak, where
+    measured, replaces the sample's. Throughput and MFU as the training thread once computed them
+    per row (the same float operations, in the same order, elementwise)."""
     n = len(rows)
-    c = {name: np.array(col, "<f8" if name in _FLOATS else "<i8") for name, col in zip(STEP_FIELDS, zip(*rows))}
+    c = {name: np.array(col, "<f8" if name in _FLOATS else "<i8") for name, col in zip(STEP_ROW, zip(*rows))}
+    flops_per_token, model_share, peak_flops = np.array(mfu_table, "<f8")[c["mfu_index"]].T
+    dur, tokens, samples = c["duration_ns"], c["tokens"], c["samples"]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        secs = np.where(dur > 0, dur / 1e9, np.nan)
+        tps = np.where(tokens >= 0, tokens / secs, np.nan)
+        sps = np.where(samples >= 0, samples / secs, np.nan)
+        tflops = tps * flops_per_token * model_share / 1e12
+        mfu = tflops * 1e12 / peak_flops
     r = np.full(n, rank, "<i4")
-    common = {"rank": r, "step": c["step"], "start_ns": c["start_ns"], "duration_ns": c["duration_ns"]}
+    common = {"rank": r, "step": c["step"], "start_ns": c["start_ns"], "duration_ns": dur}
     step = {**common, **{k: c[k] for k in ("data_wait_ns", "forward_ns", "backward_ns", "optimizer_ns",
-                                           "comm_exposed_ns", "compute_ns", "tokens", "samples", "loss")},
-            "micro_batch": c["micro_batch"].astype("<i4"), "micro_batches": c["micro_batches"].astype("<i4")}
-    throughput = {**common, **{k: c[k] for k in ("tokens_per_s", "samples_per_s", "tflops", "mfu")}}
-    memory = {"rank": r, "step": c["step"], "start_ns": c["start_ns"] + c["duration_ns"], "duration_ns": np.zeros(n, "<i8"),
-              **{k: c[k] for k in ("allocated_bytes", "reserved_bytes", "peak_bytes", "rss_bytes", "budget_bytes")}}
-    return step, throughput, memory
+                                           "comm_exposed_ns")},
+            "compute_ns": c["forward_ns"] + c["backward_ns"] + c["optimizer_ns"], "tokens": tokens, "samples": samples,
+            "loss": c["loss"], "micro_batch": c["micro_batch"].astype("<i4"),
+            "micro_batches": c["micro_batches"].astype("<i4")}
+    throughput = {**common, "tokens_per_s": tps, "samples_per_s": sps, "tflops": tflops, "mfu": mfu}
+    allocated, reserved, peak, rss, budget = memory
+    own = c["step_peak_bytes"]
+    memory_cols = {"rank": r, "step": c["step"], "start_ns": c["start_ns"] + dur, "duration_ns": np.zeros(n, "<i8"),
+                   "allocated_bytes": np.full(n, allocated, "<i8"), "reserved_bytes": np.full(n, reserved, "<i8"),
+                   "peak_bytes": np.where(own >= 0, own, peak), "rss_bytes": np.full(n, rss, "<i8"),
+                   "budget_bytes": np.full(n, budget, "<i8")}
+    return step, throughput, memory_cols

@@ -1,7 +1,7 @@
 """Commands into a running job: every rank applies one at the same step boundary, or none does.
 
 Path: the collector -> rank 0's subscriber thread (``Control.Poll`` every ``TRACETOP_COMMAND_POLL_S``,
-default 5 s; no stream held open) -> an inbox ->
+default 5 s; no stream held open; trainer_hooks/control_link.py) -> an inbox ->
 every K steps (``TRACETOP_COMMAND_EVERY_STEPS``, default 10) all ranks join one fixed-size
 broadcast (8 int64, 64 bytes) from rank 0 on a gloo group the hooks create beside the training's
 groups -> each rank applies the command through the trainer's entry point -> one fixed-size
@@ -45,7 +45,7 @@ Two ways a trainer applies commands:
   ``adjustment_result`` (-> ``settle``), ``adjustment_undone`` (-> ``undone``).
 
 PROFILE (a profiling window, trainer_hooks/profiling.py) is the hooks' own: no handler, both ways
-land in ``CommandBus.profile``. Wherever a boundary runs (handlers, the seam) windows are taken
+land in ``profiling.Windows.take`` (the bus's ``windows``). Wherever a boundary runs (handlers, the seam) windows are taken
 (``TRACETOP_PROFILE=0``: refused). With ``TRACETOP_PROFILE=1`` the Tracer also runs the boundary with
 no handler registered, every 50 steps unless K is set (``profile_every_steps``), never at step 0. Not
 by default: the boundary is a collective, and a job where some rank does not trace the same steps
@@ -57,15 +57,15 @@ rank of a job (it comes from the same environment).
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from tracetop import env as tenv
+from trainer_hooks import profiling
+from trainer_hooks.control_link import ControlLink
 
 log = logging.getLogger("trainer_hooks")
 
@@ -77,7 +77,6 @@ WORDS = 8  # the broadcast: [has command, action id, kind, value, is rollback, l
 #: only at a boundary that carries such a command; longer lists are refused at rank 0
 MAX_VALUES = 65536
 DEFAULT_EVERY_STEPS = 10
-DEFAULT_POLL_S = 5.0
 GROUP_TIMEOUT_S = 600.0
 
 
@@ -114,26 +113,25 @@ class CommandBus:
                  clock_ns: Callable[[], int] = time.time_ns, subscribe: bool = True) -> None:
         self.t = tracer
         self.subscribe = subscribe  # False: no subscriber thread on rank 0 (the broadcast benchmark)
-        self.poll_s = _poll_s()
+        self.stats = {"boundaries": 0, "commands": 0, "received": 0, "dropped": 0, "reports_sent": 0,
+                      "reports_failed": 0, "boundary_ns": 0}
+        # rank 0's subscriber and every rank's reporter: threads of their own, started when needed
+        self.link = ControlLink(tracer, kinds=KINDS, max_values=MAX_VALUES, stats=self.stats, endpoint=endpoint,
+                                drop=drop, channel_factory=channel_factory, clock_ns=clock_ns)
+        self.inbox = self.link.inbox  # rank 0: the commands taken, read at the next boundary
         self.every_steps = every_steps_from_env() if every_steps is None else max(0, int(every_steps))
-        self.endpoint = endpoint
-        self.drop = drop if drop is not None else (tenv.get(tenv.TRACETOP_TEST_DROP_COMMANDS) or "")
-        self._channel_factory = channel_factory
         self._clock_ns = clock_ns
         self.handlers: dict[str, tuple[Callable[[Any], Any], Callable[[], Any] | None]] = {}
         # profiling windows (trainer_hooks/profiling.py): taken wherever a boundary runs (handlers,
         # the reference trainer's seam); with TRACETOP_PROFILE=1 a plain Tracer or trainer_hooks.auto,
         # with no handler, runs the boundary for them alone
-        from trainer_hooks import profiling
-
-        self.profiling = profiling.enabled()
-        self.profile_alone = self.profiling and profiling.boundary_alone()
+        self.windows = profiling.Windows(self)
+        self.profile_alone = self.windows.enabled and profiling.boundary_alone()
         # with no handler registered the boundary serves profiling windows alone: every
         # profiling.EVERY_STEPS steps (a window may start a little later; the broadcast costs a fifth),
         # unless TRACETOP_COMMAND_EVERY_STEPS (or every_steps) says otherwise
         explicit = every_steps is not None or tenv.get(tenv.TRACETOP_COMMAND_EVERY_STEPS) is not None
         self.profile_every_steps = self.every_steps if explicit or self.every_steps <= 0 else profiling.EVERY_STEPS
-        self.window: Any = None  # the profiling window running (or shipping) on this rank
         self.external = False  # the reference trainer's seam drives the boundary
         self.broken = False
         self.closed = False
@@ -146,17 +144,6 @@ class CommandBus:
         self._min: Any = None
         self._offload_state = False
         self._rebalance: Any = None  # the Rebalance in force (None: balanced, as started)
-        self.inbox: collections.deque = collections.deque()
-        self._seen: set[int] = set()
-        self._subscriber: threading.Thread | None = None
-        self._reporter: threading.Thread | None = None
-        self._outbox: collections.deque = collections.deque()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._channel: Any = None
-        self._stream: Any = None
-        self.stats = {"boundaries": 0, "commands": 0, "received": 0, "dropped": 0, "reports_sent": 0,
-                      "reports_failed": 0, "boundary_ns": 0}
 
     # ------------------------------------------------------------------ API
     @property
@@ -172,12 +159,14 @@ class CommandBus:
         self.handlers[kind] = (fn, current)
 
     def boundary(self, step: int) -> None:
-        """The on_command flow at ``step``'s boundary (all ranks)."""
+        """The on_command flow at ``step``'s boundary (all ranks); nothing unless ``driving``."""
+        if not self.driving:
+            return
         p = self.receive(step)
         if p is None:
             return
         if p.key == "profile":
-            self.profile(p)
+            self.windows.take(p)
             return
         fn, current = self.handlers.get(p.key, (None, None))
         previous = self._current(p, current)
@@ -198,55 +187,8 @@ class CommandBus:
             self.undone(p, False, f"undo to {p.key}={previous} failed: {type(e).__name__}: {e}")
 
     def profile(self, p: Pending) -> None:
-        """A PROFILE command at ``p.step``'s boundary, on every rank (the on_command flow and the
-        reference trainer's seam both land here): the named ranks start a window, all agree."""
-        from trainer_hooks import profiling
-
-        window, why = None, ""
-        named = self.t.rank in p.values
-        if named:
-            w = self.window
-            why = (profiling.unavailable(self.t.rank) or
-                   ("profiling is off on this rank (TRACETOP_PROFILE=0)" if not self.profiling else "") or
-                   (f"a profiling window (action {w.action_id}) is still running on rank {self.t.rank}"
-                    if w is not None and w.running else ""))
-            if not why:
-                try:
-                    window = profiling.Window(self, p.action_id, int(p.value), p.step)
-                    window.start()
-                    self.window = window
-                except Exception as e:
-                    window, why = None, f"torch's profiler could not start on rank {self.t.rank}: {type(e).__name__}: {e}"
-        message = why or (f"profiling steps {p.step}..{p.step + int(p.value) - 1}" if named
-                          else "not named: nothing to profile here")
-        if self.settle(p, not why, message) or why:
-            return
-        if window is not None:  # another rank refused: no window anywhere
-            window.stop(ship=False)
-            self.window = None
-        self.undone(p, True, "this rank's window stopped, its trace dropped" if window is not None
-                    else "not named: nothing to undo")
-
-    def step_done(self) -> None:
-        """Tracer._step_end: count a step of the running window (stops it after its N steps)."""
-        w = self.window
-        if w is not None and w._prof is not None:
-            try:
-                w.step_done()
-            except Exception as e:
-                self.t.recorder.hook_error("profile", e)
-
-    def end_window(self, timeout_s: float) -> None:
-        """The tracer closes: stop a running window with the steps it had, let its upload finish."""
-        w = self.window
-        if w is None:
-            return
-        try:
-            if w._prof is not None:
-                w.stop(note=f"the run ended after {w.done_steps} of {w.steps} steps")
-            w.join(timeout_s)
-        except Exception as e:
-            self.t.recorder.hook_error("profile close", e)
+        """A PROFILE command at ``p.step``'s boundary (the reference trainer's seam lands here)."""
+        self.windows.take(p)
 
     def _current(self, p: Pending, current: Callable[[], Any] | None) -> Any:
         if current is not None:
@@ -390,7 +332,7 @@ class CommandBus:
             self._allreduce = getattr(dist.all_reduce, "__wrapped__", dist.all_reduce)
             self._min = dist.ReduceOp.MIN
         if self.t.rank == 0 and self.subscribe:
-            self._start_subscriber()
+            self.link.start_subscriber()
         self._ready = True
 
     def _fill(self, buf: Any) -> tuple[int, ...]:
@@ -415,184 +357,15 @@ class CommandBus:
         log.warning("trainer_hooks: rank %d turns the command path off (%s failed: %r); training goes on",
                     self.t.rank, where, e)
 
-    # ------------------------------------------------------------------ threads: subscribe, report
-    def _target(self) -> str:
-        """Where commands come from, checked when the channel is made: a unix socket (its folder, its
-        listener's uid) must be ours or root's before it sees the token or hands a command
-        (tracetop/wire/local.py)."""
-        from trainer_hooks.tracer import trusted_endpoint
-
-        target = self.endpoint or getattr(self.t, "endpoint", None) or tenv.endpoint()
-        return trusted_endpoint(target, getattr(self.t, "rank", -1))
-
-    def _make_channel(self) -> Any:
-        if self._channel is None:
-            if self._channel_factory is not None:
-                self._channel = self._channel_factory(self._target())
-            else:
-                from tracetop.wire.auth import ClientAuth
-
-                # TRACETOP_TOKEN_FILE / TRACETOP_TLS_*: the same credentials the shipper presents
-                self._auth = ClientAuth.from_options()
-                self._channel = self._auth.channel(self._target())
-        return self._channel
-
-    def _source_key(self) -> str:
-        """This rank's shipper start (its source id and epoch, as the collector keys it): the
-        collector counts a report, and hands a command, only to a start it heard ship this run's rows."""
-        from tracetop.wire.codec import source_key
-
-        sh = getattr(self.t, "shipper", None)
-        sid, epoch = getattr(sh, "source_id", ""), getattr(sh, "epoch", 0)
-        return source_key(sid, int(epoch or 0)) if sid else ""
-
-    def _metadata(self) -> tuple:
-        auth = getattr(self, "_auth", None)
-        return tuple(auth.metadata()) if auth is not None else ()
-
-    def _start_subscriber(self) -> None:
-        self._subscriber = threading.Thread(target=self._run_subscriber, name="tracetop-commands", daemon=True)
-        self._subscriber.start()
-
-    def _run_subscriber(self) -> None:
-        """Rank 0: ``Control.Poll`` every ``poll_s`` (a unary call; between calls the thread sleeps
-        in a plain wait: no gRPC stream held open, whose polling would cost CPU all run long)."""
-        import grpc
-
-        from tracetop.wire import tracetop_pb2 as pb
-        from tracetop.wire import tracetop_pb2_grpc as pb_grpc
-
-        wait_s = self.poll_s
-        while not self._stop.wait(wait_s):
-            try:
-                stub = pb_grpc.ControlStub(self._make_channel())
-                batch = stub.Poll(pb.SubscribeRequest(run_id=self.t.run_id, rank=self.t.rank,
-                                                      source_key=self._source_key()), timeout=10,
-                                  metadata=self._metadata())
-                for cmd in batch.commands:
-                    self._take(cmd)
-                wait_s = self.poll_s
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else None
-                wait_s = min(30.0, max(self.poll_s, wait_s * 2))
-                if code == grpc.StatusCode.UNIMPLEMENTED:
-                    wait_s = 60.0
-                    if "unimplemented" not in self.t.recorder.warned:
-                        self.t.recorder.warned.add("unimplemented")
-                        log.warning("trainer_hooks: %s has no Control service (an agent older than the control "
-                                    "relay?): this run receives no commands", self._target())
-            except Exception as e:
-                self.t.recorder.hook_error("commands subscriber", e)
-
-    def _take(self, cmd: Any) -> None:
-        """Rank 0's subscriber: one command from the collector."""
-        try:
-            action_id = int(cmd.command_id)
-        except ValueError:
-            self._report_raw(cmd.command_id, False, -1, "command id is not a number; not applied")
-            return
-        if action_id in self._seen:
-            return  # resent after a reconnect
-        if len(cmd.values) > MAX_VALUES:
-            self._seen.add(action_id)
-            self._report_raw(cmd.command_id, False, -1, f"{len(cmd.values)} values, at most {MAX_VALUES}; not applied")
-            return
-        if self.drop and _matches(self.drop, cmd):
-            self.stats["dropped"] += 1  # the test seam: lost between the collector and rank 0
-            return
-        self._seen.add(action_id)
-        if cmd.expires_ns and self._clock_ns() > cmd.expires_ns:
-            self._report_raw(cmd.command_id, False, -1, "arrived at rank 0 after it expired; not applied")
-            return
-        self.stats["received"] += 1
-        self.inbox.append(cmd)
-        self._report_raw(cmd.command_id, False, -1, "received by rank 0; applied at the next boundary", stage=1)
-
     def _report(self, p: Pending, applied: bool, message: str, stage: int = 0) -> None:
         self._report_raw(str(p.action_id), applied, p.step, message, stage=stage)
 
     def _report_raw(self, command_id: str, applied: bool, step: int, message: str, stage: int = 0) -> None:
-        t = self.t
-        self._outbox.append((command_id, applied, step, message, stage, int(t.micro_batch), int(t.micro_batches)))
-        if self._reporter is None:
-            self._reporter = threading.Thread(target=self._run_reporter, name="tracetop-reports", daemon=True)
-            self._reporter.start()
-        self._wake.set()
-
-    def _run_reporter(self) -> None:
-        from tracetop.wire import tracetop_pb2 as pb
-        from tracetop.wire import tracetop_pb2_grpc as pb_grpc
-
-        while True:
-            self._wake.wait(1.0)
-            self._wake.clear()
-            while self._outbox:
-                cid, applied, step, message, stage, mb, mbs = self._outbox[0]
-                status = pb.CommandStatus(command_id=cid, run_id=self.t.run_id, rank=self.t.rank, applied=applied,
-                                          source_key=self._source_key(),
-                                          step=step, message=message, stage=stage, micro_batch=mb, micro_batches=mbs)
-                for attempt in range(5):
-                    try:
-                        pb_grpc.ControlStub(self._make_channel()).Report(status, timeout=10, metadata=self._metadata())
-                        self.stats["reports_sent"] += 1
-                        break
-                    except Exception as e:
-                        if attempt == 4:
-                            self.stats["reports_failed"] += 1
-                            self.t.recorder.hook_error("commands report", e)
-                        elif self._stop.wait(0.5 * (attempt + 1)):
-                            break
-                self._outbox.popleft()
-            if self._stop.is_set():
-                return
+        self.link.report(command_id, applied, step, message, stage)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the threads after the last reports are out (up to timeout_s)."""
         if self.closed:
             return
         self.closed = True
-        deadline = time.monotonic() + timeout_s
-        while self._outbox and self._reporter is not None and time.monotonic() < deadline:
-            self._wake.set()
-            time.sleep(0.02)
-        self._stop.set()
-        self._wake.set()
-        stream = self._stream
-        if stream is not None:
-            try:
-                stream.cancel()
-            except Exception:
-                pass
-        for th in (self._subscriber, self._reporter):
-            if th is not None:
-                th.join(timeout=2.0)
-        if self._channel is not None:
-            try:
-                self._channel.close()
-            except Exception:
-                pass
-
-
-def _poll_s() -> float:
-    raw = tenv.get(tenv.TRACETOP_COMMAND_POLL_S, str(DEFAULT_POLL_S)) or ""
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        from trainer_hooks.identity import SetupError
-
-        raise SetupError(f"trainer_hooks: {tenv.TRACETOP_COMMAND_POLL_S}={raw!r}: give a positive number of seconds, "
-                         f"e.g. {DEFAULT_POLL_S:g}")
-    return value
-
-
-def _matches(spec: str, cmd: Any) -> bool:
-    """TRACETOP_TEST_DROP_COMMANDS: ``all``, or ``KEY=VALUE`` entries, comma-separated."""
-    key = KINDS.get(int(cmd.kind), "")
-    value = ("on" if cmd.int_value else "off") if key == "offload" else str(cmd.int_value)
-    for item in spec.split(","):
-        item = item.strip()
-        if item in ("all", "1") or item == f"{key}={value}":
-            return True
-    return False
+        self.link.close(timeout_s)

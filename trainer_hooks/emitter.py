@@ -170,10 +170,9 @@ class Emitter:
                 sink.record_many(Kind.PIPE_INSTR, cols.instr_columns(rec.rank, rec.stage, rows, list(rec.instr_names)))
             rows = _take(rec.step_rows)
             if rows:
-                a, res, peak, rss = self.memory()  # r[-1]: the step's own peak, where measured
-                step, throughput, memory = cols.step_columns(
-                    rec.rank, [r[:-1] + (a, res, r[-1] if r[-1] >= 0 else peak, rss, self.memory_budget_bytes)
-                               for r in rows])
+                a, res, peak, rss = self.memory()  # a row's own peak replaces this sample's, where measured
+                step, throughput, memory = cols.step_columns(rec.rank, rows, (a, res, peak, rss, self.memory_budget_bytes),
+                                                             list(rec.mfu_table))
                 sink.record_many(Kind.STEP, step)
                 sink.record_many(Kind.THROUGHPUT, throughput)
                 sink.record_many(Kind.MEMORY, memory)

@@ -11,7 +11,7 @@ The flow, on a named rank:
    before the next step begins (CPU activities; CUDA too where torch sees a device). The others do
    nothing. Every rank agrees as for any command: if a named rank refuses, the windows started
    elsewhere are stopped and their traces dropped, and the action says who refused and why.
-2. The window counts step ends (``Tracer._step_end``) and stops the profiler after the N-th step
+2. The window counts step ends (the Tracer's step context) and stops the profiler after the N-th step
    ends, before the next begins (or when the tracer closes, with the steps it had).
 3. A thread of its own writes the trace (Chrome/Perfetto JSON, gzip'd) to a temporary file and
    sends it to the collector in pieces of at most 1 MiB (``Control.Profile``); the collector keeps
@@ -89,6 +89,69 @@ def unavailable(rank: int) -> str | None:
     except Exception as e:
         return f"torch.profiler is unavailable on rank {rank} ({type(e).__name__}: {e})"
     return None
+
+
+class Windows:
+    """This rank's profiling windows, one at a time: the PROFILE command's flow at a boundary, the
+    running window's step count, its end when the tracer closes. Held by the command bus (whose
+    ``settle``/``undone`` make every rank agree, as for any command)."""
+
+    def __init__(self, bus: Any) -> None:
+        self.bus = bus
+        self.enabled = enabled()
+        self.current: Window | None = None  # the window running (or shipping) on this rank
+
+    def take(self, p: Any) -> None:
+        """A PROFILE command (a ``commands.Pending``) at ``p.step``'s boundary, on every rank (the
+        on_command flow and the reference trainer's seam both land here): the named ranks start a
+        window, all agree."""
+        bus, rank = self.bus, self.bus.t.rank
+        window, why = None, ""
+        named = rank in p.values
+        if named:
+            w = self.current
+            why = (unavailable(rank) or
+                   ("profiling is off on this rank (TRACETOP_PROFILE=0)" if not self.enabled else "") or
+                   (f"a profiling window (action {w.action_id}) is still running on rank {rank}"
+                    if w is not None and w.running else ""))
+            if not why:
+                try:
+                    window = Window(bus, p.action_id, int(p.value), p.step)
+                    window.start()
+                    self.current = window
+                except Exception as e:
+                    window, why = None, f"torch's profiler could not start on rank {rank}: {type(e).__name__}: {e}"
+        message = why or (f"profiling steps {p.step}..{p.step + int(p.value) - 1}" if named
+                          else "not named: nothing to profile here")
+        if bus.settle(p, not why, message) or why:
+            return
+        if window is not None:  # another rank refused: no window anywhere
+            window.stop(ship=False)
+            self.current = None
+        bus.undone(p, True, "this rank's window stopped, its trace dropped" if window is not None
+                   else "not named: nothing to undo")
+
+    def step_done(self) -> None:
+        """A step ended (the Tracer's step end): count it in the running window (stops it after its
+        N steps)."""
+        w = self.current
+        if w is not None and w._prof is not None:
+            try:
+                w.step_done()
+            except Exception as e:
+                self.bus.t.recorder.hook_error("profile", e)
+
+    def end(self, timeout_s: float) -> None:
+        """The tracer closes: stop a running window with the steps it had, let its upload finish."""
+        w = self.current
+        if w is None:
+            return
+        try:
+            if w._prof is not None:
+                w.stop(note=f"the run ended after {w.done_steps} of {w.steps} steps")
+            w.join(timeout_s)
+        except Exception as e:
+            self.bus.t.recorder.hook_error("profile close", e)
 
 
 class Window:
@@ -187,7 +250,7 @@ class Window:
         from tracetop.wire import tracetop_pb2 as pb
 
         t = self.bus.t
-        m = pb.ProfileChunk(run_id=t.run_id, rank=t.rank, source_key=self.bus._source_key(),
+        m = pb.ProfileChunk(run_id=t.run_id, rank=t.rank, source_key=self.bus.link.source_key(),
                             command_id=str(self.action_id), offset=offset, data=data, last=last)
         if last:
             m.total_bytes, m.first_step, m.steps = total, self.first_step, self.done_steps
@@ -199,7 +262,8 @@ class Window:
 
         for attempt in range(5):
             try:
-                pb_grpc.ControlStub(self.bus._make_channel()).Profile(msg, timeout=30, metadata=self.bus._metadata())
+                link = self.bus.link
+                pb_grpc.ControlStub(link.channel()).Profile(msg, timeout=30, metadata=link.metadata())
                 return
             except Exception as e:
                 code = e.code() if hasattr(e, "code") else None

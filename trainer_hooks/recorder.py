@@ -68,6 +68,22 @@ def _discard(kind: Kind, *row: Any) -> None:
     return None
 
 
+def _mfu_input(i: int, doc: str) -> Any:
+    """A Recorder attribute kept in ``mfu_table[mfu_index]`` (read there; a change appends a new
+    entry, so rows already recorded keep the inputs that were in force)."""
+
+    def get(self: Recorder) -> float:
+        return self.mfu_table[self.mfu_index][i]
+
+    def set_(self: Recorder, value: float) -> None:
+        inputs = list(self.mfu_table[self.mfu_index])
+        inputs[i] = value
+        self.mfu_table.append((inputs[0], inputs[1], inputs[2]))
+        self.mfu_index = len(self.mfu_table) - 1
+
+    return property(get, set_, doc=doc)
+
+
 class StepAccumulator:
     """Per-step accounting, fed with durations in the order events happened (by the training
     thread on CPU, by the emitter on GPU): ``sums`` per slot (:data:`PHASE_SLOTS`), ``comm_ns``,
@@ -144,7 +160,11 @@ class Recorder:
         self.device_clock = device_clock
         self.record = record
         self.clock_ns = clock_ns
-        self.flops_per_token, self.peak_flops, self.model_share = flops_per_token, peak_flops, model_share
+        #: every (flops_per_token, model_share, peak_flops) set so far, and the index of the one in force:
+        #: a STEP row carries the index (an int: a row of numbers only is one the garbage collector
+        #: stops tracking), the emitter derives throughput and MFU from it, vectorised
+        self.mfu_table: list[tuple[float, float, float]] = [(flops_per_token, model_share, peak_flops)]
+        self.mfu_index = 0
         self.stage = -1  # this rank's pipeline stage (describe())
         self.errors = 0
         self.warned: set[str] = set()
@@ -164,7 +184,7 @@ class Recorder:
         # row buffers (plain lists; the emitter drains them into columns)
         self.collective_rows: list[tuple] = []  # (step, start_ns, duration_ns, bytes, sig)
         self.instr_rows: list[tuple] = []  # (step, start_ns, duration_ns, micro_batch, instr code)
-        self.step_rows: list[tuple] = []  # one per step: columns.STEP_FIELDS up to the memory fields
+        self.step_rows: list[tuple] = []  # one per step: columns.STEP_ROW (the emitter derives the rest)
         self.instr_counts: dict[str, int] = {}  # instruction -> how many this step (its micro-batch index)
         self.instr_names: list[str] = []  # instr code -> name
         self._instr_codes: dict[str, int] = {}
@@ -181,6 +201,10 @@ class Recorder:
         self._peer_roles: dict[int, str] = {}
         self.no_future: set[int] = set()  # signatures whose async Work has no future (async_done)
         self._phases: dict[str, PhaseContext] = {}
+
+    flops_per_token = _mfu_input(0, "model FLOPs per token (MFU input)")
+    model_share = _mfu_input(1, "this rank's share of the model: 1/(tp*pp) (MFU input)")
+    peak_flops = _mfu_input(2, "the device's peak FLOP/s (MFU input)")
 
     # ------------------------------------------------------------------ errors
     def hook_error(self, where: str, e: BaseException) -> None:
@@ -211,36 +235,41 @@ class Recorder:
         self.step_off = wall0 - perf0
         clock = self.device_clock
         if clock is None:
-            self.acc.reset()
-            self.step_t0 = self.step_perf0
+            acc = self.acc  # its reset, inline (a call a step saved)
+            acc.comm_ns = 0
+            acc.sums[:] = _ZEROS
+            acc.stack.clear()
+            self.step_t0 = perf0
         else:
             self.deferred.append((_STEP_BEGIN, n, None, None))  # reset the accumulator
             self.step_t0 = clock.mark()
 
-    def end_step(self, tokens: int, samples: int, shape: tuple[Any, int, int, int]) -> None:
-        """``shape``: (loss, micro_batch, micro_batches, the step's memory peak) as in force now."""
+    def end_step(self, tokens: int, samples: int, loss: Any, micro_batch: int, micro_batches: int, peak: int) -> None:
+        """The step ends, with the loss, batch shape and memory peak in force now."""
         self.in_step = False
         self.current_phase = "idle"
         clock = self.device_clock
         if clock is None:
-            dur = perf_counter_ns() - self.step_t0
-            self.finish_step(self.step_n, self.step_wall0, dur, tokens, samples, self.acc, shape)
+            acc = self.acc
+            s = acc.sums
+            self.step_rows.append((self.step_n, self.step_wall0, perf_counter_ns() - self.step_t0, s[0], s[1], s[2],
+                                   s[3], acc.comm_ns, tokens, samples, loss, micro_batch, micro_batches, peak,
+                                   self.mfu_index))
+            self.events += 3
         else:
-            info = (self.step_n, self.step_wall0, tokens, samples, shape)
+            info = (self.step_n, self.step_wall0, tokens, samples, (loss, micro_batch, micro_batches, peak))
             self.deferred.append((_STEP_END, info, self.step_t0, clock.mark()))
 
     def finish_step(self, n: int, wall0: int, dur: int, tokens: int, samples: int, acc: StepAccumulator,
                     shape: tuple[Any, int, int, int]) -> None:
-        """The STEP row (memory is sampled by the emitter when it ships it, at most one drain later)."""
+        """The device clock's STEP row, once its events are done (the CPU path appends it in
+        ``end_step``). A row is ``columns.STEP_ROW``: the emitter derives the rest, vectorised."""
         s = acc.sums
-        if not isinstance(shape[0], float):  # a device loss: its copy is done (GPU path: the emitter, event ready)
-            shape = (resolve_loss(shape[0]), *shape[1:])
-        secs = dur / 1e9 if dur > 0 else _NAN
-        tps = tokens / secs if tokens >= 0 else _NAN
-        sps = samples / secs if samples >= 0 else _NAN
-        tflops = tps * self.flops_per_token * self.model_share / 1e12
-        self.step_rows.append((n, wall0, dur, s[0], s[1], s[2], s[3], acc.comm_ns, s[1] + s[2] + s[3], tokens,
-                               samples, tps, sps, tflops, tflops * 1e12 / self.peak_flops, *shape))
+        loss, mb, mbs, peak = shape
+        if not isinstance(loss, float):  # a device loss: its copy is done (the event is ready)
+            loss = resolve_loss(loss)
+        self.step_rows.append((n, wall0, dur, s[0], s[1], s[2], s[3], acc.comm_ns, tokens, samples, loss, mb, mbs,
+                               peak, self.mfu_index))
         self.events += 3
 
     # ------------------------------------------------------------------ pipeline instructions

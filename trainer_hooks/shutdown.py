@@ -153,7 +153,7 @@ def closing(begin: bool) -> None:
 
 def _live() -> list[Tracer]:
     with _lock:
-        return [t for t in list(_tracers) if not t._closed]
+        return [t for t in list(_tracers) if not t.closed]
 
 
 def flush_all(deadline: float, final: bool) -> None:
@@ -165,7 +165,7 @@ def flush_all(deadline: float, final: bool) -> None:
     _flush_owner = threading.get_ident()
     try:
         for t in _live():
-            t._exit_flush(deadline, final)
+            t.exit_flush(deadline, final)
     finally:
         _flush_owner = 0
         _flush_lock.release()
@@ -253,7 +253,7 @@ def _at_exit() -> None:
         try:
             for t in _live():
                 try:
-                    t._close_within(deadline)
+                    t.close_within(deadline)
                 except Exception:
                     pass
         finally:

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from tracetop import env as tenv
 from tracetop.events import Kind
+from trainer_hooks import closing, profiling, progress, shutdown
 from trainer_hooks import commands as cmds
-from trainer_hooks import profiling, progress, shutdown
 from trainer_hooks.device_clock import CudaClock, DeviceClock
 from trainer_hooks.emitter import Emitter
 from trainer_hooks.identity import Identity, SetupError, resolve
@@ -76,18 +76,42 @@ class _StepCtx:
             if not t._described:
                 t.describe()
             commands = t.commands
-            if commands is not None and commands.driving:  # before the step's clock starts
+            # before the step's clock starts; two reads a step where no boundary is wanted (the rest
+            # of ``driving``, a seam, K = 0, a broken path, is boundary()'s to check)
+            if commands is not None and (commands.handlers or commands.profile_alone):
                 commands.boundary(self.n)
             t.recorder.begin_step(self.n)
         except Exception as e:
             t.recorder.hook_error("step", e)
 
     def __exit__(self, *exc: Any) -> Literal[False]:
+        """The step's end: its row with the loss, batch shape and memory peak in force now (the
+        peak reset for the next step), a profiling window's count, the progress record."""
         t = self.t
+        rec = t.recorder
         try:
-            t._step_end(self.tokens, self.samples)
+            loss = t._loss
+            if type(loss) is not float:  # a tensor (read now; a device one copied, read by the emitter), None, an int
+                try:
+                    loss = loss_value(loss, deferred=rec.device_clock is not None)
+                except Exception as e:
+                    rec.hook_error("loss", e)
+                    loss = _NAN
+            t._loss = _NAN
+            peak = t.step_peak.take() if t.step_peak is not None else -1
+            rec.end_step(self.tokens, self.samples, loss, t.micro_batch, t.micro_batches, peak)
+            windows = t.windows
+            if windows is not None and windows.current is not None:  # a profiling window counts its steps
+                windows.step_done()
+            if t.progress is not None:
+                t.progress.step_done(rec.step_n)
+            if t._handover_s:
+                now = time.monotonic()
+                if now >= t._next_handover:
+                    t._next_handover = now + t._handover_s
+                    t.emitter.handover()  # type: ignore[union-attr]
         except Exception as e:
-            t.recorder.hook_error("step", e)
+            rec.hook_error("step", e)
         return False
 
 
@@ -177,8 +201,8 @@ class Tracer:
         statm_path: str = "/proc/self/statm",
     ) -> None:
         self.enabled = (not tenv.disabled()) if enabled is None else bool(enabled)
-        self._closed = False
-        self._final_beat = False  # the exit path sent the closed heartbeat
+        self.closed = False  # close() ran (or began)
+        self.final_beat = False  # the exit path sent the closed heartbeat
         self._handover_s = 0.0  # local endpoints: seconds between handovers at step ends
         self.progress: progress.Progress | None = None  # the progress record (enabled tracers)
         self._next_handover = 0.0
@@ -192,6 +216,7 @@ class Tracer:
         self.samples_per_step = samples_per_step if samples_per_step is not None else -1
         self.memory_budget_bytes = tenv.memory_budget_bytes(memory_budget_bytes)
         self.commands: cmds.CommandBus | None = None  # enabled tracers: commands at step boundaries
+        self.windows: profiling.Windows | None = None  # enabled tracers: its profiling windows
         self.emitter: Emitter | None = None  # enabled tracers
         self.step_peak: StepPeak | None = None  # the step's memory peak (enabled tracers)
         # the batch shape in force, stamped on every STEP row (describe() sets it; -1 = unknown)
@@ -247,6 +272,7 @@ class Tracer:
                                memory_budget_bytes=self.memory_budget_bytes, statm_path=statm_path)
         self.step_peak = StepPeak(_torch_cuda() if device_clock is not None and own_clock else None)
         self.commands = cmds.CommandBus(self)
+        self.windows = self.commands.windows  # the step's end counts a running profiling window's steps
         if wrap_collectives:
             self._wrapped = self._install_collectives()
         self.emitter.start()
@@ -283,7 +309,7 @@ class Tracer:
     def set_loss(self, value: Any) -> None:
         """The current step's loss (a float or a tensor; a CUDA tensor is read by the emitter once
         the step's end event is done, never synced here: trainer_hooks/loss.py). Only kept here:
-        the value in force at the step's end is read then (``_step_end``), so a tensor replaced
+        the value in force at the step's end is read then (``_StepCtx.__exit__``), so a tensor replaced
         before that (DeepSpeed's ``train_batch`` result, then the trainer's own float) is never read."""
         if self.enabled:
             self._loss = value
@@ -389,78 +415,16 @@ class Tracer:
     def close(self) -> None:
         """Restore the collectives, stop the emitter, flush (up to close_timeout_s). Idempotent. Not
         calling it loses nothing either: exit and SIGTERM/SIGINT flush too (shutdown.py)."""
-        self._close_within(None)
+        closing.close(self, None)
 
-    def _close_within(self, deadline: float | None) -> None:
-        """close(); with ``deadline`` (monotonic), all of it bounded by it (the exit path)."""
-        if self._closed:
-            return
-        self._closed = True
-        if not self.enabled:
-            return
-        shutdown.unregister(self)
-        shutdown.closing(True)  # a SIGTERM meanwhile waits for this close (up to its deadline)
-        try:
-            self._close_body(deadline)
-        finally:
-            shutdown.closing(False)  # hands on a signal that came meanwhile
+    def close_within(self, deadline: float) -> None:
+        """close(), all of it bounded by ``deadline`` (monotonic): the interpreter's exit (shutdown.py)."""
+        closing.close(self, deadline)
 
-    def _close_body(self, deadline: float | None) -> None:
-        rec, emitter = self.recorder, self.emitter
-        assert emitter is not None and self.commands is not None and self.step_peak is not None
-
-        def left(cap: float) -> float:
-            return cap if deadline is None else max(0.0, min(cap, deadline - time.monotonic()))
-
-        try:
-            colls.uninstall(rec)
-            ddp.uninstall(rec)
-            self.commands.end_window(left(profiling.CLOSE_WAIT_S))
-            self.commands.close()
-            emitter.stop(timeout_s=left(max(2.0, self.close_timeout_s)))
-            emitter.heartbeat(closed=True)  # the clean close: collector/ingest/source_ends.py watches for it
-        except Exception as e:
-            rec.hook_error("close", e)
-        finally:
-            timeout_s = left(self.close_timeout_s)
-            st = self.shipper.stats()
-            if st and st.get("last_error") and not st.get("connected") and not st.get("batches_acked"):
-                # never reached the endpoint: do not hold the trainer's exit for long
-                timeout_s = min(timeout_s, 1.0)
-                log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
-                            self.rank, self.endpoint, st.get("unacked_batches", 0))
-            if self.progress is not None:  # a rank of this run killed on this node: count its loss
-                progress.claim_dead(self.shipper, self.run_id)
-            self.shipper.close(timeout_s)
-            if self.progress is not None and not self.shipper.stats().get("unacked_batches"):
-                self.progress.remove()  # all handed over; else a neighbour counts what was not
-            emitter.close()
-            self.step_peak.close()
-            if rec.errors:
-                log.warning("trainer_hooks: %d hook errors were counted and skipped on rank %d", rec.errors, self.rank)
-
-    def _exit_flush(self, deadline: float, final: bool) -> None:
-        """The process is ending (a signal; trainer_hooks/shutdown.py): the rows the training thread
-        recorded go to the shipper and out, acked by ``deadline`` (monotonic) or left. ``final``:
-        the process dies after this, so once all is acked a last heartbeat says ``closed``. Called
-        from the main thread's handler or the watcher thread; never raises."""
-        emitter = self.emitter
-        if self._closed or not self.enabled or emitter is None:
-            return
-        try:
-            # (device-clock pairs are resolved by the emitter thread alone, every 50 ms: not here)
-            emitter.drain()
-            ok = self.shipper.flush(max(0.0, deadline - time.monotonic()))
-            # a rank of this run killed on this node (torchrun ends the rest right after): count its loss
-            if progress.claim_dead(self.shipper, self.run_id):
-                ok = self.shipper.flush(max(0.0, deadline - time.monotonic())) and ok
-            if ok and final and not self._final_beat:
-                self._final_beat = True
-                emitter.heartbeat(closed=True)
-                if self.shipper.flush(max(0.0, deadline - time.monotonic())) and self.progress is not None:
-                    self.progress.remove()  # all handed over
-        except Exception as e:
-            self.recorder.hook_error("exit-flush", e)
+    def exit_flush(self, deadline: float, final: bool) -> None:
+        """The process is ending on a signal (shutdown.py): ship what was recorded, acked by
+        ``deadline`` (monotonic) or left (:func:`trainer_hooks.closing.exit_flush`). Never raises."""
+        closing.exit_flush(self, deadline, final)
 
     def __enter__(self) -> Tracer:
         return self
@@ -470,31 +434,6 @@ class Tracer:
 
     def stats(self) -> dict[str, Any]:
         return {"errors": self.errors, "events": self.events, "shipper": self.shipper.stats()}
-
-    # ------------------------------------------------------------------ steps
-    def _step_end(self, tokens: int, samples: int) -> None:
-        # as in force at this step's end, and the step's memory peak (reset for the next step)
-        rec = self.recorder
-        loss = self._loss
-        if type(loss) is not float:  # a tensor (read now; a device one copied, read by the emitter), None, an int
-            try:
-                loss = loss_value(loss, deferred=rec.device_clock is not None)
-            except Exception as e:
-                rec.hook_error("loss", e)
-                loss = _NAN
-        self._loss = _NAN
-        peak = self.step_peak.take() if self.step_peak is not None else -1
-        rec.end_step(tokens, samples, (loss, self.micro_batch, self.micro_batches, peak))
-        commands = self.commands
-        if commands is not None and commands.window is not None:  # a profiling window counts its steps
-            commands.step_done()
-        if self.progress is not None:
-            self.progress.step_done(self.recorder.step_n)
-        if self._handover_s:
-            now = time.monotonic()
-            if now >= self._next_handover:
-                self._next_handover = now + self._handover_s
-                self.emitter.handover()  # type: ignore[union-attr]
 
     def _install_collectives(self) -> list[str]:
         try:
