@@ -210,7 +210,7 @@ MIX_GPU_HZ_PER_8_RANKS = 1.0
 MIX_HEARTBEAT_S = 5.0
 
 
-def _mix_template(kind, first_rank: int, ranks: int, per_rank: int) -> dict:
+def mix_template(kind, first_rank: int, ranks: int, per_rank: int) -> dict:
     """Columns for `ranks` ranks × `per_rank` rows of one kind; strings as (codes, dictionary)."""
     import numpy as np
 
@@ -265,11 +265,11 @@ def run_mix_source(endpoint: str, run_id: str, source: int, first_rank: int, ran
 
     shipper = Shipper(endpoint, run_id=run_id, source_id=f"mix-{source}-{os.getpid()}", rank=first_rank,
                       burst_linger_s=1.0)
-    templates = {getattr(Kind, k): _mix_template(getattr(Kind, k), first_rank, ranks, per)
+    templates = {getattr(Kind, k): mix_template(getattr(Kind, k), first_rank, ranks, per)
                  for k, per in MIX_PER_RANK_STEP.items()}
     gpus = max(1, ranks // 8)
-    gpu_t = _mix_template(Kind.GPU_SAMPLE, first_rank, gpus, 1)
-    hb_t = _mix_template(Kind.HEARTBEAT, first_rank, ranks, 1)
+    gpu_t = mix_template(Kind.GPU_SAMPLE, first_rank, gpus, 1)
+    hb_t = mix_template(Kind.HEARTBEAT, first_rank, ranks, 1)
     # healthy ranks between collectives (the template's made-up op names "entered" in 1970 made every
     # rank stuck, and the live engine judged 16,384 hangs a tick: an alert storm, not the usual load)
     hb_t.update(phase=(np.zeros(ranks, "<i4"), ["forward"]), pending_op=(np.zeros(ranks, "<i4"), [""]),

@@ -42,7 +42,7 @@ def _cpu_s() -> float:
 
 def _mix_step(con, step: int, ranks: int) -> None:
     """One step of the realistic mix, with the loadgen template's values (collector/bench/loadgen.py
-    `_mix_template`: per source, row j's counters are j % 1000 + 1, its strings '<col>-' || j % 4)."""
+    `mix_template`: per source, row j's counters are j % 1000 + 1, its strings '<col>-' || j % 4)."""
     per = _MIX_RANKS_PER_SOURCE
     t0 = 1_700_000_000_000_000_000 + step * 2_000_000_000
     con.execute(f"""INSERT INTO step (run_id, rank, step, start_ns, duration_ns, data_wait_ns, forward_ns, backward_ns,

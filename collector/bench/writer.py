@@ -29,7 +29,7 @@ def _tables(mix: bool) -> list[tuple[str, object]]:
     """(table, Arrow table) pairs, one commit's worth of each kind at the smallest unit."""
     import numpy as np
 
-    from collector.bench.loadgen import MIX_PER_RANK_STEP, _mix_template
+    from collector.bench.loadgen import MIX_PER_RANK_STEP, mix_template
     from collector.ingest.writer import batch_to_arrow
     from tracetop.events import SCHEMAS, Kind, table_name
     from tracetop.wire.codec import decode_batch, encode_batch
@@ -41,7 +41,7 @@ def _tables(mix: bool) -> list[tuple[str, object]]:
         out = []
         for name, per in MIX_PER_RANK_STEP.items():
             kind = getattr(Kind, name)
-            cols = _mix_template(kind, 0, 2048, per)
+            cols = mix_template(kind, 0, 2048, per)
             cols.update(step=np.full(2048 * per, 1, "<i8"), start_ns=np.full(2048 * per, time.time_ns(), "<i8"))
             out.append((table_name(kind), arrow(kind, cols)))
         return out

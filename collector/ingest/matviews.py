@@ -100,7 +100,7 @@ def step_ranks_sql(keys: str | None = None, lo: int | None = None, hi: int | Non
 
 
 #: The judgment both stragglers SELECTs end with, over their relation `o` (rank, its stage's others).
-_STRAGGLER_JUDGMENT = """SELECT run_id, step, stage, rank, stage_ranks, compute_ms, wait_ms, others_compute_ms, others_wait_ms,
+STRAGGLER_JUDGMENT = """SELECT run_id, step, stage, rank, stage_ranks, compute_ms, wait_ms, others_compute_ms, others_wait_ms,
                compute_ms / others_compute_ms AS compute_ratio, compute_ms - others_compute_ms AS excess_ms,
                z_compute, z_wait,
                coalesce(compute_ms - others_compute_ms > 50 AND compute_ms / others_compute_ms > 1.5
@@ -157,7 +157,7 @@ def stragglers_sql(sr: str = "step_ranks") -> str:
         ), o AS (
             SELECT j.*, d.madc, d.madw FROM j JOIN d ON {same('d', 'j')}
         )
-        {_STRAGGLER_JUDGMENT}"""
+        {STRAGGLER_JUDGMENT}"""
 
 
 def grad_sync_sql(sr: str = "step_ranks") -> str:

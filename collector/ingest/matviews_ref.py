@@ -4,7 +4,7 @@ Nothing else runs them: a file's views are created again by each migration that 
 
 from __future__ import annotations
 
-from collector.ingest.matviews import _STRAGGLER_JUDGMENT
+from collector.ingest.matviews import STRAGGLER_JUDGMENT
 
 
 def stragglers_lists_sql(sr: str = "step_ranks") -> str:
@@ -31,7 +31,7 @@ def stragglers_lists_sql(sr: str = "step_ranks") -> str:
                                                    + wl[ib + CAST(ib >= pw AS INTEGER) + 1]) / 2 END AS others_wait_ms
             FROM m
         )
-        {_STRAGGLER_JUDGMENT}"""
+        {STRAGGLER_JUDGMENT}"""
 
 
 def stragglers_windows_sql(sr: str = "step_ranks") -> str:
@@ -67,4 +67,4 @@ def stragglers_windows_sql(sr: str = "step_ranks") -> str:
             SELECT *, {others('compute_ms', 'pc')} AS others_compute_ms, {others('wait_ms', 'pw')} AS others_wait_ms
             FROM k
         )
-        {_STRAGGLER_JUDGMENT}"""
+        {STRAGGLER_JUDGMENT}"""
