@@ -16,11 +16,12 @@ import duckdb
 import numpy as np
 import pytest
 
-from collector.ingest import matviews, matviews_ref, rollup
+from collector.ingest import matviews, rollup
 from collector.ingest.schema import MIGRATIONS, open_store
 from collector.ingest.writer import QueuedBatch, StreamReplies, Writer, batch_to_arrow
 from collector.query.lost_sql import lost_time_over, lost_time_over_v10, lost_time_sql_v8
 from collector.query.multifile import connect_many
+from tests.collector import matviews_ref
 from tests.support import ROOT
 from tracetop.events import SCHEMAS, Kind, table_name
 from tracetop.wire.codec import decode_batch, encode_batch

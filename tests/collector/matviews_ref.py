@@ -1,5 +1,5 @@
 """The stragglers SQL texts earlier schemas stored (_v5's, _v13's), kept as the references
-collector/ingest/matviews.py's `stragglers_sql` must give the rows of (tests/collector/test_matviews.py).
+collector/ingest/matviews.py's `stragglers_sql` must give the rows of (test_matviews.py, beside this file).
 Nothing else runs them: a file's views are created again by each migration that changes them."""
 
 from __future__ import annotations
