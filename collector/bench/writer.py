@@ -4,7 +4,7 @@
     python -m collector.bench.writer --mix --rows 8000000 --commit-rows 160000 --checkpoint 64MB
 
 One process, no gRPC, no roll, no live engine: the Arrow tables `batch_to_arrow` makes, INSERTed as the
-writer does (one INSERT per kind a commit) into a fresh file opened as the collector opens it. The rows:
+writer does (`writer.insert_rows`: one INSERT per kind a commit) into a fresh file opened as the collector opens it. The rows:
 `bench ingest`'s STEP rows (each row a step of its own), or with --mix the realistic mix's kinds in its
 proportions (1 STEP, 20 COLLECTIVE, 16 PIPE_INSTR, 1 MEMORY, 1 THROUGHPUT a rank-step). CPU is the
 process's (every DuckDB thread included), over the commits, then the closing checkpoint's apart.
@@ -18,6 +18,10 @@ import resource
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 def _cpu_s() -> float:
@@ -25,7 +29,7 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _tables(mix: bool) -> list[tuple[str, object]]:
+def _tables(mix: bool) -> list[tuple[str, pa.Table]]:
     """(table, Arrow table) pairs, one commit's worth of each kind at the smallest unit."""
     import numpy as np
 
@@ -54,25 +58,22 @@ def _tables(mix: bool) -> list[tuple[str, object]]:
 
 
 def run(rows: int, commit_rows: int, checkpoint: str, mix: bool) -> dict:
-    import pyarrow as pa
-
     from collector.ingest.schema import open_store
+    from collector.ingest.writer import insert_rows
 
     units = _tables(mix)
-    unit_rows = sum(t.num_rows for _, t in units)  # type: ignore[attr-defined]
+    unit_rows = sum(t.num_rows for _, t in units)
     k = max(1, commit_rows // unit_rows)
-    commit = [(name, pa.concat_tables([t] * k)) for name, t in units]  # type: ignore[list-item]
+    commit = [(name, [t] * k) for name, t in units]  # k batches of each kind, as the writer's queue holds them
     with tempfile.TemporaryDirectory(prefix="tracetop-writer-") as d:
         con = open_store(str(Path(d) / "w.duckdb"), settings={"checkpoint_threshold": checkpoint})
         done, commits = 0, 0
         c0, w0 = _cpu_s(), time.monotonic()
         while done < rows:
             con.execute("BEGIN TRANSACTION")
-            for name, table in commit:
-                con.register("_tt_batch", table)
-                con.execute(f"INSERT INTO {name} SELECT * FROM _tt_batch")
-                con.unregister("_tt_batch")
-                done += table.num_rows
+            for name, tables in commit:
+                insert_rows(con, name, tables)
+                done += sum(t.num_rows for t in tables)
             con.execute("COMMIT")
             commits += 1
         c1, w1 = _cpu_s(), time.monotonic()

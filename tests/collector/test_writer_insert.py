@@ -1,0 +1,65 @@
+"""The writer's INSERT path (writer.insert_rows): a commit's many batches stored exactly, and a
+commit past a DuckDB row group written as whole row groups (the cheap path: no WAL copy, no
+re-compression by the next checkpoint, no partial row groups for checkpoints to merge)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from collector.ingest.schema import open_store
+from collector.ingest.writer import ROW_GROUP_ROWS, Ack, QueuedBatch, StreamReplies, Writer, batch_to_arrow
+from tracetop.events import SCHEMAS, Kind
+from tracetop.wire.codec import decode_batch, encode_batch
+
+BATCH_ROWS = 16384
+
+
+class _Acks(StreamReplies):
+    def __init__(self) -> None:
+        self.acks: list[Ack] = []
+
+    def deliver(self, item) -> None:
+        if isinstance(item, Ack):
+            self.acks.append(item)
+
+
+def _queued(replies, kind: Kind, cols: dict, seq: int) -> QueuedBatch:
+    n = len(next(iter(cols.values())))
+    full = {c.name: cols.get(c.name, [""] * n if c.dtype == "str" else np.zeros(n)) for c in SCHEMAS[kind]}
+    b = decode_batch(encode_batch(kind, full, source_id="ins", seq=seq, run_id="run-ins"))
+    return QueuedBatch(replies, b, batch_to_arrow(b))
+
+
+def test_one_commit_of_many_batches_is_stored_exactly_in_whole_row_groups(tmp_path) -> None:
+    rng = np.random.default_rng(5)
+    con = open_store(str(tmp_path / "w.duckdb"))
+    replies = _Acks()
+    writer = Writer(con, flush_rows=10**9, flush_interval_s=60.0)
+    n_steps = 15  # 15 batches of STEP rows: 245,760 rows, two whole row groups
+    ops_by_batch = [("all_reduce", "send"), ("recv", "all_reduce", "broadcast"), ("send",)]
+    want_coll: list[tuple[int, int, str]] = []
+    seq = 0
+    for i in range(n_steps):
+        seq += 1
+        steps = np.arange(i * BATCH_ROWS, (i + 1) * BATCH_ROWS)
+        writer.submit(_queued(replies, Kind.STEP, {"rank": steps % 7, "step": steps, "loss": steps / 3.0}, seq))
+    for i, ops in enumerate(ops_by_batch):  # each batch its own dictionary: unified on the way in
+        seq += 1
+        n = 500
+        picks = [ops[j] for j in rng.integers(0, len(ops), n)]
+        writer.submit(_queued(replies, Kind.COLLECTIVE, {"rank": np.full(n, i), "step": np.arange(n), "op": picks}, seq))
+        want_coll += [(i, s, op) for s, op in zip(range(n), picks)]
+    writer.start()  # everything was queued before: one commit
+    writer.close()
+    assert replies.acks and replies.acks[-1].seq == seq
+    rows = n_steps * BATCH_ROWS
+    got = con.execute("SELECT count(*), sum(step), sum(rank), sum(loss), count(DISTINCT run_id) FROM step").fetchone()
+    steps = np.arange(rows)
+    assert got[:3] == (rows, int(steps.sum()), int((steps % 7).sum()))
+    assert math.isclose(got[3], float((steps / 3.0).sum()), rel_tol=1e-12) and got[4] == 1
+    assert sorted(con.execute("SELECT rank, step, op FROM collective").fetchall()) == sorted(want_coll)
+    groups = con.execute("SELECT count(DISTINCT row_group_id) FROM pragma_storage_info('step')").fetchone()[0]
+    assert groups == math.ceil(rows / ROW_GROUP_ROWS) == 2  # scanned on several threads: 3 (partial ones)
+    con.close()
