@@ -134,11 +134,19 @@ def memory_budget(config: CollectorConfig) -> MemoryBudget:
 def duckdb_settings(budget: MemoryBudget) -> dict[str, str | int]:
     """DuckDB's settings for the collector's file, beyond its memory limit. (DuckDB's threads stay
     at one per core: at 1 the rows bench's CPU per row was the same, its rate far lower.)
-    TRACETOP_CHECKPOINT_MB overrides the checkpoint threshold (for A/B runs: `bench ingest --ab`)."""
+    TRACETOP_CHECKPOINT_MB overrides the checkpoint threshold (for A/B runs: `bench ingest --ab`).
+    TRACETOP_MAX_VACUUM_TASKS sets DuckDB's max_vacuum_tasks (for A/B runs): 0 stops checkpoints
+    merging the partial row groups big commits leave (recompressing them: at 131,072-row commits of
+    STEP rows 0.5 of 1.0 CPU-s per million, `python -m collector.bench.writer --set
+    max_vacuum_tasks=0`), but also stops them reclaiming partly deleted row groups until compaction."""
     import os
 
     mb = int(os.environ.get("TRACETOP_CHECKPOINT_MB") or budget.checkpoint_mb)
-    return {"checkpoint_threshold": f"{mb}MB"}
+    out: dict[str, str | int] = {"checkpoint_threshold": f"{mb}MB"}
+    vacuum = os.environ.get("TRACETOP_MAX_VACUUM_TASKS")
+    if vacuum:
+        out["max_vacuum_tasks"] = int(vacuum)
+    return out
 
 
 @dataclass

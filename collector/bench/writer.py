@@ -57,7 +57,7 @@ def _tables(mix: bool) -> list[tuple[str, pa.Table]]:
     return [(table_name(Kind.STEP), arrow(Kind.STEP, cols))]
 
 
-def run(rows: int, commit_rows: int, checkpoint: str, mix: bool) -> dict:
+def run(rows: int, commit_rows: int, checkpoint: str, mix: bool, settings: dict[str, str] | None = None) -> dict:
     from collector.ingest.schema import open_store
     from collector.ingest.writer import insert_rows
 
@@ -66,7 +66,7 @@ def run(rows: int, commit_rows: int, checkpoint: str, mix: bool) -> dict:
     k = max(1, commit_rows // unit_rows)
     commit = [(name, [t] * k) for name, t in units]  # k batches of each kind, as the writer's queue holds them
     with tempfile.TemporaryDirectory(prefix="tracetop-writer-") as d:
-        con = open_store(str(Path(d) / "w.duckdb"), settings={"checkpoint_threshold": checkpoint})
+        con = open_store(str(Path(d) / "w.duckdb"), settings={"checkpoint_threshold": checkpoint, **(settings or {})})
         done, commits = 0, 0
         c0, w0 = _cpu_s(), time.monotonic()
         while done < rows:
@@ -81,7 +81,7 @@ def run(rows: int, commit_rows: int, checkpoint: str, mix: bool) -> dict:
         c2 = _cpu_s()
         con.close()
         file_mb = (Path(d) / "w.duckdb").stat().st_size / 2**20
-    return {"rows": done, "commit_rows": k * unit_rows, "commits": commits, "checkpoint": checkpoint, "mix": mix,
+    return {"rows": done, "commit_rows": k * unit_rows, "commits": commits, "checkpoint": checkpoint, "mix": mix, "settings": settings or {},
             "cpu_s_per_m": round((c1 - c0) / done * 1e6, 3), "closing_checkpoint_cpu_s_per_m": round((c2 - c1) / done * 1e6, 3),
             "wall_s": round(w1 - w0, 2), "file_mb": round(file_mb, 1),
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
@@ -94,8 +94,10 @@ def main() -> None:
                    "rows, or 2,048 ranks' mix)")
     p.add_argument("--checkpoint", default="64MB", help="DuckDB's checkpoint_threshold (its default: 16MB)")
     p.add_argument("--mix", action="store_true", help="the realistic mix's kinds instead of STEP rows")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="another DuckDB setting (repeatable)")
     a = p.parse_args()
-    print(json.dumps(run(a.rows, a.commit_rows, a.checkpoint, a.mix)))
+    settings = dict(s.split("=", 1) for s in a.set)
+    print(json.dumps(run(a.rows, a.commit_rows, a.checkpoint, a.mix, settings)))
 
 
 if __name__ == "__main__":

@@ -63,3 +63,18 @@ def test_one_commit_of_many_batches_is_stored_exactly_in_whole_row_groups(tmp_pa
     groups = con.execute("SELECT count(DISTINCT row_group_id) FROM pragma_storage_info('step')").fetchone()[0]
     assert groups == math.ceil(rows / ROW_GROUP_ROWS) == 2  # scanned on several threads: 3 (partial ones)
     con.close()
+
+
+def test_vacuum_knob_reaches_the_file(tmp_path, monkeypatch) -> None:
+    from collector.app import CollectorConfig, duckdb_settings, memory_budget
+
+    budget = memory_budget(CollectorConfig(str(tmp_path / "v.duckdb"), "127.0.0.1:0"))
+    for env, want in ((None, None), ("0", 0), ("7", 7)):
+        if env is None:
+            monkeypatch.delenv("TRACETOP_MAX_VACUUM_TASKS", raising=False)
+        else:
+            monkeypatch.setenv("TRACETOP_MAX_VACUUM_TASKS", env)
+        con = open_store(str(tmp_path / "v.duckdb"), settings=duckdb_settings(budget))
+        got = con.execute("SELECT current_setting('max_vacuum_tasks')").fetchone()[0]
+        con.close()
+        assert got == (want if want is not None else 100)  # DuckDB's default: 100
