@@ -37,13 +37,8 @@ GROWTH = 2.0 ** (1.0 / BUCKETS_PER_OCTAVE)
 #: the largest relative distance between a reported quantile and the exact one (positive values)
 REL_ERROR = (GROWTH - 1.0) / (GROWTH + 1.0)
 NONPOSITIVE = -2147483648  # the bucket of values <= 0
-#: the writer rolls a kind's rows up once this many are past the watermark (and when it closes).
-#: Each roll has a fixed cost (the marks, the touched steps, a commit) and emits a histogram row per
-#: key and bucket it saw: at 16,384 ranks (a step is 606k rows, 327k of them collectives) 200k rolled
-#: the views ~3 times a step and cost 318/328 ms CPU a step, 650k ~once, 289/309 (collective_rollup
-#: 75/80 -> 45/50; roll_cost --live --steps 12, A/B, load ~6). The views read the rows past it
-#: from the tail, exactly, at most this many a kind more per read.
-ROLL_EVERY_ROWS = 650_000
+#: the writer rolls a kind's rows up once this many are past the watermark (and when it closes)
+ROLL_EVERY_ROWS = 200_000
 #: a rollup is compacted when it has more rows than this and twice its last compacted size
 COMPACT_MIN_ROWS = 100_000
 
