@@ -2,7 +2,7 @@
 fixed file: the figure that does not stretch with the machine's load.
 
     .venv/bin/python -m collector.bench.roll_cost [--shape mix|pipeline] [--ranks 16384] [--steps 6]
-        [--repeat 5] [--threads 2] [--file F.duckdb] [--json]
+        [--repeat 5] [--threads 2] [--file F.duckdb] [--live] [--json]
 
 The file (made once by DuckDB's own INSERT ... SELECT, kept with --file) holds `--steps` steps of
 `--ranks` ranks, inserted step by step as a collector stores them:
@@ -18,6 +18,10 @@ worker threads; wall beside it): `advance`, one roll that materializes the last 
 (watermarks set back to their first rows; rolled back after), per step; and each of its statements
 alone for one step (step_ranks into a temp table, then each derived view over it). Run it with
 another tree first on PYTHONPATH to compare that tree's SQL on the same file.
+
+`--live` (mix only; `--steps` steps) times instead every roll the writer makes (views, both rollups),
+as a collector makes them: over a fresh file whose rows are still uncompressed in memory (at 16,384
+ranks the checkpointed file's views roll cost 120 ms CPU a step, the live one 300-350: `time_live`).
 """
 
 from __future__ import annotations
@@ -40,23 +44,24 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _mix_step(con, step: int, ranks: int) -> None:
+def _mix_step(con, step: int, ranks: int, first: int = 0) -> None:
     """One step of the realistic mix, with the loadgen template's values (collector/bench/loadgen.py
-    `mix_template`: per source, row j's counters are j % 1000 + 1, its strings '<col>-' || j % 4)."""
+    `mix_template`: per source, row j's counters are j % 1000 + 1, its strings '<col>-' || j % 4);
+    ranks first..ranks-1 (one source's: first, first + 2048)."""
     per = _MIX_RANKS_PER_SOURCE
     t0 = 1_700_000_000_000_000_000 + step * 2_000_000_000
     con.execute(f"""INSERT INTO step (run_id, rank, step, start_ns, duration_ns, data_wait_ns, forward_ns, backward_ns,
             optimizer_ns, comm_exposed_ns, compute_ns, tokens, samples, loss, micro_batch, micro_batches)
         SELECT 'mix', r, {step}, {t0}, j, j, j, j, j, j, j, j, j, (r % {per}) / {per - 1}, j, j
-        FROM (SELECT i AS r, (i % {per}) % 1000 + 1 AS j FROM range({ranks}) t(i))""")
+        FROM (SELECT i AS r, (i % {per}) % 1000 + 1 AS j FROM range({first}, {ranks}) t(i))""")
     con.execute(f"""INSERT INTO collective (run_id, rank, step, start_ns, duration_ns, op, role, group_size, bytes,
             peer, dtype, is_async)
         SELECT 'mix', i // 20, {step}, {t0}, j % 1000 + 1, 'op-' || j % 4, 'role-' || j % 4, j % 1000 + 1,
                j % 1000 + 1, j % 1000 + 1, 'dtype-' || j % 4, j % 1000 + 1
-        FROM (SELECT i, i % ({per} * 20) AS j FROM range({ranks} * 20) t(i))""")
+        FROM (SELECT i, i % ({per} * 20) AS j FROM range({first} * 20, {ranks} * 20) t(i))""")
     con.execute(f"""INSERT INTO pipe_instr (run_id, rank, step, start_ns, duration_ns, stage, micro_batch, instr)
         SELECT 'mix', i // 16, {step}, {t0}, j % 1000 + 1, j % 1000 + 1, j % 1000 + 1, 'instr-' || j % 4
-        FROM (SELECT i, i % ({per} * 16) AS j FROM range({ranks} * 16) t(i))""")
+        FROM (SELECT i, i % ({per} * 16) AS j FROM range({first} * 16, {ranks} * 16) t(i))""")
 
 
 def _pipeline_start(con, ranks: int) -> None:
@@ -168,6 +173,55 @@ def time_statements(con, repeat: int) -> dict:
     return out
 
 
+def time_live(ranks: int, steps: int, checkpoint_mb: int = 64) -> dict:
+    """The writer's rolls as a collector makes them: a fresh file (rows uncompressed in memory until
+    the checkpoint threshold, as the collector's), each step's mix rows committed source by source
+    (8 sources of `ranks` / 8), the writer's roll rule (collector/ingest/writer.py `_roll_up` whenever
+    a kind has more than ROLL_EVERY_ROWS rows past its watermark) and its closing roll. Process CPU
+    of the rolls (the inserts are not counted), per step, by rolled table."""
+    from collector.ingest import rollup
+    from collector.ingest.schema import migrate, open_store
+    from collector.ingest.writer import Writer
+
+    per_source = -(-ranks // 8)
+    cost: dict[str, float] = {}
+    rows = 0
+    with tempfile.TemporaryDirectory(prefix="tracetop-roll-live-") as d:
+        path = str(Path(d) / "live.duckdb")
+        con = open_store(path, settings={"checkpoint_threshold": f"{checkpoint_mb}MB"})
+        migrate(con, path)
+        w = Writer(con)
+        w._roll_cursor.close()
+        try:
+            def roll(at_least: int) -> None:
+                before = {t: n for t, n in w._unrolled.items() if n > at_least or at_least == 0}
+                for t in before:  # one table at a time, as _roll_up goes, to charge each its CPU
+                    keep = {u: n for u, n in w._unrolled.items() if u != t}
+                    for u in keep:
+                        w._unrolled[u] = 0
+                    c = _cpu_s()
+                    w._roll_up(con, at_least)
+                    cost[t] = cost.get(t, 0.0) + _cpu_s() - c
+                    w._unrolled.update(keep)
+
+            for s in range(steps):
+                for first in range(0, ranks, per_source):
+                    _mix_step(con, s, min(ranks, first + per_source), first)
+                    n = min(ranks, first + per_source) - first
+                    rows += n * 37
+                    w._unrolled["step_rollup"] += n
+                    w._unrolled["collective_rollup"] += 20 * n
+                    w._unrolled["views"] += 37 * n
+                    if max(w._unrolled.values()) > rollup.ROLL_EVERY_ROWS:
+                        roll(rollup.ROLL_EVERY_ROWS)
+            roll(0)
+        finally:
+            con.close()
+    out = {t: round(1e3 * c / steps, 1) for t, c in cost.items()}
+    return {"roll_cpu_ms_per_step": out, "total_ms_per_step": round(sum(out.values()), 1),
+            "cpu_s_per_m_rows": round(sum(cost.values()) / rows * 1e6, 3), "rows": rows}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=["mix", "pipeline"], default="mix")
     parser.add_argument("--ranks", type=int, default=16384)
@@ -176,6 +230,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="DuckDB threads (default: DuckDB's own)")
     parser.add_argument("--file", type=Path, default=None, help="use (or make and keep) this file")
+    parser.add_argument("--live", action="store_true", help="the writer's rolls over a fresh file (`time_live`) only")
     parser.add_argument("--json", action="store_true")
 
 
@@ -185,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from collector.ingest.schema import open_store
 
+    if a.live:
+        load0 = os.getloadavg()[0]
+        live = time_live(a.ranks, a.steps) | {"load": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+        print(json.dumps(live) if a.json else live)
+        return 0
     tmp = None
     path = a.file
     if path is None:

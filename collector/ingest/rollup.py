@@ -104,6 +104,29 @@ def rows_sql(table: str, src: str) -> str:
             f"max(v) AS hi{total} FROM ({union}) GROUP BY ALL)")
 
 
+def collective_rows_sql(src: str) -> str:
+    """`rows_sql('collective_rollup', src)`'s rows, exactly, in two aggregates: the rows grouped first
+    by their keys and their three metrics' buckets together (counts, min, max, the byte sum: sums
+    and extremes of parts are those of the whole), then each metric's histogram from those groups.
+    The union of four copies of every row into one string-keyed aggregate cost 2x more at 16,384
+    ranks (a step's calls of one key fall in few buckets: 655k rows became 4k groups first); where
+    nearly every row is its own bucket triple (uniformly random durations over 100x) it costs ~10%
+    more (collector/bench/roll_cost.py --live). Used by the writer's roll (`_advance_in`); the views
+    keep `rows_sql`."""
+    k = ", ".join(COLLECTIVE_KEYS)
+    base = (f"SELECT run_id, op, role, group_size, {_SIZE_BUCKET} AS size_bucket, bytes, duration_ns, "
+            f"bytes / nullif(duration_ns, 0) AS algbw_gbps FROM {src} WHERE group_size > 0")
+    buckets = ", ".join(f"{_bucket(m)} AS b{i}" for i, m in enumerate(COLLECTIVE_METRICS))
+    aggs = ", ".join(f"count({m}) AS n{i}, min({m})::DOUBLE AS lo{i}, max({m})::DOUBLE AS hi{i}"
+                     for i, m in enumerate(COLLECTIVE_METRICS))
+    g = f"SELECT {k}, {buckets}, count(*) AS n, sum(bytes::HUGEINT) AS t, {aggs} FROM ({base}) GROUP BY ALL"
+    parts = [f"SELECT {k}, 0::UTINYINT AS metric, 0 AS bucket, CAST(sum(n) AS BIGINT) AS n, NULL::DOUBLE AS lo, "
+             "NULL::DOUBLE AS hi, sum(t) AS total FROM g GROUP BY ALL"]
+    parts += [f"SELECT {k}, {i + 1}::UTINYINT, b{i}, CAST(sum(n{i}) AS BIGINT), min(lo{i}), max(hi{i}), NULL "
+              f"FROM g WHERE n{i} > 0 GROUP BY ALL" for i in range(len(COLLECTIVE_METRICS))]
+    return f"SELECT * FROM (WITH g AS ({g}) {' UNION ALL '.join(parts)})"
+
+
 def _raw(table: str) -> str:
     return table_name(TABLES[table][0])
 
@@ -164,7 +187,8 @@ def _advance_in(con, table: str) -> None:
     new = int(con.execute(f"SELECT coalesce(max(rowid) + 1, {old}) FROM {raw} WHERE rowid >= {old}").fetchone()[0])
     if new > old:
         rows = f"(SELECT * FROM {raw} WHERE rowid >= {old} AND rowid < {new})"
-        con.execute(f"INSERT INTO {table} BY NAME {rows_sql(table, rows)}")
+        sql = collective_rows_sql(rows) if table == "collective_rollup" else rows_sql(table, rows)
+        con.execute(f"INSERT INTO {table} BY NAME {sql}")
         con.execute(f"UPDATE rollup_state SET rows_upto = {new} WHERE table_name = '{raw}'")
 
 

@@ -529,3 +529,27 @@ def test_a_run_without_run_start_rows_materializes_a_step_once_its_ranks_are_in(
         check_views(con, reference(con))
     finally:
         con.close()
+
+
+def test_the_rolls_grad_sync_filter_counts_the_views_rows(tmp_path) -> None:
+    """The roll's step_ranks (a step range: `_GRAD_ROLL`) and the views' (`_GRAD`) give the same
+    rows over every role / op / bytes shape that decides a grad sync: '|'-joined roles, 'dp' inside
+    another word, ops with leading '_', bytes around 1024, NULLs."""
+    con = open_store(str(tmp_path / "g.duckdb"))
+    roles = ["dp", "tp", "dp|tp", "tp|dp", "pp|dp|tp", "xdp", "dpx", "dp2|tp", "", "|dp", "dp|", "||", None, "p2p:pp"]
+    ops = ["all_reduce", "__all_reduce_coalesced", "reduce_scatter_tensor", "_all_gather_into_tensor", "send",
+           "broadcast", "", None, "xall_reduce"]
+    sizes = [None, 0, 1023, 1024, 1 << 20]
+    con.execute("INSERT INTO step (run_id, rank, step, start_ns, duration_ns, compute_ns) "
+                "SELECT 'g', r, s, 0, 1000000, 500000 FROM range(64) a(r), range(2) b(s)")
+    con.executemany("INSERT INTO collective (run_id, rank, step, start_ns, duration_ns, op, role, group_size, bytes) "
+                    "VALUES ('g', ?, ?, 0, ?, ?, ?, 8, ?)",
+                    [(i % 64, i // 64 % 2, 1000 + i, ops[i % len(ops)], roles[i // len(ops) % len(roles)],
+                      sizes[i // (len(ops) * len(roles)) % len(sizes)]) for i in range(len(ops) * len(roles) * len(sizes))])
+    keys = "(SELECT DISTINCT run_id, step FROM step)"
+    rolled = con.execute(f"SELECT * FROM ({matviews.step_ranks_sql(keys, 0, 1)}) ORDER BY ALL").fetchall()
+    views = con.execute(f"SELECT * FROM ({matviews.step_ranks_sql(keys)}) ORDER BY ALL").fetchall()
+    assert len(views) == 128 and rolled == views
+    assert sum(1 for r in views if r[7] > 0) > 10  # grad_sync_ms: some ranks have grad syncs, some none
+    assert sum(1 for r in views if r[7] == 0) > 10
+    con.close()

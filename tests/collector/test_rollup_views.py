@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import duckdb
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from collector.ingest import rollup
@@ -218,4 +219,27 @@ def test_writer_rolls_up_in_chunks_and_views_count_the_tail(tmp_path, monkeypatc
     assert rollup.tail_rows(con, "step_rollup") == 0 and rollup.tail_rows(con, "collective_rollup") == 0
     assert con.execute("SELECT count(*) FROM step").fetchone()[0] == 8500
     check_views(con, expected_step_summary(con), expected_collective_stats(con))
+    con.close()
+
+
+def test_roll_rows_equal_the_views_rows(tmp_path) -> None:
+    """The writer's roll builds the collective histogram in two aggregates (`collective_rows_sql`);
+    its rows are the views' `rows_sql` rows exactly, over rows with NULL, zero, negative and huge
+    values, several values a bucket and calls outside any group (group_size 0)."""
+    con = open_store(str(tmp_path / "r.duckdb"))
+    rng = np.random.default_rng(11)
+    n = 20_000
+    dur = rng.choice([None, 0, -5, 1, 2, 1000, 1001, 10**12], n).tolist()
+    dur = [d if d is None or rng.random() < 0.5 else int(rng.integers(1, 10**9)) for d in dur]
+    size = rng.choice([None, 0, -1, 1, 1023, 1024, 1 << 20, (1 << 26) + 3, 2**62], n).tolist()
+    ops = rng.choice(["all_reduce", "all_gather", "send"], n).tolist()
+    rows = pa.table({"run_id": [f"run-{i % 2}" if i % 97 else None for i in range(n)], "op": ops,
+                     "role": ["dp" if i % 3 else None for i in range(n)],
+                     "group_size": pa.array([i % 4 for i in range(n)], pa.int32()),
+                     "bytes": pa.array(size, pa.int64()), "duration_ns": pa.array(dur, pa.int64())})
+    con.register("rows", rows)
+    con.execute("CREATE TABLE src AS SELECT * FROM rows")
+    fast = con.execute(f"SELECT * FROM ({rollup.collective_rows_sql('src')}) ORDER BY ALL").fetchall()
+    views = con.execute(f"SELECT * FROM ({rollup.rows_sql('collective_rollup', 'src')}) ORDER BY ALL").fetchall()
+    assert len(views) > 100 and fast == views
     con.close()
