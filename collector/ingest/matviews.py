@@ -42,8 +42,9 @@ VIEWS = ("step_ranks", "stragglers", "grad_sync", "bubble_budget", "step_through
 #: a step is materialized, complete or not, once its run has rows this many steps later (a rank that
 #: died never completes its steps; rows arriving later still make the step live again)
 SETTLE_STEPS = 16
-#: steps of this many step rows at most are recomputed in one statement (bounded memory)
-CHUNK_ROWS = 1_000_000
+#: steps of this many step rows at most are recomputed in one statement (bounded memory): stragglers'
+#: per-stage lists and joins over 1.6M rows passed the 366 MB DuckDB gets of the default 1 GB budget
+CHUNK_ROWS = 250_000
 
 _GRAD = ("list_contains(string_split(role, '|'), 'dp') AND (ltrim(op, '_') LIKE 'all_reduce%' OR "
          "ltrim(op, '_') LIKE 'reduce_scatter%' OR ltrim(op, '_') LIKE 'all_gather%') AND bytes >= 1024")
@@ -292,6 +293,17 @@ def _chunks(steps: list[int], per_step_rows: int) -> list[tuple[int, int]]:
     return [(steps[i], steps[min(i + per, len(steps)) - 1]) for i in range(0, len(steps), per)]
 
 
+def _rows_per_step(con, steps: list[int]) -> int:
+    """Step rows a step number holds, for sizing the chunks: the runs' started ranks, or the step rows
+    stored at these step numbers on average when more (a run without run_start rows says no ranks:
+    sized as one row a step, a roll of 200k such steps took 1.6M rows in one statement and ran DuckDB
+    out of memory, failing the roll again at every try)."""
+    started = con.execute("SELECT coalesce(max(ranks_started), 1) * (SELECT count(DISTINCT run_id) FROM _tt_done) "
+                          "FROM runs").fetchone()[0]
+    stored = con.execute(f"SELECT count(*) FROM step WHERE step BETWEEN {steps[0]} AND {steps[-1]}").fetchone()[0]
+    return max(1, int(started or 1), -(-int(stored) // len(steps)))
+
+
 def advance_in(con, *, final: bool = False) -> int:
     """Materialize the steps touched since the watermarks (in the caller's transaction). final:
     every touched step, complete or not (a writer closing). Returns the steps materialized."""
@@ -345,9 +357,7 @@ def advance_in(con, *, final: bool = False) -> int:
                OR t.step + {SETTLE_STEPS} <= newest.step""")
     steps = [s for (s,) in con.execute("SELECT DISTINCT step FROM _tt_done ORDER BY 1").fetchall()]
     if steps:
-        per_step = con.execute("SELECT coalesce(max(ranks_started), 1) FROM runs").fetchone()[0]
-        runs = con.execute("SELECT count(DISTINCT run_id) FROM _tt_done").fetchone()[0]
-        for lo, hi in _chunks(steps, int(per_step) * int(runs)):
+        for lo, hi in _chunks(steps, _rows_per_step(con, steps)):
             keys = f"(SELECT * FROM _tt_done WHERE step BETWEEN {lo} AND {hi})"
             # a step materialized before has step_ranks_m rows (every view's rows come from them): when
             # none of these steps has, there is nothing to delete (six statements less a roll)

@@ -553,3 +553,24 @@ def test_the_rolls_grad_sync_filter_counts_the_views_rows(tmp_path) -> None:
     assert sum(1 for r in views if r[7] > 0) > 10  # grad_sync_ms: some ranks have grad syncs, some none
     assert sum(1 for r in views if r[7] == 0) > 10
     con.close()
+
+
+def test_a_roll_is_chunked_by_the_rows_a_step_holds_when_the_run_does_not_say_its_ranks(tmp_path, monkeypatch) -> None:
+    """A run without run_start rows says no ranks: its steps were sized as one row each, so a roll
+    of 200k such steps of 8 ranks went to one statement of 1.6M rows and ran DuckDB out of memory
+    (again at every retry). Chunks follow the step rows stored; the views stay the original SQL's."""
+    monkeypatch.setattr(matviews, "CHUNK_ROWS", 40)
+    con = open_store(str(tmp_path / "c.duckdb"))
+    try:
+        for step in range(30):
+            _rank_step_rows(con, "run-c", step, range(8))
+        steps = list(range(30))
+        con.execute("CREATE TEMP TABLE _tt_done AS SELECT 'run-c' AS run_id, range AS step FROM range(30)")
+        chunks = matviews._chunks(steps, matviews._rows_per_step(con, steps))
+        con.execute("DROP TABLE _tt_done")
+        assert all(hi - lo + 1 <= 5 for lo, hi in chunks) and len(chunks) == 6  # 40 rows: 5 steps of 8
+        matviews.advance(con, final=True)
+        assert con.execute("SELECT count(*) FROM step_ranks_m").fetchone()[0] == 240
+        check_views(con, reference(con))
+    finally:
+        con.close()
