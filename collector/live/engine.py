@@ -92,6 +92,8 @@ SLACK_STEPS = 5
 SLACK_S = 10.0
 #: a firing collector_behind alert's row is re-stored this often (how far behind it is now)
 BEHIND_STORE_S = 2.0
+#: alert rows kept across failed stores (a DuckDB out-of-memory): past it the oldest are dropped, counted
+MAX_UNSTORED_ALERT_ROWS = 100_000
 
 
 @dataclass
@@ -782,6 +784,8 @@ class LiveEngine:
         self._lock = threading.Lock()  # guards the evaluator against readers (gauges/alerts)
         self._thread = threading.Thread(target=self._run, name="tracetop-live", daemon=True)
         self.errors = 0
+        self._unstored: list[tuple] = []  # alert rows a failed store kept (retried with the next)
+        self.alert_rows_lost = 0  # alert rows dropped past MAX_UNSTORED_ALERT_ROWS kept ones (counted)
         self._behind_stored = 0.0  # monotonic time a firing collector_behind row was last re-stored
         self._dash_next: dict[str, float] = {}  # rule name -> monotonic time of its next evaluation
         self._dash_stop = threading.Event()
@@ -817,6 +821,9 @@ class LiveEngine:
             self._stop = True
             self._cv.notify()
         self._thread.join(timeout_s)
+        if self._unstored and not self._thread.is_alive():  # a failed store's rows: one more try
+            with self._lock:
+                self._store([])
         if self._dash_thread.is_alive():  # then the dashboard rules once more, over everything ingested
             self._dash_stop.set()
             self._dash_thread.join(timeout_s)
@@ -916,16 +923,22 @@ class LiveEngine:
             self._publish(changed, firing)
 
     def _store(self, changed: list[Alert]) -> None:
+        """Store `changed` (and the rows an earlier store failed to write: kept, retried with the next
+        store and at close; the last row of an alert wins, so a later row of it supersedes them)."""
         if self._cur is None:
             return
-        rows = [alert_row(a) for a in changed if a.state != PENDING]
+        rows = self._unstored + [alert_row(a) for a in changed if a.state != PENDING]
         if not rows:
             return
         try:
             _insert_alerts(self._cur, rows)
+            self._unstored = []
         except Exception:
             self.errors += 1
-            log.exception("live: could not store %d alert rows", len(rows))
+            kept = rows[-MAX_UNSTORED_ALERT_ROWS:]
+            self.alert_rows_lost += len(rows) - len(kept)
+            self._unstored = kept
+            log.exception("live: could not store %d alert rows (kept: stored with the next alert rows)", len(rows))
 
     def _publish(self, changed: list[Alert], firing: list[Alert]) -> None:
         for s in self.sinks:

@@ -276,3 +276,25 @@ def test_alerts_of_an_ended_run_resolve():
     assert ev.evaluate_timer(30 * 10**9) == [] and ev.book.firing()
     done = ev.evaluate_timer(62 * 10**9)
     assert [(a.state, a.labels["rank"]) for a in done] == [("resolved", "1")] and not ev.book.firing()
+
+
+def test_alert_rows_a_failed_store_could_not_write_are_stored_with_the_next(tmp_path):
+    """A store that fails (here the alerts table is missing for a while, as a DuckDB out-of-memory
+    failed it under load) keeps its rows: the next store writes them; none is lost."""
+    from collector.live.model import Alert
+
+    con = open_store(str(tmp_path / "a.duckdb"))
+    eng = LiveEngine([STRAG], con=con.cursor())
+
+    def alert(rank: int) -> Alert:
+        return Alert(rule="controller_cannot_fix", signal="controller", severity="critical", state=FIRING,
+                     run_id="r", scope="rank", labels={"rank": str(rank)}, first_step=3, last_step=3,
+                     first_ns=1, last_ns=2, value=1.0, threshold=0.0, message=f"rank {rank}", kind="fault")
+
+    con.execute("ALTER TABLE alerts RENAME TO alerts_away")
+    eng.raise_alert(alert(1))
+    assert eng.errors == 1 and eng.alert_rows_lost == 0
+    con.execute("ALTER TABLE alerts_away RENAME TO alerts")
+    eng.raise_alert(alert(2))
+    assert sorted(m for (m,) in con.execute("SELECT message FROM alerts").fetchall()) == ["rank 1", "rank 2"]
+    assert eng.errors == 1
