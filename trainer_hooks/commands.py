@@ -114,7 +114,7 @@ class CommandBus:
         self.t = tracer
         self.subscribe = subscribe  # False: no subscriber thread on rank 0 (the broadcast benchmark)
         self.stats = {"boundaries": 0, "commands": 0, "received": 0, "dropped": 0, "reports_sent": 0,
-                      "reports_failed": 0, "boundary_ns": 0}
+                      "reports_failed": 0, "boundary_ns": 0, "polls": 0}
         # rank 0's subscriber and every rank's reporter: threads of their own, started when needed
         self.link = ControlLink(tracer, kinds=KINDS, max_values=MAX_VALUES, stats=self.stats, endpoint=endpoint,
                                 drop=drop, channel_factory=channel_factory, clock_ns=clock_ns)
