@@ -1,7 +1,8 @@
 """Commands into a running job: every rank applies one at the same step boundary, or none does.
 
-Path: the collector -> rank 0's subscriber thread (``Control.Poll`` every ``TRACETOP_COMMAND_POLL_S``,
-default 5 s; no stream held open; trainer_hooks/control_link.py) -> an inbox ->
+Path: the collector -> rank 0's subscriber thread (``Control.Poll`` when the collector's Push reply
+says commands wait, else every 60 s; every ``TRACETOP_COMMAND_POLL_S``, default 5 s, where the
+receiver does not say or the variable is set; no stream held open; trainer_hooks/control_link.py) -> an inbox ->
 every K steps (``TRACETOP_COMMAND_EVERY_STEPS``, default 10) all ranks join one fixed-size
 broadcast (8 int64, 64 bytes) from rank 0 on a gloo group the hooks create beside the training's
 groups -> each rank applies the command through the trainer's entry point -> one fixed-size
