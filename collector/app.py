@@ -294,6 +294,7 @@ async def start(
 
     control, control_servicer = control_loop.make_service(con, config.command_ttl_s)
     pb_grpc.add_ControlServicer_to_server(control_servicer, server)
+    service.commands_waiting = control.commands_waiting  # Push replies tell rank 0 when to poll
     committed = writer.on_commit
 
     def on_commit(batches) -> None:  # the control path learns each hooks' start's run and rank

@@ -64,7 +64,7 @@ def step_columns(rank: int, rows: Sequence[tuple], memory: tuple[int, int, int, 
                  mfu_table: Sequence[tuple[float, float, float]]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """STEP, THROUGHPUT and MEMORY columns of ``rows`` (``STEP_ROW`` tuples). ``memory``: the
     emitter's sample (allocated, reserved, peak, rss, budget bytes); a row's own peak, where
-    measured, replaces the sample's. Throughput and MFU as the training thread once computed them
+    measured, replaces the sample's (a step whose peak was not read says -1). Throughput and MFU as the training thread once computed them
     per row (the same float operations, in the same order, elementwise)."""
     n = len(rows)
     c = {name: np.array(col, "<f8" if name in _FLOATS else "<i8") for name, col in zip(STEP_ROW, zip(*rows))}
@@ -88,6 +88,7 @@ def step_columns(rank: int, rows: Sequence[tuple], memory: tuple[int, int, int, 
     own = c["step_peak_bytes"]
     memory_cols = {"rank": r, "step": c["step"], "start_ns": c["start_ns"] + dur, "duration_ns": np.zeros(n, "<i8"),
                    "allocated_bytes": np.full(n, allocated, "<i8"), "reserved_bytes": np.full(n, reserved, "<i8"),
-                   "peak_bytes": np.where(own >= 0, own, peak), "rss_bytes": np.full(n, rss, "<i8"),
+                   # -1: no step peak here, the sample's; -2 (memory.SKIPPED): not read this step, -1
+                   "peak_bytes": np.where(own >= 0, own, np.where(own == -1, peak, -1)), "rss_bytes": np.full(n, rss, "<i8"),
                    "budget_bytes": np.full(n, budget, "<i8")}
     return step, throughput, memory_cols

@@ -1,7 +1,8 @@
 """Commands into a running job: every rank applies one at the same step boundary, or none does.
 
-Path: the collector -> rank 0's subscriber thread (``Control.Poll`` every ``TRACETOP_COMMAND_POLL_S``,
-default 5 s; no stream held open; trainer_hooks/control_link.py) -> an inbox ->
+Path: the collector -> rank 0's subscriber thread (``Control.Poll`` when the collector's Push reply
+says commands wait, else every 60 s; every ``TRACETOP_COMMAND_POLL_S``, default 5 s, where the
+receiver does not say or the variable is set; no stream held open; trainer_hooks/control_link.py) -> an inbox ->
 every K steps (``TRACETOP_COMMAND_EVERY_STEPS``, default 10) all ranks join one fixed-size
 broadcast (8 int64, 64 bytes) from rank 0 on a gloo group the hooks create beside the training's
 groups -> each rank applies the command through the trainer's entry point -> one fixed-size
@@ -114,7 +115,7 @@ class CommandBus:
         self.t = tracer
         self.subscribe = subscribe  # False: no subscriber thread on rank 0 (the broadcast benchmark)
         self.stats = {"boundaries": 0, "commands": 0, "received": 0, "dropped": 0, "reports_sent": 0,
-                      "reports_failed": 0, "boundary_ns": 0}
+                      "reports_failed": 0, "boundary_ns": 0, "polls": 0}
         # rank 0's subscriber and every rank's reporter: threads of their own, started when needed
         self.link = ControlLink(tracer, kinds=KINDS, max_values=MAX_VALUES, stats=self.stats, endpoint=endpoint,
                                 drop=drop, channel_factory=channel_factory, clock_ns=clock_ns)

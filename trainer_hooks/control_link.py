@@ -3,10 +3,17 @@
 Two threads, both started only when needed (none before the first command boundary), both off the
 training thread:
 
-- the subscriber (``tracetop-commands``, rank 0 only): ``Control.Poll`` every
-  ``TRACETOP_COMMAND_POLL_S`` (default 5 s; a unary call, no stream held open), each command
-  checked (its id, its size, its expiry, the test seam that drops it) and put in the inbox the
-  command boundary reads (trainer_hooks/commands.py);
+- the subscriber (``tracetop-commands``, rank 0 only): ``Control.Poll`` (a unary call, no stream
+  held open), each command checked (its id, its size, its expiry, the test seam that drops it) and
+  put in the inbox the command boundary reads (trainer_hooks/commands.py). When it polls: the
+  collector says in every ``Ingest.Push`` reply to rank 0's shipper whether commands wait for the
+  run (``PushReply.commands_waiting``); while replies say so (one within ``TOLD_FRESH_S``), rank 0
+  polls as soon as one says true and otherwise only every ``IDLE_POLL_S`` (60 s: nothing is stranded
+  if a reply were missed). A receiver that does not say (an older collector, a node agent), or an
+  explicit ``TRACETOP_COMMAND_POLL_S``, keeps the poll every ``poll_s`` (default 5 s). A command
+  then reaches rank 0 within one shipment interval (``TRACETOP_FLUSH_S``, 5 s; 1 s while the run is
+  watched) plus the Push's commit, as it did within one 5 s poll; each poll cost the trainer process
+  ~1 ms of CPU in gRPC (docs/benchmarks.md);
 - the reporter (``tracetop-reports``, any rank that has something to say): each outcome
   (``Control.Report``) sent in order from an outbox, retried, never blocking the step that made it.
 
@@ -28,6 +35,26 @@ from tracetop import env as tenv
 log = logging.getLogger("trainer_hooks")
 
 DEFAULT_POLL_S = 5.0
+#: while Push replies say whether commands wait: the poll when none has said so for this long
+IDLE_POLL_S = 60.0
+#: a Push reply that said so within this long is trusted (replies come every shipment: 5 s or less)
+TOLD_FRESH_S = 30.0
+#: the least time between two polls a reply asked for (the flag stays up until rank 0's "received" lands)
+MIN_GAP_S = 0.5
+
+
+def poll_due(now: float, last_poll: float, wait_s: float, asked: bool, told_at: float | None,
+             explicit: bool) -> bool:
+    """Whether rank 0 polls now (pure). ``wait_s``: the poll interval in force (``poll_s``, or a
+    failure's backoff); ``asked``: a Push reply said commands wait since the last poll;
+    ``told_at``: when a reply last said either way (None: never); ``explicit``: the poll interval
+    was set (TRACETOP_COMMAND_POLL_S), so it is kept whatever replies say."""
+    since = now - last_poll
+    if since >= wait_s and (explicit or told_at is None or now - told_at > TOLD_FRESH_S):
+        return True  # the regular poll: a receiver that does not say, or one not heard lately
+    if asked and since >= MIN_GAP_S:
+        return True
+    return since >= max(wait_s, IDLE_POLL_S)
 
 
 class ControlLink:
@@ -48,6 +75,10 @@ class ControlLink:
         self.max_values = max_values
         self.stats = stats
         self.poll_s = poll_s_from_env()
+        self.poll_explicit = bool(tenv.get(tenv.TRACETOP_COMMAND_POLL_S))
+        self.poke = threading.Event()  # a Push reply said commands wait (or close())
+        self.asked = False
+        self.told_at: float | None = None  # monotonic time of the last Push reply that said either way
         self.endpoint = endpoint
         self.drop = drop if drop is not None else (tenv.get(tenv.TRACETOP_TEST_DROP_COMMANDS) or "")
         self.channel_factory = channel_factory
@@ -100,12 +131,23 @@ class ControlLink:
 
     # ------------------------------------------------------------------ the subscriber
     def start_subscriber(self) -> None:
+        listen = getattr(getattr(self.t, "shipper", None), "on_commands_waiting", None)
+        if listen is not None:
+            listen(self.on_commands_waiting)
         self.subscriber = threading.Thread(target=self._run_subscriber, name="tracetop-commands", daemon=True)
         self.subscriber.start()
 
+    def on_commands_waiting(self, waiting: bool) -> None:
+        """The shipper's sender thread: a Push reply said whether commands wait for this run."""
+        self.told_at = time.monotonic()
+        if waiting:
+            self.asked = True
+            self.poke.set()
+
     def _run_subscriber(self) -> None:
-        """Rank 0: ``Control.Poll`` every ``poll_s`` (a unary call; between calls the thread sleeps
-        in a plain wait: no gRPC stream held open, whose polling would cost CPU all run long)."""
+        """Rank 0: ``Control.Poll`` when :func:`poll_due` says (a unary call; between calls the
+        thread sleeps in a plain wait: no gRPC stream held open, whose polling would cost CPU all
+        run long)."""
         import grpc
 
         from tracetop.wire import tracetop_pb2 as pb
@@ -113,7 +155,17 @@ class ControlLink:
 
         wait_s = self.poll_s
         stub: Any = None
-        while not self.stopping.wait(wait_s):
+        last_poll = time.monotonic()
+        while True:
+            self.poke.wait(self.poll_s)  # a look every poll_s; a reply that says commands wait wakes it at once
+            self.poke.clear()
+            if self.stopping.is_set():
+                return
+            now = time.monotonic()
+            if not poll_due(now, last_poll, wait_s, self.asked, self.told_at, self.poll_explicit):
+                continue
+            last_poll, self.asked = now, False
+            self.stats["polls"] += 1
             try:
                 if stub is None:  # one stub for the run (made at each poll, it cost a few calls' worth)
                     stub = pb_grpc.ControlStub(self.channel())
@@ -214,6 +266,7 @@ class ControlLink:
             time.sleep(0.02)
         self.stopping.set()
         self.wake.set()
+        self.poke.set()
         for th in (self.subscriber, self.reporter):
             if th is not None:
                 th.join(timeout=2.0)

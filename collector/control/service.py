@@ -86,6 +86,8 @@ class ControlService:
         self.counts = {"reports": 0, "reports_refused": 0, "subscribers_refused": 0, "writes": 0,
                        "commands_withheld": 0}
         self._warned: set[str] = set()
+        #: run -> its actions rank 0 can still poll (approved or sent): Push replies say whether any wait
+        self._waiting: dict[str, set[str]] = {}
         self.profiles = profiles.Traces()  # profiling windows' traces on their way in
         self._q_profile: list[tuple[str, list]] = []  # ("chunk" | "trace", row) for the writing thread
         self._load()
@@ -225,6 +227,7 @@ class ControlService:
             d = dict(zip(act.Action.COLUMNS, row))
             a = act.Action(**d)
             self.actions[a.action_id] = a
+            self._note_waiting(a)
             if a.action_id.isdigit():
                 self._next_id = max(self._next_id, int(a.action_id) + 1)
 
@@ -437,7 +440,25 @@ class ControlService:
                 self._changed(a)
         return lost
 
+    def commands_waiting(self, run_id: str) -> bool:
+        """Whether ``Poll`` would hand this run's rank 0 a command now (approved or sent, not yet
+        received): what an ``Ingest.Push`` reply tells rank 0's hooks, which then poll at once."""
+        return run_id in self._waiting
+
+    def _note_waiting(self, a: act.Action) -> None:
+        ids = self._waiting.get(a.run_id)
+        if a.state in ("approved", "sent"):
+            if ids is None:
+                self._waiting[a.run_id] = {a.action_id}
+            else:
+                ids.add(a.action_id)
+        elif ids is not None:
+            ids.discard(a.action_id)
+            if not ids:
+                del self._waiting[a.run_id]
+
     def _changed(self, a: act.Action) -> None:
+        self._note_waiting(a)
         a.updated_ns = self._clock_ns()
         with self._q_lock:
             self._q_actions[a.action_id] = tuple(a.row())

@@ -23,6 +23,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -164,6 +165,8 @@ class CollectorService:
         self._query_lock = threading.Lock()
         self._watch_cursors: dict[int, tuple[threading.Lock, object]] = {}  # Query.Watch streams' cursors
         self.live_snapshots = None  # collector.query.watch.LiveSnapshots over the live engine, where there is one
+        #: run -> whether commands wait for its rank 0 (ControlService.commands_waiting); None: not said
+        self.commands_waiting: Callable[[str], bool] | None = None
 
     def close(self) -> None:
         for lock, cur in list(self._watch_cursors.values()):
@@ -271,6 +274,9 @@ class CollectorService:
                     acks.append(pb.Ack(source_id=item.source_id, seq=item.seq, epoch=item.epoch))
                     continue
                 reply = pb.PushReply(acks=acks, ship_interval_s=self.ship_interval_for(runs))
+                waiting = self.commands_waiting
+                if waiting is not None:  # said on every reply: rank 0 polls Control only when it is true
+                    reply.commands_waiting = any(waiting(r) for r in runs)
                 status = _end_status(item)
                 if status is not None:  # the acks still go back, the error after them (as a stream's)
                     code, message, metadata = status

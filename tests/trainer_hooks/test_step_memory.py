@@ -4,18 +4,20 @@ inside the step."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tracetop.events import Kind
 from tracetop.wire.shipper import MemoryTransport
-from trainer_hooks import Tracer
+from trainer_hooks import Tracer, memory
 from trainer_hooks.memory import StepPeak
 
 MIB = 2**20
 
 
 def test_step_peak_counts_what_the_step_freed_and_resets():
-    p = StepPeak()
+    p = StepPeak(every_s=0)
     assert p.available
     p.take()
     x = torch.ones(200 * MIB // 4)  # 200 MiB touched...
@@ -28,6 +30,7 @@ def test_step_peak_counts_what_the_step_freed_and_resets():
 def test_memory_rows_carry_each_steps_peak_and_the_budget():
     mem = MemoryTransport()
     t = Tracer(transport=mem, run_id="mem-1", rank=0, world_size=1, wrap_collectives=False, memory_budget_bytes=3 * 2**30)
+    t.step_peak.every_ns = 0  # type: ignore[union-attr]  # every step read (the cadence: the test below)
     sizes_mib = [160, 40, 160, 40, 0]
     for i, mib in enumerate(sizes_mib):
         with t.step(i):
@@ -39,6 +42,35 @@ def test_memory_rows_carry_each_steps_peak_and_the_budget():
     assert set(rows["budget_bytes"].tolist()) == {3 * 2**30}
     assert peaks[0] - peaks[1] > 100 * MIB and peaks[2] - peaks[3] > 100 * MIB, peaks
     assert peaks[1] - peaks[4] < 60 * MIB + 10 * MIB
+
+
+def test_a_step_not_read_is_counted_in_the_next_read_and_its_row_says_not_measured():
+    now = [0]
+    p = StepPeak(every_s=0.3, clock_ns=lambda: now[0])
+    p.take()  # read: the mark reset
+    x = torch.ones(200 * MIB // 4)  # a step of 200 MiB touched and freed, ending within 0.3 s: not read
+    del x
+    now[0] = int(0.2e9)
+    assert p.take() == memory.SKIPPED
+    now[0] = int(0.31e9)
+    window = p.take()  # the next read: the peak since the last read, the skipped step's included
+    now[0] = int(0.62e9)
+    quiet = p.take()
+    assert window - quiet > 180 * MIB, (window, quiet)
+    # through the Tracer: steps of ~10 ms, read every 0.3 s; the others' MEMORY rows say -1 (not measured)
+    mem = MemoryTransport()
+    t = Tracer(transport=mem, run_id="mem-2", rank=0, world_size=1, wrap_collectives=False)
+    t.step_peak.every_ns = int(0.3e9)  # type: ignore[union-attr]
+    t0 = time.monotonic()
+    for i in range(40):
+        with t.step(i):
+            time.sleep(0.01)
+    elapsed_s = time.monotonic() - t0
+    t.close()
+    peaks = mem.rows(Kind.MEMORY)["peak_bytes"].tolist()
+    read = [v for v in peaks if v >= 0]
+    assert len(peaks) == 40 and 1 <= len(read) <= elapsed_s / 0.3 + 1 < 40, (elapsed_s, peaks)
+    assert set(peaks) - set(read) == {-1}, peaks
 
 
 # The cheap read (trainer_hooks/memory.py): ru_maxrss is max(S, the mark), S the largest mark of
@@ -62,7 +94,7 @@ def vmhwm():
 
 
 def steps(steps_mib):
-    p = StepPeak()
+    p = StepPeak(every_s=0)
     start = {"ru": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "hwm": vmhwm()}
     peaks, marks = [], []
     for mib in steps_mib:

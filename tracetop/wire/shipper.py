@@ -211,6 +211,7 @@ class Shipper:
                               warn_once=self._warn_once, budget_bytes=max_unacked_bytes // 8, clock_ns=clock_ns)
 
         self._ack_listeners: list[Callable[[int, int], None]] = []
+        self._waiting_listeners: list[Callable[[bool], None]] = []  # PushReply.commands_waiting, where said
         self._ship_now = False  # ship_soon(): the flusher's next pass seals everything
         self._closing = False
 
@@ -448,6 +449,8 @@ class Shipper:
                 size += nxt.ByteSize()
             reply = push(calls)
             self._pacing.ask(float(getattr(reply, "ship_interval_s", 0.0) or 0.0))
+            if self._waiting_listeners:
+                self._tell_waiting(reply)
             yield from reply.acks
             end = push_end(reply)
             if end is not None:  # taken up to here, then refused or cut short: as a stream that ends so
@@ -455,6 +458,24 @@ class Shipper:
             if carry is None and not self._small_backlog():
                 return  # a backlog built up meanwhile: the next burst streams it
             batch = carry if carry is not None else self._next_to_send(epoch, self.burst_linger_s)
+
+    def on_commands_waiting(self, fn: Callable[[bool], None]) -> None:
+        """Call ``fn(waiting)`` (from the sender thread; it must not block) with each Push reply's
+        ``commands_waiting``, where the receiver says it (rank 0's command poller: control_link.py)."""
+        self._waiting_listeners.append(fn)
+
+    def _tell_waiting(self, reply: Any) -> None:
+        try:
+            if not reply.HasField("commands_waiting"):
+                return  # a receiver that does not say (an older collector, an agent)
+            waiting = bool(reply.commands_waiting)
+        except (AttributeError, ValueError):
+            return
+        for fn in self._waiting_listeners:
+            try:
+                fn(waiting)
+            except Exception as ex:  # a listener never stops the sender
+                self._warn_once("waiting-listener", f"tracetop: commands-waiting listener failed: {ex!r}")
 
     def _small_backlog(self) -> bool:
         """Whether what waits to be acked fits one push (BATCH_BYTES)."""

@@ -130,7 +130,7 @@ class PushRequest(_message.Message):
     def __init__(self, batches: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("acks", "ship_interval_s", "end_code", "end_message", "end_metadata")
+    __slots__ = ("acks", "ship_interval_s", "end_code", "end_message", "end_metadata", "commands_waiting")
     class EndMetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,12 +143,14 @@ class PushReply(_message.Message):
     END_CODE_FIELD_NUMBER: _ClassVar[int]
     END_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     END_METADATA_FIELD_NUMBER: _ClassVar[int]
+    COMMANDS_WAITING_FIELD_NUMBER: _ClassVar[int]
     acks: _containers.RepeatedCompositeFieldContainer[Ack]
     ship_interval_s: float
     end_code: str
     end_message: str
     end_metadata: _containers.ScalarMap[str, str]
-    def __init__(self, acks: _Optional[_Iterable[_Union[Ack, _Mapping]]] = ..., ship_interval_s: _Optional[float] = ..., end_code: _Optional[str] = ..., end_message: _Optional[str] = ..., end_metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    commands_waiting: bool
+    def __init__(self, acks: _Optional[_Iterable[_Union[Ack, _Mapping]]] = ..., ship_interval_s: _Optional[float] = ..., end_code: _Optional[str] = ..., end_message: _Optional[str] = ..., end_metadata: _Optional[_Mapping[str, str]] = ..., commands_waiting: _Optional[bool] = ...) -> None: ...
 
 class ClockRequest(_message.Message):
     __slots__ = ("client_send_ns",)
