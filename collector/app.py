@@ -257,6 +257,7 @@ async def start(
         # (a rank's clock 40 s off, or stepped back, raised false silent alerts: live/state.py)
         live.ev.state.receive_clock = True
         live.start()
+        metrics.attach_live(live)
         gauges_fn = gauges_fn or live.gauges
         alerts_fn = alerts_fn or live.alerts
     exports.attach_metrics(metrics.registry, gauges_fn or no_gauges, alerts_fn or no_alerts)

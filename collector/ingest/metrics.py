@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from collector.ingest.writer import FlushStats
 from collector.live.model import CollectorLag
@@ -103,6 +104,11 @@ class CollectorMetrics:
         self._gap_rows_behind = 0  # _gap_rows when it last fell behind
         self._queue_bytes = 0
 
+    def attach_live(self, engine) -> None:
+        """Put the live engine's own losses on /metrics (`LiveCounts`): what it could not judge or
+        store is counted where an operator's alert can see it, not only in the log."""
+        self.registry.register(LiveCounts(engine))
+
     def attach(self, writer) -> None:
         """Judge "behind" by `writer`'s oldest uncommitted batch (Writer.oldest_wait_s), now."""
         self._oldest_wait_s = writer.oldest_wait_s
@@ -186,6 +192,32 @@ class CollectorMetrics:
         self.queue_rows.set(rows)
         self.queue_bytes.set(nbytes)
         self._queue_bytes = nbytes
+
+
+class LiveCounts:
+    """The live engine's counts, read at each scrape (collector.live.engine.LiveEngine): batches
+    dropped from its full inbox (their steps not judged), alert rows dropped past the ones kept
+    across failed stores (never in the file), and its errors (a judgment or a store that raised)."""
+
+    FAMILIES = (
+        ("tracetop_live_batches_dropped", "Committed batches the live engine dropped from its full inbox "
+                                          "(their steps were not judged live)", lambda e: e.stats.batches_dropped),
+        ("tracetop_live_alert_rows_lost", "Alert rows dropped past the ones kept across failed stores "
+                                          "(not in the file)", lambda e: e.alert_rows_lost),
+        ("tracetop_live_errors", "Live judgments or alert stores that raised (see the log)", lambda e: e.errors),
+    )
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def describe(self):
+        return [CounterMetricFamily(name, doc) for name, doc, _ in self.FAMILIES]
+
+    def collect(self):
+        for name, doc, read in self.FAMILIES:
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], read(self.engine))
+            yield family
 
 
 def serve_metrics(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1", auth=None):

@@ -108,6 +108,9 @@ def test_real_collector_process_metrics_pass_promtool(tmp_path):
                    == 300, 30, "300 stored rows on /metrics")
         text = urllib.request.urlopen(f"http://127.0.0.1:{c.metrics_port}/metrics", timeout=10).read().decode()
         assert 'tracetop_export_requests_total{sink="alertmanager"}' in text
+        # the live engine (built-in rules) counts what it could not judge or store
+        assert {"tracetop_live_alert_rows_lost_total 0.0", "tracetop_live_batches_dropped_total 0.0"} <= set(
+            text.splitlines())
         out = promtool_check(text)
         assert out.returncode == 0 and out.stdout + out.stderr == "", out
     finally:

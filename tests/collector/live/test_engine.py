@@ -298,3 +298,30 @@ def test_alert_rows_a_failed_store_could_not_write_are_stored_with_the_next(tmp_
     eng.raise_alert(alert(2))
     assert sorted(m for (m,) in con.execute("SELECT message FROM alerts").fetchall()) == ["rank 1", "rank 2"]
     assert eng.errors == 1
+
+
+def test_alert_rows_dropped_past_the_kept_ones_are_counted_on_metrics(tmp_path, monkeypatch):
+    """Past MAX_UNSTORED_ALERT_ROWS kept rows the oldest are dropped: the count reaches /metrics'
+    registry (tracetop_live_alert_rows_lost_total), with the store errors beside it."""
+    from collector import live
+    from collector.ingest.metrics import CollectorMetrics
+    from collector.live.model import Alert
+
+    monkeypatch.setattr(live.engine, "MAX_UNSTORED_ALERT_ROWS", 2)
+    con = open_store(str(tmp_path / "a.duckdb"))
+    eng = LiveEngine([STRAG], con=con.cursor())
+    metrics = CollectorMetrics()
+    metrics.attach_live(eng)
+    con.execute("ALTER TABLE alerts RENAME TO alerts_away")
+    for rank in range(5):  # 5 failed stores: 2 rows kept, 3 dropped
+        eng.raise_alert(Alert(rule="controller_cannot_fix", signal="controller", severity="critical", state=FIRING,
+                              run_id="r", scope="rank", labels={"rank": str(rank)}, first_step=3, last_step=3,
+                              first_ns=1, last_ns=2, value=1.0, threshold=0.0, message=f"rank {rank}", kind="fault"))
+    read = metrics.registry.get_sample_value
+    assert (read("tracetop_live_alert_rows_lost_total"), read("tracetop_live_errors_total")) == (3, 5)
+    assert read("tracetop_live_batches_dropped_total") == 0
+    con.execute("ALTER TABLE alerts_away RENAME TO alerts")
+    eng.raise_alert(Alert(rule="controller_cannot_fix", signal="controller", severity="critical", state=FIRING,
+                          run_id="r", scope="rank", labels={"rank": "9"}, first_step=3, last_step=3,
+                          first_ns=1, last_ns=2, value=1.0, threshold=0.0, message="rank 9", kind="fault"))
+    assert sorted(m for (m,) in con.execute("SELECT message FROM alerts").fetchall()) == ["rank 3", "rank 4", "rank 9"]
