@@ -21,6 +21,9 @@ import pytest
 from tests.collector.control.harness import changes, loop_run, wait_for
 
 pytestmark = pytest.mark.slow
+#: the third action is verified near step 35 (commands at every 5th step: 5, 15, 25, then 8 steps of
+#: verification); the steps after it only ran out the clock: 70 leaves 35 steps, 7 command boundaries
+STEPS = 70
 BUDGET = 950 * 2**20
 PRESSURE = 128 * 2**20
 TOML = """[controller]
@@ -35,12 +38,13 @@ max_throughput_drop = 0.5  # CPU: micro-batch 2 is slower than 4 per sample; the
 
 def _run(tmp, run_id: str, extra: list[str], until) -> dict:
     out: dict = {}
-    with loop_run(tmp, run_id, ["--steps", "120", "--micro-batch", "4", "--micro-batches", "2",
+    with loop_run(tmp, run_id, ["--steps", str(STEPS), "--micro-batch", "4", "--micro-batches", "2",
                                 "--activation-mb-per-sample", "128", "--memory-budget-mb", "950",
                                 "--inject-straggler", "0:40", *extra], controller="auto", toml=TOML) as lp:
         client, t = lp.client, lp.trainer
-        out["first"] = wait_for(lambda: until(client), 400, "the controller's action", lambda: client.sql(
-            "SELECT action_id, state, rule, reason, outcome, verification FROM actions"))
+        # the third action judged, or the trainer ended without it (the checks then say what is missing)
+        out["first"] = wait_for(lambda: until(client) or t.proc.poll() is not None, 400, "the controller's action",
+                                lambda: client.sql("SELECT action_id, state, rule, reason, outcome, verification FROM actions"))
         out["rc"] = t.wait()
         out["actions"] = client.sql("SELECT * FROM actions ORDER BY try_cast(action_id AS INT)")
         out["steps"] = lp.run_rows("step", "rank, step, micro_batch, micro_batches")

@@ -12,13 +12,14 @@ runs short; the thresholds are the built-in 15 s."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from collector.live.rules import DEFAULTS_TOML
-from tests.collector.live.test_live_runs import _env
 from tests.collector.util import sql
 from tests.support import ROOT
 from tests.support.services import start_collector
@@ -38,9 +39,11 @@ def _alerts(addr: str, run_id: str) -> list[dict]:
 
 
 def _run(c, tmp, run_id: str, args: list[str]):
-    with _env(TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID=run_id, TRACETOP_HEARTBEAT_S="1", TRACETOP_FLUSH_S="1"):
-        return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", LOOP,
-                       *args], timeout_s=400)
+    """One run to its end; its environment passed, not set in os.environ (`late` runs in a thread)."""
+    env = dict(os.environ, TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID=run_id, TRACETOP_HEARTBEAT_S="1",
+               TRACETOP_FLUSH_S="1")
+    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", LOOP,
+                   *args], timeout_s=400, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +54,16 @@ def runs(tmp_path_factory):
     c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules)])
     out: dict = {"collector": c}
     try:
-        out["kill"] = _run(c, tmp, "kill", ["--steps", "80", "--kill", f"{KILL_RANK}@{KILL_STEP}",
-                                         "--timeout-s", "20"])
-        out["kill_end"] = time.time_ns()
-        out["late"] = _run(c, tmp, "late", ["--steps", "10", "--late", f"{LATE_RANK}:{LATE_S}"])
-        out["early"] = _run(c, tmp, "early", ["--steps", "20", "--die-early", str(LATE_RANK)])
-        out["data"] = _run(c, tmp, "data", ["--steps", "30", "--slow-data", f"{DATA_RANK}:{DATA_MS}@{DATA_STEP}"])
+        # `late` spends LATE_S seconds with its rank 1 asleep and its peers blocked in an all-reduce
+        # (idle): the other runs go meanwhile, each with its own run_id, torchrun and job token
+        with ThreadPoolExecutor(1) as pool:
+            late = pool.submit(_run, c, tmp, "late", ["--steps", "10", "--late", f"{LATE_RANK}:{LATE_S}"])
+            out["kill"] = _run(c, tmp, "kill", ["--steps", "80", "--kill", f"{KILL_RANK}@{KILL_STEP}",
+                                             "--timeout-s", "20"])
+            out["kill_end"] = time.time_ns()
+            out["early"] = _run(c, tmp, "early", ["--steps", "20", "--die-early", str(LATE_RANK)])
+            out["data"] = _run(c, tmp, "data", ["--steps", "30", "--slow-data", f"{DATA_RANK}:{DATA_MS}@{DATA_STEP}"])
+            out["late"] = late.result()
 
         def judged(run_id: str):
             got = [a for a in _alerts(c.addr, run_id) if a["signal"] == "first_failure" and a["fired_ns"]]
