@@ -5,7 +5,7 @@
 
 The writer thread only appends the committed batches to a bounded inbox and returns (O(1)); the
 engine's own thread ingests them into the live state, evaluates each step as it completes (every
-rank's STEP row in, or `step_deadline_s` after its first row; the missing ranks are named) and
+rank's STEP row in, or `step_deadline_s` after its first STEP row; the missing ranks are named) and
 the time-based rules on a timer (`tick_s`). An inbox over `max_inbox_rows` drops its oldest
 batches (counted: `batches_dropped`); a step pushed out of the window before it was evaluated is
 counted in `steps_skipped`. Nothing queues without bound.
@@ -405,8 +405,11 @@ class Evaluator:
             n = int(run.present[slot].sum())
             # complete, and settled: the other kinds of the ranks' last shipments are in too
             settled = (now_ns - int(run.slot_last_ns[slot])) / 1e9 >= self.settle_s
+            # the deadline runs from the step's first STEP row (a rank finished it), not from its first
+            # row: a step longer than the deadline (a hang, a 20 s step) ships collectives all along,
+            # and judging it the moment its first rank's STEP row came judged that rank alone
             if n and (final or (n >= expected and settled)
-                      or (now_ns - int(run.slot_first_ns[slot])) / 1e9 > self.step_deadline_s):
+                      or (now_ns - int(run.slot_step_first_ns[slot])) / 1e9 > self.step_deadline_s):
                 out.append(s)
                 if n < expected:
                     self.stats.steps_incomplete += 1

@@ -72,6 +72,10 @@ class RunState:
     slot_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     slot_first_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     slot_last_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # latest row into the slot
+    #: per slot: the collector's clock when its first STEP row came in (0: none yet). The step
+    #: deadline counts from here, not from the slot's first row of any kind: the collectives a rank
+    #: ships while its step is still running (every flush) must not start a long step's deadline
+    slot_step_first_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     best_p2p: np.ndarray = field(default_factory=lambda: np.zeros(0))  # per slot: max bytes/ns of a p2p call
     slot_end_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per slot: latest STEP end (ranks' clock)
     slot_micro_batches: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per slot: STEP micro_batches
@@ -126,6 +130,7 @@ class RunState:
         self.slot_step = np.full(w, -1, np.int64)
         self.slot_first_ns = np.zeros(w, np.int64)
         self.slot_last_ns = np.zeros(w, np.int64)
+        self.slot_step_first_ns = np.zeros(w, np.int64)
         self.best_p2p = np.zeros(w)
         self.slot_end_ns = np.zeros(w, np.int64)
         self.slot_micro_batches = np.full(w, -1, np.int64)
@@ -227,6 +232,7 @@ class RunState:
             self.slot_micro_batches[r] = -1
             self.slot_step[r] = ustep[fresh]
             self.slot_first_ns[r] = now_ns
+            self.slot_step_first_ns[r] = 0
         self.slot_last_ns[us] = now_ns
         return slots
 
@@ -309,6 +315,9 @@ class RunState:
                 if name in cols:
                     d[slots, F[name], rank] = np.asarray(cols[name], np.float64)[keep]
             self.present[slots, rank] = True
+            first = np.unique(slots)
+            first = first[self.slot_step_first_ns[first] == 0]
+            self.slot_step_first_ns[first] = now_ns
             end = np.asarray(cols["start_ns"], np.int64)[keep] + np.asarray(cols["duration_ns"], np.int64)[keep]
             np.maximum.at(self.slot_end_ns, slots, end)
             if "micro_batches" in cols:
