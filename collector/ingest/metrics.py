@@ -196,14 +196,17 @@ class CollectorMetrics:
 
 class LiveCounts:
     """The live engine's counts, read at each scrape (collector.live.engine.LiveEngine): batches
-    dropped from its full inbox (their steps not judged), alert rows dropped past the ones kept
-    across failed stores (never in the file), and its errors (a judgment or a store that raised)."""
+    dropped from its full inbox (their steps not judged), steps judged at the deadline without every
+    rank, alert rows dropped past the ones kept across failed stores (never in the file), and its errors (a judgment or a store that raised)."""
 
     FAMILIES = (
         ("tracetop_live_batches_dropped", "Committed batches the live engine dropped from its full inbox "
                                           "(their steps were not judged live)", lambda e: e.stats.batches_dropped),
         ("tracetop_live_alert_rows_lost", "Alert rows dropped past the ones kept across failed stores "
                                           "(not in the file)", lambda e: e.alert_rows_lost),
+        ("tracetop_live_steps_incomplete", "Steps judged live without every rank's STEP row (15 s after "
+                                           "the first came): rows arriving later can make a recompute differ",
+         lambda e: e.stats.steps_incomplete),
         ("tracetop_live_errors", "Live judgments or alert stores that raised (see the log)", lambda e: e.errors),
     )
 

@@ -319,7 +319,7 @@ def test_alert_rows_dropped_past_the_kept_ones_are_counted_on_metrics(tmp_path, 
                               first_ns=1, last_ns=2, value=1.0, threshold=0.0, message=f"rank {rank}", kind="fault"))
     read = metrics.registry.get_sample_value
     assert (read("tracetop_live_alert_rows_lost_total"), read("tracetop_live_errors_total")) == (3, 5)
-    assert read("tracetop_live_batches_dropped_total") == 0
+    assert read("tracetop_live_batches_dropped_total") == read("tracetop_live_steps_incomplete_total") == 0
     con.execute("ALTER TABLE alerts_away RENAME TO alerts")
     eng.raise_alert(Alert(rule="controller_cannot_fix", signal="controller", severity="critical", state=FIRING,
                           run_id="r", scope="rank", labels={"rank": "9"}, first_step=3, last_step=3,
