@@ -238,7 +238,7 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
                 wall0 = sink.step_off + t0
                 # an async call's Work: its row is written at completion (trainer_hooks.integrations.async_done)
                 if ret is None or not async_done.track(sink, ret, sink.step_n, wall0, t0, nbytes, sig):
-                    sink.collective_rows.append((sink.step_n, wall0, dur, nbytes, sig))
+                    sink.collective_rows.extend((sink.step_n, wall0, dur, nbytes, sig))
                 sink.events += 1
             except Exception as e:
                 sink.hook_error("collective", e)
