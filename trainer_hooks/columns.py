@@ -1,6 +1,7 @@
 """Compact hot-path rows -> the wire's columns, vectorised (pure functions, run on the emitter).
 
-The training thread appends short tuples of numbers to plain lists; every string a row would
+The training thread extends plain lists with each row's numbers (collectives, instructions: flat,
+``ROW_WIDTH`` a row) or appends a tuple (steps); every string a row would
 carry (op, role, dtype, instruction) is replaced by the index of a small "signature" it already
 looked up. The emitter turns a whole list into numpy columns at once, strings as ready
 ``(codes, dictionary)`` pairs, and hands them to ``Shipper.record_many``. Per row that is a few
@@ -26,10 +27,19 @@ def _string_column(per_sig: Sequence[str], sig: np.ndarray) -> tuple[np.ndarray,
     return codes[sig], dictionary
 
 
-def collective_columns(rank: int, rows: Sequence[tuple], sigs: Sequence[tuple]) -> dict[str, Any]:
-    """rows: (step, start_ns, duration_ns, bytes, sig); sigs[sig]: (op, role, group_size, peer, dtype, is_async)."""
-    n = len(rows)
-    step, start, dur, nbytes, sig = (np.array(c, "<i8") for c in zip(*rows))
+#: numbers per row in the flat buffers (``Recorder.collective_rows``, ``Recorder.instr_rows``)
+ROW_WIDTH = 5
+
+
+def _flat_columns(rows: Sequence[int]) -> tuple[int, list[np.ndarray]]:
+    """(rows, the ROW_WIDTH columns) of a flat buffer, each column contiguous."""
+    table = np.array(rows, "<i8").reshape(-1, ROW_WIDTH)
+    return len(table), [np.ascontiguousarray(table[:, i]) for i in range(ROW_WIDTH)]
+
+
+def collective_columns(rank: int, rows: Sequence[int], sigs: Sequence[tuple]) -> dict[str, Any]:
+    """rows: flat, step, start_ns, duration_ns, bytes, sig a row; sigs[sig]: (op, role, group_size, peer, dtype, is_async)."""
+    n, (step, start, dur, nbytes, sig) = _flat_columns(rows)
     sig = sig.astype(np.intp)
     ops, roles, sizes, peers, dtypes, asyncs = zip(*sigs)
     return {
@@ -40,10 +50,9 @@ def collective_columns(rank: int, rows: Sequence[tuple], sigs: Sequence[tuple]) 
     }
 
 
-def instr_columns(rank: int, stage: int, rows: Sequence[tuple], names: Sequence[str]) -> dict[str, Any]:
-    """rows: (step, start_ns, duration_ns, micro_batch, instr code); names[code] = instruction."""
-    n = len(rows)
-    step, start, dur, mb, code = (np.array(c, "<i8") for c in zip(*rows))
+def instr_columns(rank: int, stage: int, rows: Sequence[int], names: Sequence[str]) -> dict[str, Any]:
+    """rows: flat, step, start_ns, duration_ns, micro_batch, instr code a row; names[code] = instruction."""
+    n, (step, start, dur, mb, code) = _flat_columns(rows)
     return {
         "rank": np.full(n, rank, "<i4"), "step": step, "start_ns": start, "duration_ns": dur,
         "stage": np.full(n, stage, "<i4"), "micro_batch": mb.astype("<i4"),

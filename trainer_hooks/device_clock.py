@@ -121,7 +121,7 @@ def resolve_pass(rec: Recorder, acc: StepAccumulator, clock: DeviceClock, bucket
     exposed = 0
     rows = rec.collective_rows
     for step, wall0, nbytes, sig, ev0, ev1 in buckets:
-        rows.append((step, wall0, clock.elapsed_ns(ev0, ev1), nbytes, sig))
+        rows.extend((step, wall0, clock.elapsed_ns(ev0, ev1), nbytes, sig))
         exposed = max(exposed, clock.elapsed_ns(ev_last, ev1))
     acc.comm_ns += exposed
     for b in buckets:
@@ -154,11 +154,11 @@ def resolve_deferred(rec: Recorder, clock: DeviceClock, acc: StepAccumulator) ->
         elif op == DeferredOp.INSTR:
             slot, step, wall, mb, instr = payload
             acc.sums[slot] += dur - (acc.comm_ns - acc.stack.pop())
-            rec.instr_rows.append((step, wall, dur, mb, rec.instr_code(instr)))
+            rec.instr_rows.extend((step, wall, dur, mb, rec.instr_code(instr)))
         elif op == DeferredOp.COLLECTIVE:
             step, wall, nbytes, sig = payload
             acc.comm_ns += dur
-            rec.collective_rows.append((step, wall, dur, nbytes, sig))
+            rec.collective_rows.extend((step, wall, dur, nbytes, sig))
         elif op == DeferredOp.STEP_END:
             n, wall0, tokens, samples, shape = payload
             rec.finish_step(n, wall0, dur, tokens, samples, acc, shape)

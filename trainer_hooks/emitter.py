@@ -29,8 +29,9 @@ STATM_PATH = "/proc/self/statm"
 
 
 def _take(buf: list) -> list:
-    """Everything appended so far (appends only ever add at the end; slicing and deleting a prefix
-    are single operations under the GIL, so nothing is lost or taken twice)."""
+    """Everything appended so far (appends and a row's ``extend`` only ever add at the end, each one
+    step under the GIL, as are slicing and deleting a prefix: nothing is lost or taken twice, and a
+    flat buffer is taken in whole rows)."""
     n = len(buf)
     chunk = buf[:n]
     del buf[:n]

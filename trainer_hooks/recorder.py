@@ -5,7 +5,8 @@ progress (``pending``), the step's accumulator and three row buffers the emitter
 ``collective_rows``, ``instr_rows`` and ``step_rows``. The integrations
 (:mod:`trainer_hooks.integrations`) are handed the Recorder and use only the names defined here.
 
-Hot path: a clock read, a few integer additions and at most one tuple appended per event. No
+Hot path: a clock read, a few integer additions and at most one row's numbers extended onto a list
+per event. No
 protobuf, no I/O, no device synchronization, no logging per event, no lock.
 
 Accounting (per rank, per step; every figure in ns):
@@ -181,9 +182,12 @@ class Recorder:
         self.step_t0: Any = 0  # perf_counter ns, or the start event on the device clock
         self.acc = StepAccumulator()
         self.deferred: collections.deque[tuple[DeferredOp, Any, Any, Any]] = collections.deque()
-        # row buffers (plain lists; the emitter drains them into columns)
-        self.collective_rows: list[tuple] = []  # (step, start_ns, duration_ns, bytes, sig)
-        self.instr_rows: list[tuple] = []  # (step, start_ns, duration_ns, micro_batch, instr code)
+        # row buffers (plain lists; the emitter drains them into columns). Collective and instruction
+        # rows are flat: each row's 5 numbers extended onto the list (``rows.extend((a, b, c, d, e))``,
+        # one step under the GIL, so a drain never sees part of a row), no tuple kept per row: a kept
+        # tuple is one more object the garbage collector's young generation walks and counts
+        self.collective_rows: list[int] = []  # step, start_ns, duration_ns, bytes, sig; ... (ROW_WIDTH a row)
+        self.instr_rows: list[int] = []  # step, start_ns, duration_ns, micro_batch, instr code; ...
         self.step_rows: list[tuple] = []  # one per step: columns.STEP_ROW (the emitter derives the rest)
         self.instr_counts: dict[str, int] = {}  # instruction -> how many this step (its micro-batch index)
         self.instr_names: list[str] = []  # instr code -> name

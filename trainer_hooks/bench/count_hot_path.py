@@ -3,8 +3,8 @@ the machine's load; docs/benchmarks.md, "Issue 28"). The measured steps run insi
 ``sum(map(step, ...))`` so that ``--toggle-collect=builtin_sum`` counts them alone; a stand-in
 tensor (no torch), a NullShipper, 50 warm steps first. MODE: ``micro`` (the schedule of
 ``tracetop bench hooks``' microbenchmark: 22 instructions, 18 one-tensor collectives),
-``ref`` (a reference-trainer step: 15 instructions called with ``buffer_id=``, 2 collectives, two
-``set_loss``, the command seam) or ``stepctx`` (the step alone), each ``-on`` or ``-off``::
+``ref`` (a reference-trainer step: 15 instructions called with ``buffer_id=``, 2 collectives called
+as DeepSpeed's comm backend calls them, every argument a keyword, two ``set_loss``, the command seam) or ``stepctx`` (the step alone), each ``-on`` or ``-off``::
 
     DS_ACCELERATOR=cpu PYTHONHASHSEED=0 valgrind --tool=callgrind --collect-atstart=no \
         --toggle-collect=builtin_sum --callgrind-out-file=/tmp/cg.out \
@@ -39,6 +39,14 @@ def _compute(self: Any, buffer_id: int = 0) -> None:
     return None
 
 
+def _no_argument(self: Any) -> None:
+    return None
+
+
+def _optimizer_step(self: Any, lr_kwargs: Any = None) -> None:
+    return None
+
+
 MICRO = [*(["LoadMicroBatch", "ForwardPass", "SendActivation"] * 2),
          *(["LoadMicroBatch", "ForwardPass", "SendActivation", "RecvGrad", "BackwardPass"] * 2),
          *(["RecvGrad", "BackwardPass"] * 2), "ReduceGrads", "OptimizerStep"]
@@ -65,9 +73,15 @@ def main(mode: str, steps: int) -> int:
         current["all_reduce"](tensor)
         current["all_reduce"](tensor)
 
+    def reduce_grads(self: Any) -> None:  # deepspeed/comm/torch.py: every argument a keyword
+        current["all_reduce"](tensor=tensor, op=None, group=None, async_op=False)
+        current["all_reduce"](tensor=tensor, op=None, group=None, async_op=False)
+
     kinds = {"LoadMicroBatch": _compute, "ForwardPass": _compute, "BackwardPass": _compute,
              "SendActivation": two_collectives, "RecvGrad": two_collectives, "ReduceGrads": two_collectives,
              "OptimizerStep": _compute, "ReduceTiedGrads": _compute}
+    if mode.startswith("ref"):  # DeepSpeed's handlers' signatures
+        kinds.update(ReduceGrads=reduce_grads, ReduceTiedGrads=_no_argument, OptimizerStep=_optimizer_step)
     table = {type(name, (), {}): fn for name, fn in kinds.items()}
 
     class Engine:
@@ -77,19 +91,23 @@ def main(mode: str, steps: int) -> int:
     pipeline_mod.wrap(engine, t)
     by_name = {cls.__name__: cls for cls in table}
     on = mode.endswith("-on")
+    reference = mode.startswith(("ref", "stepctx"))
     schedule = MICRO if mode.startswith("micro") else REF if mode.startswith("ref") else []
-    handlers = [(engine._INSTRUCTION_MAP if on else table)[by_name[n]] for n in schedule]  # type: ignore[attr-defined]
+    # DeepSpeed's calls: ``handler(engine, buffer_id=i)``, ``handler(engine)`` for ReduceGrads,
+    # ReduceTiedGrads and OptimizerStep (their commands carry no keyword)
+    no_kw = ("ReduceGrads", "ReduceTiedGrads", "OptimizerStep")
+    handlers = [((engine._INSTRUCTION_MAP if on else table)[by_name[n]],  # type: ignore[attr-defined]
+                 {} if n in no_kw and reference else {"buffer_id": 0}) for n in schedule]
     current["all_reduce"] = timed_all_reduce if on else _all_reduce
     colls.route_to(t.recorder if on else None)
     tr = t if on else Tracer(enabled=False)
-    reference = mode.startswith(("ref", "stepctx"))
 
     def step(n: int) -> int:
         if on and reference:
             traced.adjustments(n)
         with tr.step(n):
-            for h in handlers:
-                h(engine, buffer_id=0)
+            for h, kw in handlers:
+                h(engine, **kw)
             if reference:
                 tr.set_loss(loss)
                 tr.set_loss(2.5)

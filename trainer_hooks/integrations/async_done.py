@@ -53,7 +53,7 @@ def track(sink: Recorder, work: Any, step: int, wall0: int, t0: int, nbytes: int
 
     def done(_f: Any) -> None:  # the process group's thread (or here, if already complete)
         try:
-            rows.append((step, wall0, perf_counter_ns() - t0, nbytes, sig))
+            rows.extend((step, wall0, perf_counter_ns() - t0, nbytes, sig))
         except Exception as e:
             sink.hook_error("collective", e)
 

@@ -184,6 +184,11 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
     # one tensor as the only argument (``all_reduce(t)``): no group, not async, no peer, so the
     # signature depends on the dtype alone: looked up by (spec, dtype) without naming the call
     one_tensor = spec.kind == "arg" and spec.index == 0 and 0 not in (spec.group_i, spec.async_i, spec.peer_i)
+    # the tensor first or named, the rest named (DeepSpeed's comm backend: ``all_reduce(tensor=t,
+    # op=op, group=g, async_op=a)``): the signature depends on (dtype, group, async) alone, looked
+    # up in ``fast_sigs[kw_key]`` (cleared with the rest when groups are renamed)
+    by_name = one_tensor and not spec.peer_name
+    kw_key, tensor_name = (spec, "kw"), spec.arg_name
 
     inside = local.tids
 
@@ -204,6 +209,14 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
                 if sig is None:
                     sig, nbytes = sink.collective_sig(spec, args, kwargs)
                     sink.fast_sigs.setdefault(spec, {})[tensor.dtype] = sig
+            elif by_name and kwargs and len(args) <= 1 and (tensor := args[0] if args else kwargs.get(tensor_name)) is not None:
+                nbytes = tensor.nbytes
+                key = (tensor.dtype, kwargs.get("group"), kwargs.get("async_op", False))
+                by_key = sink.fast_sigs.get(kw_key)
+                sig = by_key.get(key) if by_key is not None else None
+                if sig is None:
+                    sig, nbytes = sink.collective_sig(spec, args, kwargs)
+                    sink.fast_sigs.setdefault(kw_key, {})[key] = sig
             else:
                 sig, nbytes = sink.collective_sig(spec, args, kwargs)
         except Exception as e:  # a hook never breaks the call it observes
@@ -225,7 +238,7 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
                 wall0 = sink.step_off + t0
                 # an async call's Work: its row is written at completion (trainer_hooks.integrations.async_done)
                 if ret is None or not async_done.track(sink, ret, sink.step_n, wall0, t0, nbytes, sig):
-                    sink.collective_rows.append((sink.step_n, wall0, dur, nbytes, sig))
+                    sink.collective_rows.extend((sink.step_n, wall0, dur, nbytes, sig))
                 sink.events += 1
             except Exception as e:
                 sink.hook_error("collective", e)

@@ -410,7 +410,7 @@ def _timed(cell: _Cell) -> Any:
         def done(f: Any) -> Any:  # the process group's thread (or inline, if already complete)
             try:
                 d = perf_counter_ns()
-                rows.append((step, wall0, d - t0, nbytes, sig))
+                rows.extend((step, wall0, d - t0, nbytes, sig))
                 dones.append(d)
                 if next(tickets) == p.n - 1:  # the pass's last completion: close it
                     exposed = max(dones) - p.ready_last_ns

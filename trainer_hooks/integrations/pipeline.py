@@ -49,7 +49,7 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
     slot, phase, has_mb = INSTRUCTIONS.get(instr, (4, "comm", False))
     code = rec.instr_code(instr)
     # the Recorder's objects that live as long as it (reset in place): bound once, not looked up per call
-    counts, acc, rows = rec.instr_counts, rec.acc, rec.instr_rows
+    counts, acc, add_row = rec.instr_counts, rec.acc, rec.instr_rows.extend
     sums = acc.sums
     clock = perf_counter_ns
     positional = _buffer_id_first(handler)
@@ -88,7 +88,7 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
                 r.current_phase = prev
                 comm = acc.comm_ns
                 sums[slot] += dur if comm == comm0 else dur - (comm - comm0)
-                rows.append((r.step_n, r.step_off + t0, dur, mb, code))
+                add_row((r.step_n, r.step_off + t0, dur, mb, code))
                 r.events += 1
             except Exception as e:
                 r.hook_error("pipeline", e)
