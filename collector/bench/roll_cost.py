@@ -207,6 +207,7 @@ def time_live(ranks: int, steps: int, checkpoint_mb: int = 64) -> dict:
             for s in range(steps):
                 for first in range(0, ranks, per_source):
                     _mix_step(con, s, min(ranks, first + per_source), first)
+                    w._newest_step["mix"] = s  # what the writer notes of committed step rows
                     n = min(ranks, first + per_source) - first
                     rows += n * 37
                     w._unrolled["step_rollup"] += n

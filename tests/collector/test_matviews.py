@@ -574,3 +574,96 @@ def test_a_roll_is_chunked_by_the_rows_a_step_holds_when_the_run_does_not_say_it
         check_views(con, reference(con))
     finally:
         con.close()
+
+
+def test_a_roll_that_only_waits_on_a_runs_newest_step_keeps_it_pending(tmp_path) -> None:
+    """Rolls whose rows past the watermarks (and pending keys) touch only the newest step of runs
+    without run_start rows take nothing and leave those keys pending, every watermark at its table's
+    end (rows of a step < 0 touch nothing); a later step completes the one before; a run with
+    run_start rows completes a step with its started ranks' rows. The views equal the original SQL
+    at every point."""
+    con = open_store(str(tmp_path / "w.duckdb"))
+    try:
+        def state() -> tuple[list, dict, dict]:
+            pending = sorted(con.execute("SELECT run_id, step FROM views_pending").fetchall())
+            done = dict(con.execute("SELECT step, count(*) FROM step_ranks_m GROUP BY step").fetchall())
+            ends = {t: con.execute(f"SELECT coalesce(max(rowid) + 1, 0) FROM {t}").fetchone()[0] for t in matviews.INPUTS}
+            assert _state(con) == {t: n for t, n in ends.items() if n}, "a watermark short of its table's end"
+            return pending, done, ends
+
+        _rank_step_rows(con, "run-w", 0, [0, 1])
+        _rank_step_rows(con, "run-w", -1, [0])  # a step < 0: in no view
+        assert matviews.advance(con) == 0
+        assert state()[:2] == ([("run-w", 0)], {})
+        check_views(con, reference(con))
+        con.execute("INSERT INTO collective (run_id, rank, step, duration_ns, op, role, group_size, bytes) "
+                    "VALUES ('run-w', 2, 0, 5000, 'all_reduce', 'dp', 4, 4096)")  # collectives only, same step
+        assert matviews.advance(con) == 0
+        assert state()[:2] == ([("run-w", 0)], {})
+        check_views(con, reference(con))
+        _rank_step_rows(con, "run-x", 0, [0])  # two runs' newest steps: both pending
+        assert matviews.advance(con) == 0
+        assert state()[:2] == ([("run-w", 0), ("run-x", 0)], {})
+        _rank_step_rows(con, "run-w", 1, [0, 1])  # a later step: step 0 is complete
+        assert matviews.advance(con) == 1
+        assert state()[:2] == ([("run-w", 1), ("run-x", 0)], {0: 2})
+        check_views(con, reference(con))
+    finally:
+        con.close()
+    con = open_store(str(tmp_path / "y.duckdb"))
+    try:
+        con.execute("INSERT INTO run_start (run_id, rank, step, world_size, stage) VALUES ('run-y', 0, -1, 1, 0)")
+        matviews.advance(con)
+        _rank_step_rows(con, "run-y", 0, [0])  # one step of a run that says its ranks: complete with rank 0's
+        assert matviews.advance(con) == 1
+        assert dict(con.execute("SELECT step, count(*) FROM step_ranks_m GROUP BY step").fetchall()) == {0: 1}
+        assert matviews.pending_rows(con) == 0
+        check_views(con, reference(con))
+    finally:
+        con.close()
+
+
+def test_the_views_roll_after_step_rows_that_can_complete_a_step(tmp_path, monkeypatch) -> None:
+    """The writer's roll rule (collector/ingest/writer.py VIEWS_ROLL_BOUND): past ROLL_EVERY_ROWS rows,
+    the views roll after step rows of a step newer than at their last roll or older than the run's
+    newest (a late rank), not after a step's other rows (they complete nothing), and after
+    VIEWS_ROLL_BOUND times ROLL_EVERY_ROWS rows whatever came; the rollups as before. The views equal
+    the original SQL throughout (rolled or not) and after the close."""
+    monkeypatch.setattr(rollup, "ROLL_EVERY_ROWS", 40)
+    rng = np.random.default_rng(5)
+    con = open_store(str(tmp_path / "r.duckdb"))
+    writer = Writer(con)  # not started: the test commits (flush) and rolls (_roll_up) itself
+    seq = 0
+
+    def commit_and_roll(*makes) -> bool:
+        """Commit the batches, roll as the roll thread does; whether the views rolled."""
+        nonlocal seq
+        items = []
+        for make in makes:
+            seq += 1
+            b = decode_batch(make(seq))
+            items.append(QueuedBatch(_Sink(), b, batch_to_arrow(b)))
+        writer.flush(items)
+        before = _state(con)
+        writer._roll_up(con, rollup.ROLL_EVERY_ROWS)
+        return _state(con) != before
+
+    try:
+        assert commit_and_roll(lambda q: _steps(rng, 0, range(RANKS), q), lambda q: _coll(rng, 0, range(RANKS), q, 12))
+        assert not commit_and_roll(lambda q: _coll(rng, 0, range(RANKS), q, 12))  # step 0's collectives
+        assert con.execute("SELECT count(*) FROM collective_rollup").fetchone()[0] > 0  # the rollup did roll
+        check_views(con, reference(con))
+        assert commit_and_roll(lambda q: _steps(rng, 1, range(RANKS), q), lambda q: _coll(rng, 1, range(RANKS), q, 12))
+        assert {s for (s,) in con.execute("SELECT DISTINCT step FROM step_ranks_m").fetchall()} == {0}
+        assert not commit_and_roll(lambda q: _pipe(rng, 1, range(RANKS), q), lambda q: _coll(rng, 1, range(RANKS), q, 12))
+        assert commit_and_roll(lambda q: _steps(rng, 0, [1], q), lambda q: _coll(rng, 1, range(RANKS), q, 12))  # late
+        assert not commit_and_roll(*[lambda q: _coll(rng, 1, range(RANKS), q, 10)] * 3)  # 120 rows of 160
+        check_views(con, reference(con))
+        assert commit_and_roll(lambda q: _coll(rng, 1, range(RANKS), q, 12))  # 168 > 4 * 40: the bound
+        check_views(con, reference(con))
+    finally:
+        writer._roll_cursor.close()  # (the threads never started: close's own roll, without joining them)
+    writer._roll_up(con, 0)
+    assert matviews.pending_rows(con) == 0
+    check_views(con, reference(con))
+    con.close()
