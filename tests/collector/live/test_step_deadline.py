@@ -21,6 +21,7 @@ from collector.ingest.writer import insert_rows
 from collector.live.engine import Evaluator
 from collector.live.replay import recompute
 from collector.live.rules import parse
+from tests.collector.live.test_engine import _run_start
 from tracetop.events import SCHEMAS, Kind, table_name
 
 RULES = parse('[rule.gs]\nsignal = "grad_sync"\ngrad_sync_ms_above = 200\nfor_steps = 3\n')
@@ -49,24 +50,12 @@ def _coll(step: int, ranks: list[int], start_ns: int, ms: list[float]) -> dict:
             "is_async": np.zeros(n, np.int32)}
 
 
-def _run_start() -> dict:
-    n = RANKS
-    one = np.full(n, 1, np.int32)
-    s = (np.zeros(n, np.int32), ("",))
-    return {"rank": np.arange(n, dtype=np.int32), "step": np.full(n, -1, np.int64), "start_ns": np.zeros(n, np.int64),
-            "duration_ns": np.zeros(n, np.int64), "world_size": np.full(n, n, np.int32), "tp": one, "pp": one,
-            "dp": np.full(n, n, np.int32), "zero_stage": one, "stage": np.full(n, -1, np.int32), "model_name": s,
-            "n_params": np.zeros(n, np.int64), "flops_per_token": np.full(n, np.nan),
-            "peak_flops": np.full(n, np.nan), "micro_batch": one, "micro_batches": one, "seq_len": one,
-            "hostname": s, "pid": one, "ds_config_json": s, "meta_json": s}
-
-
 def _deliveries() -> list[tuple[float, Kind, dict]]:
     """(collector receive time s, kind, rows): steps 0..2 of 1 s; steps 1 and 2 with grad-sync 300 ms on
     rank 3 (p99 above the 200 ms threshold: two of the rule's three steps); step 3 starts at 3 s and hangs 35 s. Its collectives finished
     before the hang (rank 0's 250 ms grad-sync among them) ship with the 5 s flush; rank 1's STEP row
     comes when its timeout ends it, the others' 0.2 s later."""
-    out: list[tuple[float, Kind, dict]] = [(0.0, Kind.RUN_START, _run_start())]
+    out: list[tuple[float, Kind, dict]] = [(0.0, Kind.RUN_START, _run_start(RANKS))]
     for s in range(HANG_STEP):
         out.append((s + 1.1, Kind.COLLECTIVE, _coll(s, list(range(RANKS)), s * S + 500_000_000,
                                                  [5, 5, 5, 300 if s else 5])))
@@ -136,7 +125,7 @@ def test_a_rank_whose_step_row_never_comes_is_still_judged_at_the_deadline():
     """The deadline still does its work: a step three ranks finished is judged 15 s after their STEP
     rows without the fourth's (named missing, counted incomplete)."""
     ev = Evaluator(RULES)
-    ev.ingest(Kind.RUN_START, "r", _run_start(), 0)
+    ev.ingest(Kind.RUN_START, "r", _run_start(RANKS), 0)
     ev.ingest(Kind.COLLECTIVE, "r", _coll(0, [0, 1, 2, 3], 100_000_000, [5, 5, 5, 5]), 1 * S)
     ev.ingest(Kind.STEP, "r", _step(0, [0, 1, 2], 0, 900_000_000), 20 * S)
     ev.evaluate_ready(34 * S, 34.0)
