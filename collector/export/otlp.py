@@ -21,6 +21,8 @@ Instruments (OTel names, units in `unit`), attribute run_id (and stage, severity
     tracetop.run.gpu.samples.rate ({sample}/s), tracetop.run.mfu (1),
     tracetop.run.pipeline.bubble (1, by stage), tracetop.run.memory.budget.used.max (1),
     tracetop.run.alerts.firing, tracetop.run.live.steps_skipped (counter),
+    tracetop.run.live.steps_incomplete (counter: steps judged without every rank's STEP row),
+    tracetop.run.live.last_incomplete_step (the latest of them; absent while none),
     tracetop.alerts (alerts pending or firing, by run_id, severity, state)
 """
 
@@ -205,6 +207,13 @@ class OtlpExporter:
         def skipped(_options):
             return [Observation(int(g.steps_skipped), {"run_id": g.run_id}) for g in snap.get()[0]]
 
+        def incomplete(_options):
+            return [Observation(int(g.steps_incomplete), {"run_id": g.run_id}) for g in snap.get()[0]]
+
+        def last_incomplete(_options):
+            return [Observation(int(g.last_incomplete_step), {"run_id": g.run_id}) for g in snap.get()[0]
+                    if g.last_incomplete_step >= 0]
+
         def alerts(_options):
             counts = Counter((a.run_id, a.severity, a.state) for a in snap.get()[1] if a.state in (PENDING, FIRING))
             return [Observation(n, {"run_id": r, "severity": s, "state": st}) for (r, s, st), n in sorted(counts.items())]
@@ -223,6 +232,10 @@ class OtlpExporter:
                                       description="Pipeline bubble per stage")
         meter.create_observable_counter("tracetop.run.live.steps_skipped", callbacks=[skipped], unit="{step}",
                                         description="Steps the live state skipped to keep up")
+        meter.create_observable_counter("tracetop.run.live.steps_incomplete", callbacks=[incomplete], unit="{step}",
+                                        description="Steps judged without every rank's STEP row")
+        meter.create_observable_gauge("tracetop.run.live.last_incomplete_step", callbacks=[last_incomplete],
+                                      unit="{step}", description="The latest step judged without every rank")
         meter.create_observable_gauge("tracetop.alerts", callbacks=[alerts], unit="{alert}",
                                       description="Alerts pending or firing, by run, severity and state")
 

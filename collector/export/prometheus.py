@@ -17,7 +17,9 @@ Per run (label run_id; bubble also by stage):
     tracetop_run_scaling_efficiency_ratio, tracetop_run_tokens_per_second,
     tracetop_run_gpu_samples_per_second, tracetop_run_model_flops_utilization_ratio,
     tracetop_run_pipeline_bubble_ratio{stage}, tracetop_run_memory_budget_used_max_ratio,
-    tracetop_run_alerts_firing, tracetop_run_live_steps_skipped_total
+    tracetop_run_alerts_firing, tracetop_run_live_steps_skipped_total,
+    tracetop_run_live_steps_incomplete_total (steps judged without every rank's STEP row),
+    tracetop_run_live_last_incomplete_step (the latest of them; absent while none)
 What the run lost (collector/live/lost.py; GPU-seconds, one GPU per rank):
     tracetop_run_lost_gpu_seconds_total{run_id, cause}        over the steps the engine judged
     tracetop_run_lost_recent_gpu_seconds{run_id, cause}       over the last window (lost_window_s)
@@ -103,12 +105,24 @@ def run_families(gauges: Iterable[RunGauges]) -> list[Metric]:
         "tracetop_run_live_steps_skipped",
         "Steps the live state skipped to keep up with ingest (it never queues them)", labels=["run_id"],
     )
+    incomplete = CounterMetricFamily(
+        "tracetop_run_live_steps_incomplete",
+        "Steps of the run judged without every rank's STEP row (their alerts say which ranks were missing)",
+        labels=["run_id"],
+    )
+    last_incomplete = GaugeMetricFamily(
+        "tracetop_run_live_last_incomplete_step", "The latest step of the run judged without every rank",
+        labels=["run_id"],
+    )
     for g in rows:
         for stage, v in sorted(g.bubble_by_stage.items()):
             if _finite(v):
                 bubble.add_metric([g.run_id, str(stage)], float(v))
         skipped.add_metric([g.run_id], float(g.steps_skipped))
-    return [*fams, bubble, skipped, *lost_families(rows)]
+        incomplete.add_metric([g.run_id], float(g.steps_incomplete))
+        if g.last_incomplete_step >= 0:
+            last_incomplete.add_metric([g.run_id], float(g.last_incomplete_step))
+    return [*fams, bubble, skipped, incomplete, last_incomplete, *lost_families(rows)]
 
 
 def lost_families(rows: list[RunGauges]) -> list[Metric]:

@@ -413,6 +413,8 @@ class Evaluator:
                 out.append(s)
                 if n < expected:
                     self.stats.steps_incomplete += 1
+                    run.steps_incomplete += 1
+                    run.last_incomplete_step = s
             elif n == 0 and (now_ns - int(run.slot_first_ns[slot])) / 1e9 > self.step_deadline_s:
                 continue  # rows of other kinds only: nothing to judge
             else:
@@ -444,9 +446,15 @@ class Evaluator:
                 book = self.lost_by_run[run.run_id] = lost_mod.RunLost(self.cost.window_s)
             book.add(fig.lost)
         base = self.baseline(mono_s) if run.run_id != self.baseline_id else None
+        # a step judged without every rank says so in each alert it raises or updates (the alert's
+        # identity, its rule, run and labels, is the same: only its words)
+        partial = judge.judged_on_text(view)
         changed: list[Alert] = []
         for rule in self.step_rules:
-            changed += self.book.update(rule, run.run_id, judge.observe(rule, fig, base), step, now_ns)
+            obs = judge.observe(rule, fig, base)
+            if partial:
+                obs = [replace(o, message=o.message + partial) for o in obs]
+            changed += self.book.update(rule, run.run_id, obs, step, now_ns)
         self._gauges(run, fig, base)
         return changed
 
@@ -463,7 +471,8 @@ class Evaluator:
             bubble_by_stage={b.stage: b.bubble for b in f.budgets},
             memory_used_of_budget_max=float(np.nanmax(used)) if (~np.isnan(used)).any() else math.nan,
             firing_alerts=sum(1 for a in self.book.firing() if a.run_id == run.run_id),
-            steps_skipped=self.stats.steps_skipped,
+            steps_skipped=self.stats.steps_skipped, steps_incomplete=run.steps_incomplete,
+            last_incomplete_step=run.last_incomplete_step,
             **self._lost_gauges(run.run_id),
         )
 
@@ -749,6 +758,14 @@ def behind_message(lag: CollectorLag) -> str:
             "(docs/benchmarks.md, the knee of one collector)")
 
 
+def _incomplete(run: RunState | None) -> dict:
+    """The run's count of steps judged without every rank, as of now (the gauges were taken at its
+    latest judged step: a later step's count is already in the run's state)."""
+    if run is None:
+        return {}
+    return {"steps_incomplete": run.steps_incomplete, "last_incomplete_step": run.last_incomplete_step}
+
+
 def _per_gpu_samples(f: judge.Figures) -> float:
     c = f.view.cols
     ok = (c["samples"] >= 0) & (c["duration_ns"] > 0)
@@ -969,8 +986,10 @@ class LiveEngine:
     def gauges(self) -> list[RunGauges]:
         with self._lock:
             firing = self.ev.book.firing()
+            runs = self.ev.state.runs
             return [replace(g, firing_alerts=sum(1 for a in firing if a.run_id == g.run_id),
-                            steps_skipped=self.ev.stats.steps_skipped) for g in self.ev.gauges_by_run.values()]
+                            steps_skipped=self.ev.stats.steps_skipped,
+                            **_incomplete(runs.get(g.run_id))) for g in self.ev.gauges_by_run.values()]
 
     def alerts(self, firing_only: bool = False) -> list[Alert]:
         with self._lock:

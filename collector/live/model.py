@@ -103,6 +103,11 @@ class RunGauges:
     memory_used_of_budget_max: float = float("nan")  # max over ranks of used / budget
     firing_alerts: int = 0
     steps_skipped: int = 0                      # steps the live state skipped to keep up (never queued)
+    # Steps of this run judged without every rank's STEP row (at the step deadline, or at close / in a
+    # recompute where the file lacks them): their judgments, and the alerts raised or updated on them,
+    # stand on part of the run (the alert's message says "judged on N of M ranks (missing: ...)").
+    steps_incomplete: int = 0
+    last_incomplete_step: int = -1              # the latest of them; -1 = none
     # What it cost (collector/live/lost.py): GPU-seconds lost per cause (straggler, data, pipeline,
     # comm) over the steps the engine judged, and over the last `lost_window_s` of step time.
     lost_gpu_s: Mapping[str, float] = field(default_factory=dict)
