@@ -76,7 +76,7 @@ MISSING_SHOWN = 8
 
 def judged_on_text(v: StepView) -> str:
     """'; judged on 6 of 8 ranks (missing: 3, 5)' for a step judged without every expected rank's
-    STEP row (at the step deadline, or at close), '' for a complete one: an alert raised or updated
+    STEP row (at the step deadline, or in a recompute), '' for a complete one: an alert raised or updated
     on it stands on part of the run, and a recompute over the rows that came later may differ."""
     if not v.missing:
         return ""
