@@ -103,8 +103,8 @@ class RunGauges:
     memory_used_of_budget_max: float = float("nan")  # max over ranks of used / budget
     firing_alerts: int = 0
     steps_skipped: int = 0                      # steps the live state skipped to keep up (never queued)
-    # Steps of this run judged without every rank's STEP row (at the step deadline, or at close / in a
-    # recompute where the file lacks them): their judgments, and the alerts raised or updated on them,
+    # Steps of this run judged without every rank's STEP row (at the step deadline, or in a recompute
+    # where the file lacks them): their judgments, and the alerts raised or updated on them,
     # stand on part of the run (the alert's message says "judged on N of M ranks (missing: ...)").
     steps_incomplete: int = 0
     last_incomplete_step: int = -1              # the latest of them; -1 = none
