@@ -147,6 +147,7 @@ def test_live_alerts_equal_recompute(live):
     again = {(a.rule, a.run_id, json.dumps(dict(a.labels), sort_keys=True), a.first_step)
              for a in found if a.state != "pending" and a.first_step >= 0}
     assert {(r["rule"], r["run_id"], r["labels"], r["first_step"]) for r in stored} == again
+    _values_at_the_last_step_equal(db, found)
     # the timer rules replayed on the heartbeats' clock name the same hung rank and collective
     live_stuck = {(a["rank"], a["labels"]) for a in live["hang_alerts"] if a["signal"] == "stuck_collective"}
     re_stuck = {(int(a.labels["rank"]), json.dumps(dict(a.labels), sort_keys=True))
@@ -156,6 +157,35 @@ def test_live_alerts_equal_recompute(live):
                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert any(r["rule"] == "straggler" and r["rank"] == 3 for r in json.loads(cli.stdout))
+
+
+def _values_at_the_last_step_equal(db, found) -> None:
+    """Each alert's value at the last step it was judged on, live (the file's rows once the collector
+    stopped) against the recompute, where both judged it last on the same step and the live judgment
+    had every rank: the same rows through the same code. The tolerance (rel 1e-9) only absorbs the
+    order of float reductions: the live state's sums are of integer nanoseconds and bytes, exact in
+    float64. Where the live engine stopped before a step's deadline (the hang run's last step) the
+    last steps differ, and a step judged live without a rank says so ("judged on N of M"): both are
+    left out, and the straggler run (every step long judged when it stopped) must be compared whole."""
+    con = connect(str(db), read_only=True)
+    try:
+        live = {(r[0], r[1], r[2], r[3]): r[4:] for r in con.execute(
+            "SELECT rule, run_id, labels, first_step, last_step, value, message FROM alerts WHERE first_step >= 0"
+        ).fetchall()}
+    finally:
+        con.close()
+    compared = set()
+    for a in found:
+        key = (a.rule, a.run_id, json.dumps(dict(a.labels), sort_keys=True), a.first_step)
+        if a.state == "pending" or key not in live:
+            continue
+        last_step, value, message = live[key]
+        if last_step != a.last_step or "judged on" in message:
+            continue
+        assert (value is None and a.value != a.value) or value == pytest.approx(a.value, rel=1e-9), (key, value, a.value)
+        compared.add(key)
+    strag = {k for k in live if k[1] == "strag"}
+    assert strag and strag <= compared, (sorted(strag - compared), live)
 
 
 def _view_vs_live(con, run_id: str) -> int:
