@@ -64,6 +64,8 @@ class _Track:
     cleared_ns: int = 0     # when the current cleared streak began
     rule: Rule | None = None
     base: str = ""          # the judge's latest message ({steps} filled), before the book's words
+    judged_on: str = ""     # the latest step judged without every rank: "; judged on 6 of 8 ranks (...)"
+    fired_on: str = ""      # the same, of the step at which it went firing (kept while it fires)
     note: str = ""          # for a consequence: whose incident it belongs to
     #: (the alert it was computed for, whether that alert opened an incident): Alert.id builds a
     #: string, and the incident checks ask it of every track of a run per alert that fires
@@ -125,9 +127,10 @@ class AlertBook:
         self.done: list[Alert] = []  # resolved alerts (latest 1000)
 
     def update(self, rule: Rule, run_id: str, obs: list[judge.Obs], step: int, now_ns: int,
-               time_based: bool = False) -> list[Alert]:
+               time_based: bool = False, judged_on: str = "") -> list[Alert]:
         """One evaluation of `rule` on `run_id`: returns the alerts whose state changed (and the
-        alerts of the run that this evaluation attached to an incident)."""
+        alerts of the run that this evaluation attached to an incident). `judged_on`: the step was
+        judged without every rank (judge.judged_on_text), which the words of its alerts say."""
         changed: list[Alert] = []
         seen = set()
         # a judgment that is not breached matters only to a track of its own: with none of this
@@ -151,6 +154,7 @@ class AlertBook:
                     fresh = False
                 t.count += 1
                 t.cleared = 0
+                t.judged_on = judged_on
                 t.base = o.message.replace("{steps} steps", "1 step" if t.count == 1 else f"{t.count} steps").replace(
                     "{steps}", str(t.count))
                 a = t.alert
@@ -158,10 +162,12 @@ class AlertBook:
                 held = (now_ns - a.first_ns) / 1e9 >= rule.for_s if rule.for_s else t.count >= rule.for_steps
                 if a.state == PENDING and held:
                     new_state = FIRING
-                t.alert = replace(a, state=new_state, last_step=step if not time_based else a.last_step,
-                                  last_ns=now_ns, value=o.value, message=_words(t),
-                                  fired_ns=now_ns if new_state != a.state else a.fired_ns,
-                                  fired_step=(step if not time_based else -1) if new_state != a.state else a.fired_step)
+                    t.fired_on = judged_on
+                last_step = step if not time_based else a.last_step
+                fired_step = (step if not time_based else -1) if new_state != a.state else a.fired_step
+                t.alert = replace(a, state=new_state, last_step=last_step, last_ns=now_ns, value=o.value,
+                                  message=_words(t, fired_step, last_step),
+                                  fired_ns=now_ns if new_state != a.state else a.fired_ns, fired_step=fired_step)
                 if new_state != a.state or fresh:
                     changed.append(t.alert)
             elif t is not None:
@@ -272,10 +278,15 @@ class AlertBook:
 SLA_WORDS = "; an SLA breach, not a fault"
 
 
-def _words(t: _Track) -> str:
-    """The alert's message: the judge's, said to be an SLA breach where it is one, with whose
-    incident it belongs to where it is a consequence."""
-    return t.base + (SLA_WORDS if t.alert.kind == "sla" else "") + t.note
+def _words(t: _Track, fired_step: int | None = None, last_step: int | None = None) -> str:
+    """The alert's message: the judge's, with the ranks its latest step was judged without (and
+    those of the step it went firing on, a judgment a recompute may not repeat), said to be an SLA
+    breach where it is one, with whose incident it belongs to where it is a consequence."""
+    a = t.alert
+    fired_step = a.fired_step if fired_step is None else fired_step
+    last_step = a.last_step if last_step is None else last_step
+    fired = f"; it went firing on step {fired_step}, {t.fired_on[2:]}" if t.fired_on and fired_step != last_step else ""
+    return t.base + t.judged_on + fired + (SLA_WORDS if a.kind == "sla" else "") + t.note
 
 
 def _explains(c: _Track, t: _Track) -> bool:
@@ -448,13 +459,11 @@ class Evaluator:
         base = self.baseline(mono_s) if run.run_id != self.baseline_id else None
         # a step judged without every rank says so in each alert it raises or updates (the alert's
         # identity, its rule, run and labels, is the same: only its words)
-        partial = judge.judged_on_text(view)
+        judged_on = judge.judged_on_text(view)
         changed: list[Alert] = []
         for rule in self.step_rules:
-            obs = judge.observe(rule, fig, base)
-            if partial:
-                obs = [replace(o, message=o.message + partial) for o in obs]
-            changed += self.book.update(rule, run.run_id, obs, step, now_ns)
+            changed += self.book.update(rule, run.run_id, judge.observe(rule, fig, base), step, now_ns,
+                                        judged_on=judged_on)
         self._gauges(run, fig, base)
         return changed
 

@@ -1,6 +1,6 @@
 """A step judged without every rank says so: in each alert raised or updated on it ("judged on 7 of 8
-ranks (missing: 5)"), and in its run's gauges (steps judged so, the latest of them). A complete step's
-alert says nothing of the kind.
+ranks (missing: 5)"; an alert that went firing on it keeps saying so while it fires), and in its
+run's gauges (steps judged so, the latest of them). A complete run's alert says nothing of the kind.
 
 The rows are built here, so the ranks missing from each step are known; they are fed to the engine's
 Evaluator on a clock the test sets (the collector's receive times, as test_step_deadline.py does), then
@@ -86,10 +86,14 @@ def test_an_alert_judged_without_a_rank_names_it_and_the_run_counts_the_step():
     assert [(a.state, a.first_step, a.fired_step) for a in fired] == [(FIRING, 0, 1)]
     assert said[("part", 0)].count("judged on") == 0, said[("part", 0)]
     assert said[("part", 1)].count("; judged on 7 of 8 ranks (missing: 5)") == 1, said[("part", 1)]
-    assert "judged on" not in said[("part", 2)], said[("part", 2)]  # complete again: nothing of the kind
+    assert "went firing" not in said[("part", 1)]  # it is that step's own judgment
+    # complete again: that step stood on every rank; what it went firing on stays said while it fires
+    fired_on = "; it went firing on step 1, judged on 7 of 8 ranks (missing: 5)"
+    assert "; judged on" not in said[("part", 2)] and said[("part", 2)].count(fired_on) == 1, said[("part", 2)]
     assert said[("part", 3)].count("; judged on 6 of 8 ranks (missing: 3, 5)") == 1, said[("part", 3)]
-    assert "judged on" not in said[("part", 4)]
-    # the complete run: the same alert, never a word of it
+    assert said[("part", 3)].count(fired_on) == 1, said[("part", 3)]
+    assert "; judged on" not in said[("part", 4)] and said[("part", 4)].count(fired_on) == 1, said[("part", 4)]
+    # the complete run: the same alert, never a word of the kind
     full = [a for a in ev.book.all() if a.run_id == "full"]
     assert [(a.state, a.fired_step) for a in full] == [(FIRING, 1)]
     assert not any("judged on" in m for (run, _), m in said.items() if run == "full")
