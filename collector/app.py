@@ -70,6 +70,8 @@ class CollectorConfig:
     auth: ServerAuth | None = None
     #: cap DuckDB's memory for the file (ingest and queries together); None: from memory_cap_mb
     memory_limit_mb: int | None = None
+    #: DuckDB's threads for the file (ingest, the roll, queries); None: DUCKDB_THREADS (`duckdb_settings`)
+    duckdb_threads: int | None = None
     #: the collector's memory budget (`memory_budget`): DuckDB's limit (unless memory_limit_mb), the
     #: writer's queue and the live inbox are sized from it; None: sized to the machine
     memory_cap_mb: int | None = None
@@ -131,10 +133,20 @@ def memory_budget(config: CollectorConfig) -> MemoryBudget:
                         checkpoint_mb=max(16, min(CHECKPOINT_MB, duckdb_mb // 4)))
 
 
-def duckdb_settings(budget: MemoryBudget) -> dict[str, str | int]:
-    """DuckDB's settings for the collector's file, beyond its memory limit. (DuckDB's threads stay
-    at one per core: at 1 the rows bench's CPU per row was the same, its rate far lower.)
+#: DuckDB's threads for the collector's file (`duckdb_settings`)
+DUCKDB_THREADS = 1
+
+
+def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[str, str | int]:
+    """DuckDB's settings for the collector's file, beyond its memory limit.
+
+    ``threads`` (default DUCKDB_THREADS, 1): the collector's own threads (the writer, the roll, each
+    query) each run their statements; DuckDB's extra workers only split those statements, and at
+    the collector's many small statements they cost more than they gave (16,384 ranks × 2 s: 2.2
+    → 1.5 CPU-s per million rows; docs/benchmarks.md). More suit a collector with cores to spare
+    and heavy queries over a big file (`--duckdb-threads`).
     TRACETOP_CHECKPOINT_MB overrides the checkpoint threshold (for A/B runs: `bench ingest --ab`).
+    TRACETOP_DUCKDB_SET="name=value;name=value" sets any others (for A/B runs).
     TRACETOP_MAX_VACUUM_TASKS sets DuckDB's max_vacuum_tasks (for A/B runs): 0 stops checkpoints
     merging the partial row groups big commits leave (recompressing them: at 131,072-row commits of
     STEP rows 0.5 of 1.0 CPU-s per million, `python -m collector.bench.writer --set
@@ -142,10 +154,13 @@ def duckdb_settings(budget: MemoryBudget) -> dict[str, str | int]:
     import os
 
     mb = int(os.environ.get("TRACETOP_CHECKPOINT_MB") or budget.checkpoint_mb)
-    out: dict[str, str | int] = {"checkpoint_threshold": f"{mb}MB"}
+    out: dict[str, str | int] = {"checkpoint_threshold": f"{mb}MB", "threads": threads or DUCKDB_THREADS}
     vacuum = os.environ.get("TRACETOP_MAX_VACUUM_TASKS")
     if vacuum:
         out["max_vacuum_tasks"] = int(vacuum)
+    for item in filter(None, os.environ.get("TRACETOP_DUCKDB_SET", "").split(";")):
+        name, _, value = item.partition("=")
+        out[name.strip()] = value.strip()
     return out
 
 
@@ -243,7 +258,7 @@ async def start(
     if bind.startswith("unix:"):
         clear_stale_socket(unix_path(bind))
     budget = memory_budget(config)
-    con = open_store(db_path, memory_limit_mb=budget.duckdb_mb, settings=duckdb_settings(budget))
+    con = open_store(db_path, memory_limit_mb=budget.duckdb_mb, settings=duckdb_settings(budget, config.duckdb_threads))
     metrics = CollectorMetrics()
     exports = exports if exports is not None else Exports()
     live = None

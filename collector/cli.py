@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-limit-mb", type=int, default=None,
                         help="cap DuckDB's memory for the file (ingest and queries together; default 3/8 of "
                         "--memory-cap-mb); a query needing more is refused, the collector lives on")
+    parser.add_argument("--duckdb-threads", type=int, default=None,
+                        help="DuckDB's threads for the file (default 1: the writer, the roll and each query run "
+                        "their own statements; more split them, at a higher CPU cost per row)")
     parser.add_argument("--memory-cap-mb", type=int, default=None, help="the collector's memory budget: DuckDB's limit "
                         "(unless --memory-limit-mb), the writer's queue and the live inbox are sized from it; past "
                         "them shippers are held (backpressure) (default: 1/8 of RAM, at most 1024)")
@@ -122,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"tracetop collector: --fresh-ship-s / {tenv.TRACETOP_FRESH_SHIP_S} {raw_fresh!r} is not a number of "
               "seconds >= 0 (0 turns freshness on demand off; the default is 1)", file=sys.stderr)
         return 2
-    if args.query_timeout_s <= 0 or args.max_query_rows <= 0 or not args.max_query_mb > 0 or (args.memory_limit_mb is not None and args.memory_limit_mb < 64):
-        print("tracetop collector: --query-timeout-s, --max-query-rows and --max-query-mb must be positive, --memory-limit-mb "
-              "at least 64", file=sys.stderr)
+    if (args.query_timeout_s <= 0 or args.max_query_rows <= 0 or not args.max_query_mb > 0
+            or (args.memory_limit_mb is not None and args.memory_limit_mb < 64)
+            or (args.duckdb_threads is not None and args.duckdb_threads < 1)):
+        print("tracetop collector: --query-timeout-s, --max-query-rows, --max-query-mb and --duckdb-threads must be "
+              "positive, --memory-limit-mb at least 64", file=sys.stderr)
         return 2
     try:
         auth = ServerAuth.from_files(
@@ -178,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         max_query_bytes=int(args.max_query_mb * 2**20),
         memory_limit_mb=args.memory_limit_mb,
         memory_cap_mb=args.memory_cap_mb,
+        duckdb_threads=args.duckdb_threads,
         flush_rows=args.flush_rows,
         flush_interval_s=args.flush_interval_s,
         rules=rules,

@@ -41,3 +41,23 @@ def test_checkpoint_threshold_follows_the_budget(tmp_path) -> None:
         handle.stop()
     assert got == "30.5 MiB"  # 32 MB, as DuckDB prints it
     assert duckdb_settings(small)["checkpoint_threshold"] == "32MB"
+
+
+def test_duckdb_threads_default_to_one_and_follow_the_flag(tmp_path) -> None:
+    """DuckDB's extra workers cost more CPU per row than they gave at the collector's many small
+    statements (docs/benchmarks.md), so the file runs on one unless the collector is told more; a
+    bad count is refused by name before anything opens."""
+    import subprocess
+
+    for threads, want in ((None, 1), (3, 3)):
+        handle = serve(CollectorConfig(str(tmp_path / f"t{want}.duckdb"), duckdb_threads=threads))
+        try:
+            got = handle.collector.con.execute("SELECT current_setting('threads')").fetchone()[0]  # type: ignore[attr-defined]
+        finally:
+            handle.stop()
+        assert got == want
+    db = tmp_path / "refused.duckdb"
+    out = subprocess.run([sys.executable, "-m", "collector", "--db", str(db), "--duckdb-threads", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--duckdb-threads" in out.stderr
+    assert not db.exists()
