@@ -1,7 +1,11 @@
 """A plain PyTorch DDP trainer (gloo, CPU) that takes commands through ``tracer.on_command``.
 
 Each rank appends to $OUT/rankN.jsonl one line per step (step, micro_batch, micro_batches) and one
-per handler call (``call``: the value, at which step). Rank 2 refuses micro_batch=1 (raises)."""
+per handler call (``call``: the value, at which step). Rank 2 refuses micro_batch=1 (raises).
+
+The run ends after argv[1] steps, or before the step written in $OUT/stop_at once the test has seen
+what it waits for: every rank reads it before each step, and the test names a step far enough
+ahead of every rank's logged progress (the ranks run in lockstep) that all of them stop there."""
 
 from __future__ import annotations
 
@@ -39,7 +43,10 @@ def main() -> int:
         shape["micro_batch"], shape["micro_batches"] = n, per_rank // n
 
     tracer.on_command("micro_batch", set_micro_batch, current=lambda: shape["micro_batch"])
+    stop_file = os.path.join(os.environ["OUT"], "stop_at")
     for step in range(steps):
+        if os.path.exists(stop_file) and step >= int(open(stop_file).read()):
+            break
         state["step"] = step
         g = torch.Generator().manual_seed(step * 100 + rank)
         x, y = torch.randn(per_rank, 16, generator=g), torch.randn(per_rank, 1, generator=g)

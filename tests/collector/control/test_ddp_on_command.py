@@ -15,6 +15,20 @@ from tests.support.services import start_collector
 pytestmark = pytest.mark.slow
 RUN = "loop-ddp-1"
 K = 4
+#: command boundaries the run goes on for after the refused command is settled
+AFTER_B_BOUNDARIES = 8
+
+
+def _last_step(tmp) -> int:
+    """The furthest step any rank has logged (the ranks run in lockstep: none is more than one ahead)."""
+    steps = [json.loads(x)["step"] for k in range(3) for x in (tmp / f"rank{k}.jsonl").read_text().splitlines()
+             if x.strip().endswith("}") and '"call"' not in x]
+    return max(steps, default=0)
+
+
+def _stop_at(tmp, step: int) -> None:
+    (tmp / "stop_at.tmp").write_text(str(step))
+    (tmp / "stop_at.tmp").replace(tmp / "stop_at")  # whole, never half-written
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +47,9 @@ def ddp_run(tmp_path_factory):
         out["A"] = client.wait_action(a.action_id, ("applied", "rejected", "lost", "inconsistent"))
         b = client.set_micro_batch(RUN, 1)
         out["B"] = client.wait_action(b.action_id, ("applied", "rejected", "lost", "inconsistent"))
+        # B is settled: the run goes on for AFTER_B_BOUNDARIES more command boundaries (nothing may
+        # change in them), then every rank ends at one step instead of running out the 600
+        _stop_at(tmp, _last_step(tmp) + AFTER_B_BOUNDARIES * K)
         out["rc"] = t.wait()
         out["steps"] = client.sql(f"SELECT rank, step, micro_batch, micro_batches FROM step WHERE run_id = '{RUN}' "
                                   "ORDER BY rank, step")
