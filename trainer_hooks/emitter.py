@@ -64,7 +64,7 @@ class Emitter:
         except OSError:
             self._statm_fd = -1
         self.device_acc = StepAccumulator()  # the accounting of the step being resolved (device clock)
-        self._drain_lock = threading.Lock()
+        self._drain_lock = rec.drain_lock  # also taken by ``rec.events``, which counts rows taken here
         self._stop = threading.Event()
         self.rewake = threading.Event()  # the sleep, cut short by stop() or a new interval
         if self.follows_sink and hasattr(sink, "on_interval_change"):
@@ -161,15 +161,19 @@ class Emitter:
         rec, sink = self.rec, self.sink
         drained = False
         with self._drain_lock:
+            # each take counted at once, under the lock ``rec.events`` takes (a count never misses them)
             rows = _take(rec.collective_rows)
+            rec.rows_taken += len(rows) // cols.ROW_WIDTH
             if rows:
                 drained = True
                 sink.record_many(Kind.COLLECTIVE, cols.collective_columns(rec.rank, rows, list(rec.signature_table)))
             rows = _take(rec.instr_rows)
+            rec.rows_taken += len(rows) // cols.ROW_WIDTH
             if rows:
                 drained = True
                 sink.record_many(Kind.PIPE_INSTR, cols.instr_columns(rec.rank, rec.stage, rows, list(rec.instr_names)))
             rows = _take(rec.step_rows)
+            rec.rows_taken += 3 * len(rows)
             if rows:
                 a, res, peak, rss = self.memory()  # a row's own peak replaces this sample's, where measured
                 step, throughput, memory = cols.step_columns(rec.rank, rows, (a, res, peak, rss, self.memory_budget_bytes),

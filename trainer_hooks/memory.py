@@ -78,8 +78,11 @@ class StepPeak:
         self._cuda = cuda  # torch.cuda, when the device is a GPU
         #: CPU: the least ns between two reads (0: every take); None = CPU_EVERY_S
         self.every_ns = int((CPU_EVERY_S if every_s is None else every_s) * 1e9)
-        self._next_ns = 0
-        self._clock_ns = clock_ns
+        #: CPU: ``clock_ns()`` before which ``take()`` reads nothing and says SKIPPED (0 on a GPU, or
+        #: where nothing can be read: every call goes through). Public: the step's end tests it
+        #: itself, so a step not read costs a clock read and no call (trainer_hooks/tracer.py)
+        self.next_ns = 0
+        self.clock_ns = clock_ns
         self._status = self._clear = -1
         self.status_reads = 0  # steps whose peak came from VmHWM (ru_maxrss was at or below floor)
         self._floor_kib = -1  # the smallest ru_maxrss seen: >= S, the mark the image started with
@@ -112,10 +115,10 @@ class StepPeak:
             return peak
         if self._clear < 0:
             return -1
-        now = self._clock_ns()
-        if now < self._next_ns:
+        now = self.clock_ns()
+        if now < self.next_ns:
             return SKIPPED  # counted in the next read (the mark is not reset)
-        self._next_ns = now + self.every_ns
+        self.next_ns = now + self.every_ns
         try:
             kib = _getrusage(_RUSAGE)[2]  # ru_maxrss = max(S, the mark): the mark when above floor
             if kib > self._floor_kib:

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal
 
 from tracetop.events import Kind
+from trainer_hooks.columns import ROW_WIDTH
 from trainer_hooks.device_clock import DeferredOp, DeviceClock
 from trainer_hooks.integrations import collectives as colls
 from trainer_hooks.loss import resolve as resolve_loss
@@ -169,7 +171,13 @@ class Recorder:
         self.stage = -1  # this rank's pipeline stage (describe())
         self.errors = 0
         self.warned: set[str] = set()
-        self.events = 0  # rows recorded by the training thread (for the benchmark)
+        # the row count (``events``, for the benchmarks) is read off the buffers, not counted per
+        # event on the hot path: rows the emitter took (``rows_taken``, under ``drain_lock``, which a
+        # count takes too: no row is seen twice or missed in flight), rows still in the buffers, and
+        # rows sent straight to the sink (``direct_events``: offload copies)
+        self.direct_events = 0
+        self.rows_taken = 0
+        self.drain_lock = threading.Lock()
         self.current_phase = "idle"
         self.pending_sig = -1  # index into signature_table of the collective in progress, -1 if none
         self.pending_t0 = 0  # perf_counter_ns at its entry
@@ -189,7 +197,11 @@ class Recorder:
         self.collective_rows: list[int] = []  # step, start_ns, duration_ns, bytes, sig; ... (ROW_WIDTH a row)
         self.instr_rows: list[int] = []  # step, start_ns, duration_ns, micro_batch, instr code; ...
         self.step_rows: list[tuple] = []  # one per step: columns.STEP_ROW (the emitter derives the rest)
-        self.instr_counts: dict[str, int] = {}  # instruction -> how many this step (its micro-batch index)
+        #: instr code -> how many this step (its micro-batch index): a list, so the wrapper's count is
+        #: two list subscripts, not a dict method call; one entry per code, added by ``instr_code``
+        #: only (at wrap time), reset in place by ``begin_step``
+        self.instr_counts: list[int] = []
+        self._counts_zero: tuple[int, ...] = ()
         self.instr_names: list[str] = []  # instr code -> name
         self._instr_codes: dict[str, int] = {}
         #: signature index -> (op, role, group size, peer rank, dtype, async)
@@ -205,6 +217,14 @@ class Recorder:
         self._peer_roles: dict[int, str] = {}
         self.no_future: set[int] = set()  # signatures whose async Work has no future (async_done)
         self._phases: dict[str, PhaseContext] = {}
+
+    @property
+    def events(self) -> int:
+        """Rows recorded so far (a STEP row counts 3: its THROUGHPUT and MEMORY rows): the
+        benchmarks' denominator. A device-clock row counts once the emitter has resolved it."""
+        with self.drain_lock:
+            return (self.direct_events + self.rows_taken + len(self.collective_rows) // ROW_WIDTH
+                    + len(self.instr_rows) // ROW_WIDTH + 3 * len(self.step_rows))
 
     flops_per_token = _mfu_input(0, "model FLOPs per token (MFU input)")
     model_share = _mfu_input(1, "this rank's share of the model: 1/(tp*pp) (MFU input)")
@@ -233,7 +253,7 @@ class Recorder:
     def begin_step(self, n: int) -> None:
         self.step_n = n
         self.in_step = True
-        self.instr_counts.clear()
+        self.instr_counts[:] = self._counts_zero
         self.step_wall0 = wall0 = self.clock_ns()
         self.step_perf0 = perf0 = perf_counter_ns()
         self.step_off = wall0 - perf0
@@ -259,7 +279,6 @@ class Recorder:
             self.step_rows.append((self.step_n, self.step_wall0, perf_counter_ns() - self.step_t0, s[0], s[1], s[2],
                                    s[3], acc.comm_ns, tokens, samples, loss, micro_batch, micro_batches, peak,
                                    self.mfu_index))
-            self.events += 3
         else:
             info = (self.step_n, self.step_wall0, tokens, samples, (loss, micro_batch, micro_batches, peak))
             self.deferred.append((_STEP_END, info, self.step_t0, clock.mark()))
@@ -274,7 +293,6 @@ class Recorder:
             loss = resolve_loss(loss)
         self.step_rows.append((n, wall0, dur, s[0], s[1], s[2], s[3], acc.comm_ns, tokens, samples, loss, mb, mbs,
                                peak, self.mfu_index))
-        self.events += 3
 
     # ------------------------------------------------------------------ pipeline instructions
     def instr_code(self, instr: str) -> int:
@@ -282,15 +300,17 @@ class Recorder:
         if code is None:
             self.instr_names.append(instr)
             code = self._instr_codes[instr] = len(self.instr_names) - 1
+            self._counts_zero = (0,) * len(self.instr_names)
+            self.instr_counts.append(0)
         return code
 
     def instr_enter(self, instr: str) -> tuple[Any, int, str]:
         """Device clock: an instruction begins (the CPU path is inlined in integrations.pipeline)."""
         clock = self.device_clock
         assert clock is not None
-        counts = self.instr_counts
-        mb = counts.get(instr, 0)
-        counts[instr] = mb + 1
+        counts, code = self.instr_counts, self.instr_code(instr)
+        mb = counts[code]
+        counts[code] = mb + 1
         prev = self.current_phase
         self.current_phase = _INSTR_PHASE.get(instr, "comm")
         self.deferred.append((_ENTER, None, None, None))
@@ -386,7 +406,6 @@ class Recorder:
         self.pending_sig = -1
         sig, nbytes, t0, ev0 = token
         self.deferred.append((_COLLECTIVE, (self.step_n, self.wall(t0), nbytes, sig), ev0, clock.mark()))
-        self.events += 1
 
     # ------------------------------------------------------------------ naming groups
     def set_topology(self, axes: dict[str, list[tuple[int, ...]]], coord_of: Callable[[int], dict[str, int]] | None = None,

@@ -36,7 +36,7 @@ from trainer_hooks.identity import Identity, SetupError, resolve
 from trainer_hooks.integrations import collectives as colls
 from trainer_hooks.integrations import ddp
 from trainer_hooks.loss import loss_value
-from trainer_hooks.memory import StepPeak
+from trainer_hooks.memory import SKIPPED, StepPeak
 from trainer_hooks.recorder import PhaseContext, Recorder
 
 if TYPE_CHECKING:  # modules with protobuf: not loaded at import
@@ -98,7 +98,8 @@ class _StepCtx:
                     rec.hook_error("loss", e)
                     loss = _NAN
             t._loss = _NAN
-            peak = t.step_peak.take() if t.step_peak is not None else -1
+            sp = t.step_peak  # a step that ends before the next read is due: SKIPPED, as take() would say
+            peak = -1 if sp is None else SKIPPED if sp.clock_ns() < sp.next_ns else sp.take()
             rec.end_step(self.tokens, self.samples, loss, t.micro_batch, t.micro_batches, peak)
             windows = t.windows
             if windows is not None and windows.current is not None:  # a profiling window counts its steps
@@ -161,7 +162,6 @@ class Tracer:
     """
 
     errors = _recorder_attr("errors", "hook errors counted and skipped")
-    events = _recorder_attr("events", "rows recorded by the training thread (for the benchmark)")
     current_phase = _recorder_attr("current_phase", "the phase the training thread is in")
     step_n = _recorder_attr("step_n", "the current (or last) step")
     in_step = _recorder_attr("in_step", "inside step()")
@@ -171,6 +171,11 @@ class Tracer:
     flops_per_token = _recorder_attr("flops_per_token", "model FLOPs per token (MFU input)")
     peak_flops = _recorder_attr("peak_flops", "the device's peak FLOP/s (MFU input)")
     model_share = _recorder_attr("model_share", "this rank's share of the model: 1/(tp*pp) (MFU input)")
+
+    @property
+    def events(self) -> int:
+        """Rows recorded so far (for the benchmarks; ``Recorder.events``)."""
+        return self.recorder.events
 
     def __init__(
         self,
@@ -407,7 +412,7 @@ class Tracer:
             return
         rec = self.recorder
         try:
-            rec.events += 1
+            rec.direct_events += 1
             rec.record(Kind.OFFLOAD, self.rank, rec.step_n, rec.wall(t0_ns), duration_ns, direction, what, nbytes)
         except Exception as e:
             rec.hook_error("offload", e)

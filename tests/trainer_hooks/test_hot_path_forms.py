@@ -76,3 +76,46 @@ def test_flat_instruction_rows_drain_row_by_row() -> None:
     assert list(rows["micro_batch"]) == [0, -1, 0, 1, -1, 0, 1, 2, -1]
     starts = list(rows["start_ns"])
     assert starts == sorted(starts) and all(rows["duration_ns"] >= 0)
+
+
+def test_the_row_count_is_every_row_recorded_across_drains() -> None:
+    """``Tracer.events`` (the benchmarks' denominator) is read off the buffers and the emitter's
+    takes, not counted per event: it must equal the rows that reach the sink, a drain or not."""
+    from trainer_hooks.integrations import pipeline
+
+    class Engine:
+        pass
+
+    def forward(self, buffer_id):
+        return None
+
+    Engine._INSTRUCTION_MAP = {type("ForwardPass", (), {}): forward}
+    engine = Engine()
+    mem = MemoryTransport()
+    tracer = Tracer(rank=0, world_size=1, run_id="count", transport=mem, wrap_collectives=False, heartbeat_s=60,
+                    drain_interval_s=3600)
+    assert pipeline.wrap(engine, tracer)
+    (fwd,) = engine._INSTRUCTION_MAP.values()
+    timed = colls.wrap_function("all_reduce", _all_reduce)
+    colls.route_to(tracer.recorder)
+    seen = []
+    try:
+        for n in range(4):
+            with tracer.step(n):
+                for b in range(n + 1):  # 1 + 2 + 3 + 4 instructions
+                    fwd(engine, buffer_id=b)
+                timed(torch.ones(8))  # 4 collectives
+            tracer.record_offload("d2h", "grads", 64, 0, 10)  # 4 rows straight to the sink
+            if n == 1:
+                before = tracer.events
+                tracer.emitter.drain()  # type: ignore[union-attr]
+                seen.append((before, tracer.events))
+        seen.append((tracer.events, tracer.events))
+    finally:
+        colls.route_to(None)
+        tracer.close()
+    per_step = [1 + 1 + 3 + 1, 2 + 1 + 3 + 1]  # instructions, the collective, STEP/THROUGHPUT/MEMORY, the offload
+    assert seen[0] == (sum(per_step), sum(per_step))  # a drain moves rows, it does not change the count
+    total = sum(len(mem.rows(k)["step"]) for k in (Kind.PIPE_INSTR, Kind.COLLECTIVE, Kind.STEP, Kind.THROUGHPUT,
+                                                     Kind.MEMORY, Kind.OFFLOAD))
+    assert total == 10 + 4 + 12 + 4 == seen[1][0], (total, seen)

@@ -163,6 +163,13 @@ class _Inside:
             self.tids.discard(get_ident())
 
 
+class _KwKey:
+    """The key of one wrapper's keyword-call cache in ``Recorder.fast_sigs`` (hashed by identity:
+    a tuple key would be hashed anew at every call)."""
+
+    __slots__ = ()
+
+
 class _Installed:
     def __init__(self) -> None:
         self.sink: Recorder | None = None  # the Tracer's recorder receiving calls; None = pass through
@@ -186,9 +193,10 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
     one_tensor = spec.kind == "arg" and spec.index == 0 and 0 not in (spec.group_i, spec.async_i, spec.peer_i)
     # the tensor first or named, the rest named (DeepSpeed's comm backend: ``all_reduce(tensor=t,
     # op=op, group=g, async_op=a)``): the signature depends on (dtype, group, async) alone, looked
-    # up in ``fast_sigs[kw_key]`` (cleared with the rest when groups are renamed)
+    # up in ``fast_sigs[kw_key]`` (cleared with the rest when groups are renamed). Both caches are
+    # read by subscript (a miss raises KeyError, once per key): cheaper than two ``dict.get`` calls
     by_name = one_tensor and not spec.peer_name
-    kw_key, tensor_name = (spec, "kw"), spec.arg_name
+    kw_key, tensor_name = _KwKey(), spec.arg_name
 
     inside = local.tids
 
@@ -201,20 +209,19 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
             return _device_timed(sink, spec, fn, args, kwargs)
         # CPU: the hot path, inlined (a dict lookup to name the call, two clock reads, one append)
         try:
-            if one_tensor and len(args) == 1 and not kwargs and args[0] is not None:
-                tensor = args[0]
+            if one_tensor and not kwargs and len(args) == 1 and (tensor := args[0]) is not None:
                 nbytes = tensor.nbytes
-                by_dtype = sink.fast_sigs.get(spec)
-                sig = by_dtype.get(tensor.dtype) if by_dtype is not None else None
-                if sig is None:
+                try:
+                    sig = sink.fast_sigs[spec][tensor.dtype]
+                except KeyError:  # the first call of its dtype (since groups were last named)
                     sig, nbytes = sink.collective_sig(spec, args, kwargs)
                     sink.fast_sigs.setdefault(spec, {})[tensor.dtype] = sig
             elif by_name and kwargs and len(args) <= 1 and (tensor := args[0] if args else kwargs.get(tensor_name)) is not None:
                 nbytes = tensor.nbytes
                 key = (tensor.dtype, kwargs.get("group"), kwargs.get("async_op", False))
-                by_key = sink.fast_sigs.get(kw_key)
-                sig = by_key.get(key) if by_key is not None else None
-                if sig is None:
+                try:
+                    sig = sink.fast_sigs[kw_key][key]
+                except KeyError:
                     sig, nbytes = sink.collective_sig(spec, args, kwargs)
                     sink.fast_sigs.setdefault(kw_key, {})[key] = sig
             else:
@@ -235,11 +242,9 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
             sink.pending_sig = -1
             try:
                 sink.acc.comm_ns += dur
-                wall0 = sink.step_off + t0
                 # an async call's Work: its row is written at completion (trainer_hooks.integrations.async_done)
-                if ret is None or not async_done.track(sink, ret, sink.step_n, wall0, t0, nbytes, sig):
-                    sink.collective_rows.extend((sink.step_n, wall0, dur, nbytes, sig))
-                sink.events += 1
+                if ret is None or not async_done.track(sink, ret, sink.step_n, sink.step_off + t0, t0, nbytes, sig):
+                    sink.collective_rows.extend((sink.step_n, sink.step_off + t0, dur, nbytes, sig))
             except Exception as e:
                 sink.hook_error("collective", e)
 
@@ -269,7 +274,6 @@ def _device_timed(sink: Recorder, spec: _Spec, fn: Callable[..., Any], args: tup
         try:
             if ret is not None and async_done.track_device(sink, ret, token):  # timed to completion
                 sink.pending_sig = -1
-                sink.events += 1
             else:
                 sink.collective_exit(token)
         except Exception as e:

@@ -400,7 +400,6 @@ def _timed(cell: _Cell) -> Any:
                 p.ready_last_ns = t0
                 p.n = i + 1
                 t.pending_sig, t.pending_t0 = sig, t0  # the heartbeat shows the wait
-            t.events += 1
         except Exception as e:
             t.hook_error("ddp", e)
             return inner(inner_state, bucket)
@@ -469,7 +468,6 @@ def _timed_on_device(t: Recorder, cell: _Cell, inner: Any, inner_state: Any, buc
         if bucket.is_last():
             p.ev_last = ev0
             p.n = i + 1
-        t.events += 1
     except Exception as e:
         t.hook_error("ddp", e)
         return inner(inner_state, bucket)

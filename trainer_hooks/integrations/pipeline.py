@@ -65,8 +65,8 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
         # CPU: the hot path, inlined. Self time = wall time minus the collectives inside.
         try:
             if has_mb:
-                mb = counts.get(instr, 0)
-                counts[instr] = mb + 1
+                mb = counts[code]
+                counts[code] = mb + 1
             else:
                 mb = -1
             prev = r.current_phase
@@ -89,7 +89,6 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
                 comm = acc.comm_ns
                 sums[slot] += dur if comm == comm0 else dur - (comm - comm0)
                 add_row((r.step_n, r.step_off + t0, dur, mb, code))
-                r.events += 1
             except Exception as e:
                 r.hook_error("pipeline", e)
 
