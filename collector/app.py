@@ -70,7 +70,7 @@ class CollectorConfig:
     auth: ServerAuth | None = None
     #: cap DuckDB's memory for the file (ingest and queries together); None: from memory_cap_mb
     memory_limit_mb: int | None = None
-    #: DuckDB's threads for the file (ingest, the roll, queries); None: DUCKDB_THREADS (`duckdb_settings`)
+    #: DuckDB's threads for the file (ingest, the roll, queries); None: DuckDB's default, one per core
     duckdb_threads: int | None = None
     #: the collector's memory budget (`memory_budget`): DuckDB's limit (unless memory_limit_mb), the
     #: writer's queue and the live inbox are sized from it; None: sized to the machine
@@ -133,18 +133,13 @@ def memory_budget(config: CollectorConfig) -> MemoryBudget:
                         checkpoint_mb=max(16, min(CHECKPOINT_MB, duckdb_mb // 4)))
 
 
-#: DuckDB's threads for the collector's file (`duckdb_settings`)
-DUCKDB_THREADS = 1
-
-
 def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[str, str | int]:
     """DuckDB's settings for the collector's file, beyond its memory limit.
 
-    ``threads`` (default DUCKDB_THREADS, 1): the collector's own threads (the writer, the roll, each
-    query) each run their statements; DuckDB's extra workers only split those statements, and at
-    the collector's many small statements they cost more than they gave (16,384 ranks × 2 s: 2.2
-    → 1.5 CPU-s per million rows; docs/benchmarks.md). More suit a collector with cores to spare
-    and heavy queries over a big file (`--duckdb-threads`).
+    ``threads`` (`--duckdb-threads`; default DuckDB's, one per core): at 1 the writer, the roll and
+    each query run their own statements and DuckDB's workers split none of them. On a machine busy
+    with other work that cost 20–30% less CPU per row at 16,384 ranks; on a quiet one the same CPU
+    and a higher p99 (docs/benchmarks.md, "DuckDB's threads").
     TRACETOP_CHECKPOINT_MB overrides the checkpoint threshold (for A/B runs: `bench ingest --ab`).
     TRACETOP_DUCKDB_SET="name=value;name=value" sets any others (for A/B runs).
     TRACETOP_MAX_VACUUM_TASKS sets DuckDB's max_vacuum_tasks (for A/B runs): 0 stops checkpoints
@@ -154,7 +149,9 @@ def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[st
     import os
 
     mb = int(os.environ.get("TRACETOP_CHECKPOINT_MB") or budget.checkpoint_mb)
-    out: dict[str, str | int] = {"checkpoint_threshold": f"{mb}MB", "threads": threads or DUCKDB_THREADS}
+    out: dict[str, str | int] = {"checkpoint_threshold": f"{mb}MB"}
+    if threads:
+        out["threads"] = threads
     vacuum = os.environ.get("TRACETOP_MAX_VACUUM_TASKS")
     if vacuum:
         out["max_vacuum_tasks"] = int(vacuum)
