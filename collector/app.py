@@ -138,7 +138,7 @@ def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[st
 
     ``threads`` (`--duckdb-threads`; default DuckDB's, one per core): at 1 the writer, the roll and
     each query run their own statements and DuckDB's workers split none of them. On a machine busy
-    with other work that cost 20–30% less CPU per row at 16,384 ranks; on a quiet one the same CPU
+    with other work that cost 20–40% less CPU per row at 16,384 ranks; on a quiet one the same CPU
     and a higher p99 (docs/benchmarks.md, "DuckDB's threads").
     TRACETOP_CHECKPOINT_MB overrides the checkpoint threshold (for A/B runs: `bench ingest --ab`).
     TRACETOP_DUCKDB_SET="name=value;name=value" sets any others (for A/B runs).

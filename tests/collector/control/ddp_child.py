@@ -45,8 +45,10 @@ def main() -> int:
     tracer.on_command("micro_batch", set_micro_batch, current=lambda: shape["micro_batch"])
     stop_file = os.path.join(os.environ["OUT"], "stop_at")
     for step in range(steps):
-        if os.path.exists(stop_file) and step >= int(open(stop_file).read()):
-            break
+        if os.path.exists(stop_file):
+            with open(stop_file) as f:
+                if step >= int(f.read()):
+                    break
         state["step"] = step
         g = torch.Generator().manual_seed(step * 100 + rank)
         x, y = torch.randn(per_rank, 16, generator=g), torch.randn(per_rank, 1, generator=g)
