@@ -402,10 +402,12 @@ class Evaluator:
         out = []
         if run.skip_refund:  # an outlier step's jump, undone by a re-anchor: those were never steps
             self.stats.steps_skipped = max(0, self.stats.steps_skipped - run.skip_refund)
+            run.steps_skipped = max(0, run.steps_skipped - run.skip_refund)
             run.skip_refund = 0
         lo = max(run.last_evaluated + 1, run.newest_step - run.window + 1)
         if lo > run.last_evaluated + 1 and run.last_evaluated >= 0:
             self.stats.steps_skipped += lo - run.last_evaluated - 1
+            run.steps_skipped += lo - run.last_evaluated - 1
             run.skipped_recent += lo - run.last_evaluated - 1
             run.last_evaluated = lo - 1  # counted once
         expected = run.expected_ranks()
@@ -480,8 +482,7 @@ class Evaluator:
             bubble_by_stage={b.stage: b.bubble for b in f.budgets},
             memory_used_of_budget_max=float(np.nanmax(used)) if (~np.isnan(used)).any() else math.nan,
             firing_alerts=sum(1 for a in self.book.firing() if a.run_id == run.run_id),
-            steps_skipped=self.stats.steps_skipped, steps_incomplete=run.steps_incomplete,
-            last_incomplete_step=run.last_incomplete_step,
+            **_incomplete(run),
             **self._lost_gauges(run.run_id),
         )
 
@@ -768,11 +769,13 @@ def behind_message(lag: CollectorLag) -> str:
 
 
 def _incomplete(run: RunState | None) -> dict:
-    """The run's count of steps judged without every rank, as of now (the gauges were taken at its
-    latest judged step: a later step's count is already in the run's state)."""
+    """The run's counts of steps judged without every rank and of steps skipped unjudged, as of now
+    (the gauges were taken at its latest judged step: a later step's counts are already in the
+    run's state). Per run: another run's skips are not this one's."""
     if run is None:
         return {}
-    return {"steps_incomplete": run.steps_incomplete, "last_incomplete_step": run.last_incomplete_step}
+    return {"steps_incomplete": run.steps_incomplete, "last_incomplete_step": run.last_incomplete_step,
+            "steps_skipped": run.steps_skipped}
 
 
 def _per_gpu_samples(f: judge.Figures) -> float:
@@ -997,7 +1000,6 @@ class LiveEngine:
             firing = self.ev.book.firing()
             runs = self.ev.state.runs
             return [replace(g, firing_alerts=sum(1 for a in firing if a.run_id == g.run_id),
-                            steps_skipped=self.ev.stats.steps_skipped,
                             **_incomplete(runs.get(g.run_id))) for g in self.ev.gauges_by_run.values()]
 
     def alerts(self, firing_only: bool = False) -> list[Alert]:

@@ -102,7 +102,7 @@ class RunGauges:
     bubble_by_stage: Mapping[int, float] = field(default_factory=dict)
     memory_used_of_budget_max: float = float("nan")  # max over ranks of used / budget
     firing_alerts: int = 0
-    steps_skipped: int = 0                      # steps the live state skipped to keep up (never queued)
+    steps_skipped: int = 0                      # this run's steps the live state skipped to keep up (never judged)
     # Steps of this run judged without every rank's STEP row (at the step deadline, or in a recompute
     # where the file lacks them): their judgments, and the alerts raised or updated on them,
     # stand on part of the run (the alert's message says "judged on N of M ranks (missing: ...)").

@@ -102,6 +102,7 @@ class RunState:
     last_evaluated: int = -1
     last_judged: int = -1               # the newest step actually judged (last_evaluated also moves past skips)
     steps_incomplete: int = 0           # steps judged without every expected rank's STEP row (the engine counts)
+    steps_skipped: int = 0              # this run's steps pushed out of the window unjudged (the engine counts)
     last_incomplete_step: int = -1      # the latest of them (-1: none)
     #: heartbeat and "heard" times (hb_ns, hb_since, seen_ns, first_ns) on the collector's clock:
     #: each rank's newest row of a delivery is taken as received at ``now_ns``, its other rows

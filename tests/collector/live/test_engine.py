@@ -140,6 +140,26 @@ def test_falling_behind_skips_to_the_newest_steps_and_counts():
     assert ev.state.runs["r"].rows_too_old == 0
 
 
+def test_skipped_steps_are_counted_per_run():
+    """The per-run gauge holds the run's own skips: a run kept up with beside one that fell behind
+    reads 0, not the engine's total."""
+    ev = Evaluator([GS], window=8, settle_s=0.0)
+    for r in ("behind", "kept"):
+        ev.ingest(Kind.RUN_START, r, _run_start(2), 0)
+    for s in range(8):
+        for r in ("behind", "kept"):
+            ev.ingest(Kind.STEP, r, _step_cols(s, 2, np.array([50.0, 50.0])), 10**9)
+    ev.evaluate_ready(2 * 10**9, 0.0)
+    for s in range(8, 38):  # 30 steps of one run arrive at once: the window holds 8, 22 skipped
+        ev.ingest(Kind.STEP, "behind", _step_cols(s, 2, np.array([50.0, 50.0])), 3 * 10**9)
+    ev.ingest(Kind.STEP, "kept", _step_cols(8, 2, np.array([50.0, 50.0])), 3 * 10**9)
+    ev.evaluate_ready(4 * 10**9, 0.0)
+    assert ev.stats.steps_skipped == 22
+    g = ev.gauges_by_run
+    assert (g["behind"].steps_skipped, g["kept"].steps_skipped) == (22, 0)
+    assert (g["behind"].step, g["kept"].step) == (37, 8)
+
+
 def test_incomplete_step_waits_for_its_deadline_then_counts_missing():
     ev = Evaluator([GS], window=8, settle_s=0.0, step_deadline_s=5.0)
     ev.ingest(Kind.RUN_START, "r", _run_start(4), 0)
