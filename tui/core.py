@@ -379,6 +379,24 @@ def header_line(snap) -> str:
             f"{'s' if h.get('nodes', 0) != 1 else ''}")
 
 
+def judged_line(snap) -> str:
+    """Where the live judgments stand on part of the run (a live snapshot's `live_judged`): steps
+    judged at the deadline without every rank, steps skipped unjudged to keep up. '' when every
+    step was judged on every rank (and for a file: the recompute says it in each alert)."""
+    j = snap.header.get("live_judged") if snap is not None else None
+    if not j:
+        return ""
+    parts = []
+    n = int(j.get("steps_incomplete", 0))
+    if n:
+        parts.append(f"{n:,} step{'s' if n != 1 else ''} judged on part of the ranks "
+                     f"(latest {int(j.get('last_incomplete_step', -1))})")
+    k = int(j.get("steps_skipped", 0))
+    if k:
+        parts.append(f"{k:,} step{'s' if k != 1 else ''} skipped unjudged to keep up")
+    return " · ".join(parts)
+
+
 def behind_line(snap) -> str:
     """While the collector says it is behind (a live snapshot's `collector_behind`, CollectorLag's
     fields): how far, so that what is shown is read as late. '' otherwise (and for a file)."""

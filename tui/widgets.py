@@ -174,6 +174,9 @@ def head_text(snap: snapmod.Snapshot | None, *, description: str, live: bool, pa
     behind = core.behind_line(snap)
     if behind:
         head.append(f" · ‼ {behind}", style="bold red")
+    judged = core.judged_line(snap)
+    if judged:
+        head.append(f" · ⚠ {judged}", style="yellow")
     if note:
         head.append(f" · ⚠ {note}", style="yellow")
     return head

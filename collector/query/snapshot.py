@@ -408,6 +408,11 @@ class LiveSections(Protocol):
         """The `lost` section from the live engine's lost-time gauges, with the SQL's columns
         (None: the engine has judged no step of the run)."""
 
+    def judged(self, run_id: str) -> dict | None:
+        """How much of the run the live judgments stand on: `steps_incomplete` (steps judged at the
+        deadline without every rank), `last_incomplete_step`, `steps_skipped` (steps never judged, to
+        keep up). None: the engine has judged no step of the run."""
+
 
 #: Sections that read rows of the snapshot's steps only (no time window): live, a cursor keeps
 #: them while the live state's stamp of those steps is unchanged (the collectives' quantiles cost
@@ -563,6 +568,9 @@ def build(
         "built_from": built_from,
         "lost_window_s": lost_window_s,
     }
+    judged = live.judged(run_id) if live is not None else None
+    if judged:
+        header["live_judged"] = judged
     return Snapshot(header, tables)
 
 

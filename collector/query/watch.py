@@ -127,6 +127,15 @@ class LiveSnapshots:
                          "first_end_ns": 0, "last_end_ns": span_ns})
         return pa.Table.from_pylist(rows, schema=lost_schema()), float(g.lost_window_s)
 
+    def judged(self, run_id: str) -> dict | None:
+        """The engine's counts of the run's steps judged on part of the ranks and skipped unjudged
+        (the TUI's "judged on part of the run" line); None before it judged a step of the run."""
+        g = next((g for g in self.engine.gauges() if g.run_id == run_id), None)
+        if g is None:
+            return None
+        return {"steps_incomplete": int(g.steps_incomplete), "last_incomplete_step": int(g.last_incomplete_step),
+                "steps_skipped": int(g.steps_skipped)}
+
     def latest_step(self, run_id: str, world: int) -> int | None:
         def pick(state):
             run = state.runs.get(run_id)

@@ -23,9 +23,12 @@ from collector.live.engine import Evaluator, LiveEngine
 from collector.live.model import FIRING
 from collector.live.replay import recompute
 from collector.live.rules import parse
+from collector.query import snapshot as snap
+from collector.query import watch
 from tests.collector.live.test_engine import _coll_cols, _run_start, _step_cols
 from tracetop.events import Kind
 from tracetop.wire.codec import decode_batch, encode_batch
+from tui.widgets import head_text
 
 # every rank waits 300 ms in its gradient all-reduce: the p99 breaches whichever ranks are judged
 RULES = parse('[rule.gs]\nsignal = "grad_sync"\ngrad_sync_ms_above = 200\nfor_steps = 2\n')
@@ -173,6 +176,13 @@ def test_the_stored_alert_the_gauges_on_metrics_and_the_recompute_say_it_too(tmp
                for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
         assert got[("tracetop_run_live_steps_incomplete_total", (("run_id", "r"),))] == 1
         assert got[("tracetop_run_live_last_incomplete_step", (("run_id", "r"),))] == 1
+        # the TUI's header: a live snapshot of the run says its judgments stand on part of it
+        built = watch.build(con.cursor(), "r", cursor=snap.Cursor("r"), live=watch.LiveSnapshots(eng))
+        assert built.header["live_judged"] == {"steps_incomplete": 1, "last_incomplete_step": 1,
+                                               "steps_skipped": 0}
+        line = head_text(built, description="collector", live=True, paused=False, note="").plain
+        assert "1 step judged on part of the ranks (latest 1)" in line, line
+        assert "skipped" not in line, line
     finally:
         writer.close()
         eng.close()
