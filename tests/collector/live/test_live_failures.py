@@ -23,9 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from collector.live.rules import DEFAULTS_TOML
+from tests.collector.live.judged import wait_judged
 from tests.collector.util import sql
 from tests.support import ROOT
-from tests.support.services import scrape_metrics, start_collector
+from tests.support.services import start_collector
 from tests.support.torchrun import launch
 from tests.support.wait import wait_for
 
@@ -88,7 +89,8 @@ def runs(tmp_path_factory):
                                       lambda: _alerts(c.addr, "kill"), every_s=0.5)
         out["early_alerts"] = wait_for(lambda: judged("early") and _alerts(c.addr, "early"), 90,
                                        "early's first_failure", lambda: _alerts(c.addr, "early"), every_s=0.5)
-        time.sleep(2.0)
+        # every run's last step judged (`kill`'s at the 15 s deadline, without rank 3), then the rows
+        out["kill_metrics"] = wait_judged(c, "kill", "late", "data")
         out["late_alerts"] = _alerts(c.addr, "late")
         out["data_alerts"] = _alerts(c.addr, "data")
         out["kill_alerts"] = _alerts(c.addr, "kill")
@@ -96,16 +98,10 @@ def runs(tmp_path_factory):
                                             f"rank = {LATE_RANK}").column(0)[0].as_py()
         out["kill_last_step_row"] = sql(c.addr, f"SELECT coalesce(max(step), -1) FROM step WHERE run_id = 'kill' AND "
                                                 f"rank = {KILL_RANK}").column(0)[0].as_py()
-        # every step of `kill` stored, and the ranks that reported it; /metrics once its last is judged
+        # every step of `kill` stored, and the ranks that reported it
         stored = sql(c.addr, "SELECT step, list(rank ORDER BY rank) AS ranks FROM step WHERE run_id = 'kill' AND step >= 0 "
                              "GROUP BY step").to_pylist()
         out["kill_step_ranks"] = {r["step"]: set(r["ranks"]) for r in stored}
-        last = max(out["kill_step_ranks"])
-        out["kill_metrics"] = wait_for(
-            lambda: (m := scrape_metrics(c.metrics_port)).get('tracetop_run_step{run_id="kill"}', -1) >= last and m,
-            60, f"kill's step {last} judged", lambda: {k: v for k, v in scrape_metrics(c.metrics_port).items()
-                                                        if 'run_id="kill"' in k}, every_s=0.5)
-        out["kill_alerts"] = _alerts(c.addr, "kill")
         out["kill_beats"] = sql(c.addr, "SELECT rank, step, phase, start_ns FROM heartbeat WHERE run_id = 'kill' "
                                          "ORDER BY start_ns").to_pylist()
         yield out
