@@ -675,7 +675,8 @@ class Evaluator:
         findings = sg.hangs(heard, run.hb_ns[heard], run.hb_step[heard], list(run.hb_op[heard]),
                             list(run.hb_role[heard]), run.hb_since[heard], _UsualSigs(run, heard), now_ns,
                             silent_s=silent_s, stuck_s=stuck_s, phases=list(run.hb_phase[heard]),
-                            first_ns=run.hb_first_ns[heard], beating_s=rule.threshold)
+                            first_ns=run.hb_first_ns[heard], beating_s=rule.threshold,
+                            was_stuck=(run.hb_held_step[heard] == run.hb_step[heard]) & (run.hb_held_ns[heard] / 1e9 > stuck_s))
         out = []
         for h in findings:
             wait = f"; ranks {', '.join(map(str, h.waiting))} wait on it (blocked in their own collectives, not " \

@@ -120,7 +120,8 @@ class HangFinding:
 def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str], roles: list[str],
           since_ns: np.ndarray, usual: Sequence[frozenset[tuple[str, str]]], now_ns: int, *,
           silent_s: float, stuck_s: float, phases: list[str] | None = None,
-          first_ns: np.ndarray | None = None, beating_s: float | None = None) -> list[HangFinding]:
+          first_ns: np.ndarray | None = None, beating_s: float | None = None,
+          was_stuck: np.ndarray | None = None) -> list[HangFinding]:
     """From each rank's latest heartbeat: silent ranks (no heartbeat for silent_s) and ranks stuck
     in one collective for stuck_s. Of the stuck ranks, the culprits are those whose pending
     collective is not one they ran in their last complete step (they left the program every rank
@@ -132,7 +133,13 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
     before in no collective is "stalled" in its own work: the culprit, they its waiters. Stalled
     means alive all along: heard within `beating_s` (default silent_s), and first heard (`first_ns`,
     where given) before the waiters began to wait; a rank that only just started (late, its peers
-    blocked for it) is not stalled, nor one that went quiet (dead or frozen: silent_rank's).
+    blocked for it) is not stalled, nor one that went quiet (dead or frozen: silent_rank's), nor one
+    whose latest heartbeat is its clean close (phase "closed", where `phases` are given): it ended,
+    nor one seen stuck in a collective itself at its step (`was_stuck[i]`: more than stuck_s there
+    by its latest heartbeat in one): it came out of it (a timeout, an error), it did not stall in its
+    own work. Both are the hung rank ended by its own timeout a moment before its waiters' timeouts
+    end them: a state that lasts as long as their exits differ (seconds under load), judged or not
+    by where a tick falls (live: on the collector's deliveries; a replay: on the heartbeats' times).
     `usual[i]`: the (op, role) pairs rank i ran in its last complete step (empty when unknown)."""
     silent_for = (now_ns - hb_ns) / 1e9
     stuck_for = np.where(since_ns > 0, (now_ns - since_ns) / 1e9, 0.0)
@@ -166,6 +173,10 @@ def hangs(ranks: np.ndarray, hb_ns: np.ndarray, steps: np.ndarray, ops: list[str
         if not culprit.any() and not is_silent.any() and free.any() and steps[free].max() <= steps[stuck_idx].min():
             alive = free & ~np.array([bool(o) for o in ops], dtype=bool)  # in a collective: one more waiter
             alive &= silent_for <= (silent_s if beating_s is None else beating_s)
+            if phases is not None:
+                alive &= np.array([p != "closed" for p in phases], dtype=bool)
+            if was_stuck is not None:
+                alive &= ~was_stuck
             if first_ns is not None:
                 waited_since = since_ns[stuck_idx].min()
                 alive &= (first_ns > 0) & (first_ns <= waited_since)

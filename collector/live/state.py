@@ -88,6 +88,10 @@ class RunState:
     hb_op: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
     hb_role: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
     hb_phase: np.ndarray = field(default_factory=lambda: np.zeros(0, object))
+    #: of a rank's latest heartbeat in a collective: how long it had been in it (ns) and at which step
+    #: (a rank seen stuck in one that is now in none came out of it: a timeout, an error)
+    hb_held_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    hb_held_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # heard: per rank, the latest time (its own clock) and step of any row, and the step of its
     # latest row (where it is now, for re-anchoring the window after an outlier step)
     seen_ns: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -148,7 +152,7 @@ class RunState:
             self.refused[reason] = self.refused.get(reason, 0) + int(n)
 
     def bytes_per_rank(self) -> int:
-        return self.window * (len(FIELDS) * 8 + 1 + 8) + 8 * 10 + 5 * 8
+        return self.window * (len(FIELDS) * 8 + 1 + 8) + 8 * 12 + 5 * 8
 
     def ensure_ranks(self, n: int) -> bool:
         """Grow the per-rank arrays to hold ranks < n (doubling, within rank_limit and the live
@@ -174,6 +178,8 @@ class RunState:
         self.hb_first_ns = np.concatenate([self.hb_first_ns, np.zeros(extra, np.int64)])
         self.hb_step = np.concatenate([self.hb_step, np.full(extra, -1, np.int64)])
         self.hb_since = np.concatenate([self.hb_since, np.full(extra, -1, np.int64)])
+        self.hb_held_ns = np.concatenate([self.hb_held_ns, np.zeros(extra, np.int64)])
+        self.hb_held_step = np.concatenate([self.hb_held_step, np.full(extra, -1, np.int64)])
         for name in ("hb_op", "hb_role", "hb_phase"):
             setattr(self, name, np.concatenate([getattr(self, name), np.full(extra, "", object)]))
         self.seen_ns = np.concatenate([self.seen_ns, np.zeros(extra, np.int64)])
@@ -187,7 +193,8 @@ class RunState:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.data, self.present, self.sigmask, self.stage, self.hostname, self.started, self.hb_ns, self.hb_first_ns, self.hb_step,
-                                      self.hb_since, self.hb_op, self.hb_role, self.hb_phase, self.seen_ns, self.heard_at,
+                                      self.hb_since, self.hb_op, self.hb_role, self.hb_phase, self.hb_held_ns,
+                                      self.hb_held_step, self.seen_ns, self.heard_at,
                                       self.seen_step, self.rank_last))
 
     def expected_ranks(self) -> int:
@@ -465,11 +472,14 @@ class RunState:
         first = self.hb_first_ns[rank] == 0
         self.hb_first_ns[rank[first]] = ns[first]
         self.hb_ns[rank] = ns
-        self.hb_step[rank] = np.asarray(cols["step"], np.int64)[order]
-        self.hb_since[rank] = np.asarray(cols["pending_since_ns"], np.int64)[order]
-        self.hb_op[rank] = _strings(cols["pending_op"])[order]
+        step = self.hb_step[rank] = np.asarray(cols["step"], np.int64)[order]
+        since = self.hb_since[rank] = np.asarray(cols["pending_since_ns"], np.int64)[order]
+        op = self.hb_op[rank] = _strings(cols["pending_op"])[order]
         self.hb_role[rank] = _strings(cols["pending_role"])[order]
         self.hb_phase[rank] = _strings(cols["phase"])[order]
+        held = (op != "") & (since > 0)  # (each row's own: a rank's later row in the batch wins)
+        self.hb_held_ns[rank[held]] = ns[held] - since[held]
+        self.hb_held_step[rank[held]] = step[held]
 
     # -- reading --------------------------------------------------------------------------
     def usual_sigs(self, rank_idx: np.ndarray) -> list[frozenset[tuple[str, str]]]:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
 from collector.live.engine import SLACK_STEPS
 from collector.live.rules import DEFAULTS_TOML
 from tests.collector.export.tools import Receiver
+from tests.collector.live.judged import wait_judged
 from tests.collector.live.test_live_runs import _env
 from tests.collector.util import sql
 from tests.support import ROOT
@@ -37,13 +37,20 @@ def _alerts(addr: str) -> list[dict]:
     return sql(addr, "SELECT * FROM alerts WHERE run_id = 'stall' ORDER BY first_ns").to_pylist()
 
 
+def _delivered(rx: Receiver, stored: list[dict]) -> bool:
+    """Every stored alert that fired was POSTed firing, with the incident it is stored with."""
+    sent = {(a["rule"], json.dumps(a["labels"], sort_keys=True), a["first_ns"], a["incident_id"])
+            for b in list(rx.bodies) for a in b["alerts"] if a["state"] == "firing"}
+    return all((a["rule"], a["labels"], a["first_ns"], a["incident_id"]) in sent for a in stored if a["fired_ns"])
+
+
 @pytest.fixture(scope="module")
 def stall(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("incidents_run")
     rules = tmp / "rules.toml"
     rules.write_text(DEFAULTS_TOML)
     rx = Receiver()
-    c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules), "--webhook", rx.url])
+    c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules), "--webhook", rx.url], metrics=True)
     try:
         with _env(TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID="stall", TRACETOP_HEARTBEAT_S="1", TRACETOP_FLUSH_S="1"):
             run = launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4", LOOP,
@@ -52,7 +59,10 @@ def stall(tmp_path_factory):
         # every step judged (the last one settles a second after its rows), then the alerts as stored
         wait_for(lambda: sql(c.addr, "SELECT count(*) FROM alerts WHERE run_id = 'stall' AND rule = 'data_stall'")
                  .column(0)[0].as_py(), 60, "the data stall's alert", lambda: _alerts(c.addr), every_s=0.5)
-        time.sleep(3.0)
+        wait_judged(c, "stall")
+        # ...and each alert fired as stored (with its incident) delivered to the webhook
+        wait_for(lambda: _delivered(rx, _alerts(c.addr)), 30, "the webhook's copy of the stored alerts",
+                 lambda: (_alerts(c.addr), rx.bodies), every_s=0.2)
         out = {"collector": c, "alerts": _alerts(c.addr), "rx": rx,
                "incidents": sql(c.addr, "SELECT * FROM incidents WHERE run_id = 'stall'").to_pylist()}
         print("incidents run alerts:", [(a["rule"], a["rank"], a["first_step"], a["fired_step"], a["kind"],

@@ -7,12 +7,15 @@ before its Tracer starts: its peers block in DDP's all-reduce of step 0, a colle
 joined), `early` (rank 1 exits before its Tracer starts: never heard at all; its peers fail in
 their first all-reduce). Ground truths are the injections: the rank, the step.
 Heartbeats and shipments every second (TRACETOP_HEARTBEAT_S / TRACETOP_FLUSH_S = 1) keep the
-runs short; the thresholds are the built-in 15 s."""
+runs short; the thresholds are the built-in 15 s. One rule is added to the built-in ones: an info
+memory budget of 1 MiB, which every rank that reports a step breaches, so that every step judged
+updates an alert of each reporting rank (what `kill` asks of the steps judged without rank 3)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from collector.live.rules import DEFAULTS_TOML
+from tests.collector.live.judged import wait_judged
 from tests.collector.util import sql
 from tests.support import ROOT
 from tests.support.services import start_collector
@@ -32,6 +36,17 @@ LOOP = str(ROOT / "tests" / "collector" / "live" / "failure_loop.py")
 KILL_RANK, KILL_STEP = 3, 25
 DATA_RANK, DATA_MS, DATA_STEP = 2, 150, 10  # 150 ms of data wait on ~30 ms steps (5x the step's compute)
 LATE_RANK, LATE_S = 1, 40
+#: breached by every rank on every step it reports (its RSS is far over 1 MiB): an alert per rank,
+#: updated on each step judged (an SLA, info: no incident, nothing critical beside the faults)
+EVERY_STEP_RULE = """
+[rule.every_step]
+signal = "memory"
+used_of_budget_above = 0.90
+budget_mb = 1
+for_steps = 1
+severity = "info"
+kind = "sla"
+"""
 
 
 def _alerts(addr: str, run_id: str) -> list[dict]:
@@ -50,8 +65,8 @@ def _run(c, tmp, run_id: str, args: list[str]):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live_failures")
     rules = tmp / "rules.toml"
-    rules.write_text(DEFAULTS_TOML)
-    c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules)])
+    rules.write_text(DEFAULTS_TOML + EVERY_STEP_RULE)
+    c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules)], metrics=True)
     out: dict = {"collector": c}
     try:
         # `late` spends LATE_S seconds with its rank 1 asleep and its peers blocked in an all-reduce
@@ -74,7 +89,8 @@ def runs(tmp_path_factory):
                                       lambda: _alerts(c.addr, "kill"), every_s=0.5)
         out["early_alerts"] = wait_for(lambda: judged("early") and _alerts(c.addr, "early"), 90,
                                        "early's first_failure", lambda: _alerts(c.addr, "early"), every_s=0.5)
-        time.sleep(2.0)
+        # every run's last step judged (`kill`'s at the 15 s deadline, without rank 3), then the rows
+        out["kill_metrics"] = wait_judged(c, "kill", "late", "data")
         out["late_alerts"] = _alerts(c.addr, "late")
         out["data_alerts"] = _alerts(c.addr, "data")
         out["kill_alerts"] = _alerts(c.addr, "kill")
@@ -82,6 +98,10 @@ def runs(tmp_path_factory):
                                             f"rank = {LATE_RANK}").column(0)[0].as_py()
         out["kill_last_step_row"] = sql(c.addr, f"SELECT coalesce(max(step), -1) FROM step WHERE run_id = 'kill' AND "
                                                 f"rank = {KILL_RANK}").column(0)[0].as_py()
+        # every step of `kill` stored, and the ranks that reported it
+        stored = sql(c.addr, "SELECT step, list(rank ORDER BY rank) AS ranks FROM step WHERE run_id = 'kill' AND step >= 0 "
+                             "GROUP BY step").to_pylist()
+        out["kill_step_ranks"] = {r["step"]: set(r["ranks"]) for r in stored}
         out["kill_beats"] = sql(c.addr, "SELECT rank, step, phase, start_ns FROM heartbeat WHERE run_id = 'kill' "
                                          "ORDER BY start_ns").to_pylist()
         yield out
@@ -106,6 +126,33 @@ def test_a_killed_rank_is_named_the_first_failure_once_when_torchrun_ends_the_ot
     assert [x["signal"] for x in crit] == ["first_failure"], crit
     # fired within 20 s of the run's end (the 15 s of silence that says it stopped, plus a tick)
     assert (a["fired_ns"] - runs["kill_end"]) / 1e9 < 20 + 5, (a["fired_ns"], runs["kill_end"])
+
+
+def test_steps_judged_after_the_killed_rank_stopped_count_incomplete_and_their_alerts_name_it_missing(runs):
+    """Rank 3's rows stop at its last step stored (what its hooks had shipped before the SIGKILL);
+    its peers report later steps (to the one they failed in) without it. Each such step is judged
+    at the 15 s deadline without rank 3: /metrics counts it for the run, and each alert updated on
+    it (every rank's on every step: EVERY_STEP_RULE) says which ranks it was judged on. The
+    ground truth is the rank the test killed and the STEP rows stored."""
+    last3 = runs["kill_last_step_row"]
+    ranks = runs["kill_step_ranks"]  # step -> the ranks whose STEP row is stored
+    after = sorted(s for s in ranks if s > last3)
+    assert after and all(KILL_RANK not in ranks[s] for s in after), (last3, ranks)
+    short = sorted(s for s, rk in ranks.items() if len(rk) < 4)  # after, and any other step a row of missed
+    m = runs["kill_metrics"]
+    assert m['tracetop_run_live_steps_incomplete_total{run_id="kill"}'] == len(short), (short, after)
+    assert m['tracetop_run_live_last_incomplete_step{run_id="kill"}'] == after[-1]
+    updated = [a for a in runs["kill_alerts"] if a["last_step"] > last3]
+    assert updated, json.dumps(runs["kill_alerts"], default=str)[:3000]
+    for a in updated:
+        said = re.findall(r"; judged on (\d+) of (\d+) ranks \(missing: ([\d, ]+)\)", a["message"])
+        assert len(said) == 1, a["message"]
+        n, world, missing = int(said[0][0]), int(said[0][1]), {int(x) for x in said[0][2].split(", ")}
+        assert KILL_RANK in missing and world == 4, a["message"]
+        assert missing == set(range(4)) - ranks[a["last_step"]] and n == len(ranks[a["last_step"]]), (a, ranks)
+    # the steps rank 3 reported are judged on every rank: the alerts last updated there say nothing of the kind
+    assert not [a["message"] for a in runs["kill_alerts"] if 0 <= a["last_step"] <= last3 and
+                a["last_step"] not in short and "; judged on" in a["message"]]
 
 
 def test_a_rank_that_starts_late_is_named_never_heard_while_its_peers_wait(runs):

@@ -4,10 +4,9 @@ straggles), 2,000 rank-steps in all, judged live by the built-in rules."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from tests.collector.live.judged import wait_judged
 from tests.collector.live.test_live_runs import _env
 from tests.collector.util import sql
 from tests.support.services import start_collector
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
-    c = start_collector(tmp_path, listen="unix")  # the built-in rules
+    c = start_collector(tmp_path, listen="unix", metrics=True)  # the built-in rules
     try:
         with _env(TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID="clean"):
             r = torchrun(tmp_path / "clean", nproc=4, trace=True, args=["--pp", "2", "--steps", "400"])
@@ -34,7 +33,7 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
                            " median(step_ms) FILTER (WHERE run_id = 'clean') AS a FROM step_ranks GROUP BY rank)"
                    ).column(0)[0].as_py()
         assert grew > 50
-        time.sleep(2.5)  # the last steps settle and are judged
+        wait_judged(c, "clean", "balanced")  # the last steps settle and are judged
         strag = sql(c.addr, "SELECT run_id, rank, first_step, message FROM alerts WHERE signal = 'straggler'").to_pylist()
         assert strag == []
         # nor any other fault judgment: both runs ended with every rank's clean close

@@ -1,8 +1,9 @@
 """Live judgments on real reference-trainer runs (PP2 x DP2 on gloo) into one real collector.
 
 One collector with the built-in rules (stuck-in-a-collective lowered to 8 s so that a hang is
-named within 20 s), three runs: a straggler on rank 3 from step 20, a hang on rank 1 at step
-12, and the checks that need the stored rows afterwards (live == recompute, live == views).
+named within 20 s), two runs: a hang on rank 1 at step 12, and a straggler on rank 3 from step 20
+(started once the hang is named, while the hung ranks wait for their timeout), and the checks
+that need the stored rows afterwards (live == recompute, live == views).
 Ground truths are the injections: the rank, the step, the onset time the hung rank reports."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +27,8 @@ from collector.live.rules import DEFAULTS_TOML, parse
 from tests.collector.util import sql
 from tests.support import ROOT
 from tests.support.services import start_collector
-from tests.support.torchrun import torchrun
+from tests.support.torchrun import launch, torchrun
+from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -70,6 +74,17 @@ def _alerts(addr: str, run_id: str) -> list[dict]:
     return sql(addr, f"SELECT * FROM alerts WHERE run_id = '{run_id}' ORDER BY first_ns").to_pylist()
 
 
+def _hang_run(addr: str, tmp: Path):
+    """The hang run (rank 1 hangs at HANG_STEP; the run ends at its 35 s timeout), as torchrun() runs the
+    reference trainer, with its environment passed, not set in os.environ (it runs in a thread)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, TRACETOP_ENDPOINT=addr, TRACETOP_RUN_ID="hang")
+    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                   "-m", "reference_trainer", "--quiet", "--log-jsonl", str(tmp / "rank0.jsonl"), "--rank-log-dir",
+                   str(tmp / "ranks"), "--pp", "2", "--steps", "20", "--inject-hang", f"1@{HANG_STEP}",
+                   "--dist-timeout-s", "35"], timeout_s=400, env=env)
+
+
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live")
@@ -78,14 +93,19 @@ def live(tmp_path_factory):
     c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules)], metrics=True)
     out = {"collector": c, "rules": rules, "tmp": tmp}
     try:
-        with _env(TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID="strag"):
-            r = torchrun(tmp / "strag", nproc=4, trace=True, args=[
-                "--pp", "2", "--steps", "30", "--inject-straggler", f"3:{INJECT_MS}@{STRAGGLER_STEP}"])
-        assert r.rc == 0, r.output[-3000:]
-        out["strag_metrics"] = _metrics_at_step(c, "strag", 29)
-        with _env(TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID="hang"):
-            h = torchrun(tmp / "hang", nproc=4, trace=True, args=[
-                "--pp", "2", "--steps", "20", "--inject-hang", f"1@{HANG_STEP}", "--dist-timeout-s", "35"])
+        # the hang first: once its stuck_collective alert fired, its ranks only wait (blocked, idle) for
+        # their 35 s timeout, and the straggler run goes meanwhile (each with its own run_id and job)
+        with ThreadPoolExecutor(1) as pool:
+            hang = pool.submit(_hang_run, c.addr, tmp / "hang")
+            wait_for(lambda: hang.done() or any(a["signal"] == "stuck_collective" and a["fired_ns"]
+                                                for a in _alerts(c.addr, "hang")),
+                     150, "the hang's stuck_collective alert (or its end)", lambda: _alerts(c.addr, "hang"), every_s=0.5)
+            with _env(TRACETOP_ENDPOINT=c.addr, TRACETOP_RUN_ID="strag"):
+                r = torchrun(tmp / "strag", nproc=4, trace=True, args=[
+                    "--pp", "2", "--steps", "30", "--inject-straggler", f"3:{INJECT_MS}@{STRAGGLER_STEP}"])
+            assert r.rc == 0, r.output[-3000:]
+            out["strag_metrics"] = _metrics_at_step(c, "strag", 29)
+            h = hang.result()
         assert h.rc != 0  # the hang ends the run at the timeout
         out["hang_output"] = h.output
         out["strag_alerts"] = _alerts(c.addr, "strag")

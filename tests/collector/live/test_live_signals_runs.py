@@ -14,6 +14,7 @@ import time
 import pytest
 
 from collector.live.rules import DEFAULTS_TOML
+from tests.collector.live.judged import wait_judged
 from tests.collector.live.test_live_runs import _env
 from tests.collector.util import sql
 from tests.support.services import start_collector
@@ -37,7 +38,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live_signals")
     rules = tmp / "rules.toml"
     rules.write_text(RULES)
-    c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules), "--baseline", "base"])
+    c = start_collector(tmp, listen="unix", extra_args=["--rules", str(rules), "--baseline", "base"], metrics=True)
     plans = [
         ("base", 1, ["--steps", "14"]),
         ("dp2delay", 2, ["--steps", "12", "--inject-comm-delay", f"0:{DELAY_MS}@3"]),
@@ -53,7 +54,7 @@ def runs(tmp_path_factory):
                 r = torchrun(tmp / run_id, nproc=nproc, trace=True, args=args)
             assert r.rc == 0, r.output[-3000:]
         _loss_loop(c.addr)
-        time.sleep(2.5)  # the last steps settle and are judged
+        wait_judged(c, *(p[0] for p in plans), "loss")  # the last steps settle and are judged
         yield {"collector": c, "alerts": sql(c.addr, "SELECT * FROM alerts ORDER BY first_ns").to_pylist(),
                "steps": sql(c.addr, "SELECT run_id, step, rank, loss FROM step").to_pylist(),
                "stage1_compute": [(r["step"], r["compute_ms"]) for r in sql(

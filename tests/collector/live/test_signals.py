@@ -151,3 +151,30 @@ def test_a_rank_stalled_in_its_forward_is_the_culprit_its_peers_in_all_reduce_wa
     assert found[0].seconds == pytest.approx(20)
     # not before they waited stuck_s
     assert sg.hangs(**hb, usual=usual, silent_s=15, stuck_s=25) == []
+
+
+def test_the_hung_rank_ended_by_its_timeout_before_its_waiters_is_not_stalled():
+    # the end of test_live_runs.py's hang run: rank 1 hung in an all-reduce of its own (since 2.3 s),
+    # ranks 0, 2, 3 wait in theirs since 2.2-2.3 s; at 37.3 s rank 1's timeout has ended it (its clean
+    # close, no collective), theirs not yet. It is not stalled in its own work: it ended. (The replay
+    # of the timer rules named it so where a tick fell between its close and theirs; live did not.)
+    s = 10**9
+    now = int(37.5 * s)
+    usual = [frozenset({("all_reduce", "dp")}), frozenset(), frozenset({("all_reduce", "pp|mp")}),
+             frozenset({("all_reduce", "pp|mp")})]
+    hb = _hb(now, ["all_reduce", "", "all_reduce", "all_reduce"], ["dp", "", "pp|mp", "pp|mp"],
+             [int(2.16 * s), -1, int(2.27 * s), int(2.27 * s)], beat=[35 * s, int(37.3 * s), 35 * s, 35 * s])
+    first = np.full(4, s // 10)
+    closed = ["comm", "closed", "comm", "comm"]
+    assert sg.hangs(**hb, usual=usual, silent_s=1e18, stuck_s=8, phases=closed, first_ns=first, beating_s=8) == []
+    # its heartbeat between its timeout and its close (in no collective, not closed yet): it was seen
+    # stuck in its all-reduce at this step (35 s), it came out of it; it did not stall in its own work
+    beating = ["comm", "backward", "comm", "comm"]
+    came_out = np.array([False, True, False, False])
+    assert sg.hangs(**hb, usual=usual, silent_s=1e18, stuck_s=8, phases=beating, first_ns=first, beating_s=8,
+                    was_stuck=came_out) == []
+    # a rank beating in its own work, never seen stuck itself: stalled, they its waiters
+    for stuck in (None, np.zeros(4, bool)):
+        found = sg.hangs(**hb, usual=usual, silent_s=1e18, stuck_s=8, phases=beating, first_ns=first, beating_s=8,
+                         was_stuck=stuck)
+        assert [(h.rank, h.kind, h.waiting) for h in found] == [(1, "stalled", (0, 2, 3))]
