@@ -702,9 +702,13 @@ class Evaluator:
                                      f"collective, still beating) while the others have waited {h.seconds:.0f} s for it"
                                      f"{wait}"))
             elif h.kind == "stuck" and rule.signal == "stuck_collective":
-                if silent_rule is not None and (now_ns - int(run.hb_ns[h.rank])) / 1e9 > rule.threshold / 2:
+                if silent_rule is not None and (now_ns - int(run.hb_ns[h.rank])) / 1e9 > rule.threshold / 2 \
+                        and not self._named(run.run_id, h.rank, rule.signal):
                     # not heard since it entered the collective: a frozen (SIGSTOPped) or dead rank
-                    # going silent, silent_rank's to name, once (not a second alert here first)
+                    # going silent, silent_rank's to name, once (not a second alert here first). Once
+                    # named stuck, the gap between two heartbeats (longer than half the threshold
+                    # with a slow heartbeat or a late delivery) does not resolve it: it stays named
+                    # until it leaves the collective or goes silent (then silent_rank names it)
                     continue
                 labels.update(op=h.op, role=h.role)
                 out.append(judge.Obs("rank", labels, h.seconds, True,
@@ -713,7 +717,11 @@ class Evaluator:
         return out
 
     def _silent_named(self, run_id: str, rank: int) -> bool:
-        return any(t.alert.state == FIRING and t.alert.signal == "silent_rank" and t.alert.run_id == run_id
+        return self._named(run_id, rank, "silent_rank")
+
+    def _named(self, run_id: str, rank: int, signal: str) -> bool:
+        """A `signal` alert on `rank` of the run is firing."""
+        return any(t.alert.state == FIRING and t.alert.signal == signal and t.alert.run_id == run_id
                    and t.alert.labels.get("rank") == str(rank) for t in self.book.tracks.values())
 
     @staticmethod

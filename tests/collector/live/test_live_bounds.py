@@ -256,3 +256,41 @@ def test_an_outlier_step_is_not_counted_as_a_trillion_skipped_steps():
     run = ev.state.runs["o"]
     assert run.reanchored == 1 and run.last_judged == 29
     assert ev.stats.steps_skipped < 64, ev.stats.steps_skipped
+
+
+def _hang_beats(ranks, now_ns: int, step: dict, ops: dict, since_ns: dict) -> dict:
+    """One heartbeat per rank at now_ns: its step, the collective it is in and since when."""
+    n = len(ranks)
+    on = sorted({ops[r] for r in ranks})
+    return {"rank": np.asarray(ranks, np.int32), "step": np.asarray([step[r] for r in ranks], np.int64),
+            "start_ns": np.full(n, now_ns, np.int64), "duration_ns": np.zeros(n, np.int64),
+            "phase": (np.zeros(n, np.int32), ("step",)),
+            "pending_op": (np.array([on.index(ops[r]) for r in ranks], np.int32), on),
+            "pending_role": (np.zeros(n, np.int32), ("dp",)),
+            "pending_since_ns": np.asarray([since_ns[r] for r in ranks], np.int64),
+            "hostname": (np.zeros(n, np.int32), ("h",)), "pid": np.zeros(n, np.int32)}
+
+
+def test_a_hang_heard_every_10_s_is_named_stuck_once_until_it_ends():
+    """Rank 1 hangs in a broadcast at 20 s while ranks 0, 2, 3 wait in their all-reduce; every rank
+    beats every 10 s (a slower heartbeat than the default 5 s, or late deliveries), the engine ticks
+    every 0.5 s, the hang ends at 100 s. Between two heartbeats rank 1 is unheard for longer than half
+    the stuck threshold: the alert must not resolve and fire again at every heartbeat."""
+    ev = Evaluator(parse(DEFAULTS_TOML), window=8, run_end_s=600.0)
+    ranks = [0, 1, 2, 3]
+    ev.ingest(Kind.RUN_START, "h", _run_start(ranks, 4, 1 * S), 1 * S)
+    changes = []
+    for tick in range(2, 240):
+        t = tick * S // 2
+        if t % (10 * S) == 0:
+            hung = 20 * S <= t < 100 * S
+            ops = {r: ("broadcast" if r == 1 else "all_reduce") if hung else "" for r in ranks}
+            since = {r: (20 * S if r == 1 else 21 * S) if hung else -1 for r in ranks}
+            step = {r: 7 if hung else t // S for r in ranks}
+            ev.ingest(Kind.HEARTBEAT, "h", _hang_beats(ranks, t, step, ops, since), t)
+        changes += [(a.signal, a.labels.get("rank", ""), a.state, t // S) for a in ev.evaluate_timer(t)
+                    if a.state != "pending"]
+    stuck = [c for c in changes if c[0] == "stuck_collective"]
+    assert [c[:3] for c in stuck] == [("stuck_collective", "1", "firing"), ("stuck_collective", "1", "resolved")], changes
+    assert 35 <= stuck[0][3] <= 45 and stuck[1][3] >= 100, stuck
+    assert not [c for c in changes if c[0] != "stuck_collective" and c[2] == "firing"], changes
