@@ -7,6 +7,11 @@ argv: STEPS. Environment: OUT (rankN.jsonl: one line per step, one per handler c
 (per sample: the compute time a device would spend, slept inside the forward; the test's MLP is
 too small to time on a loaded CPU, and a GPU's time scales with the samples the same way),
 SLOW=RANK:FACTOR@FROM-TO (that rank's forward takes FACTOR x WORK_MS per sample in [FROM, TO)).
+
+The run ends after STEPS steps, or before the step written in $OUT/stop_at once the test has seen
+what it waits for: every rank reads it before each step, and the test names a step far enough
+ahead of every rank's logged progress (the ranks run in lockstep: an all-reduce every step) that
+all of them stop there.
 """
 
 from __future__ import annotations
@@ -55,7 +60,12 @@ def main() -> int:
         split["now"] = r
 
     tracer.on_command("rebalance", rebalance)  # the undo: the split in force before (the hooks keep it)
+    stop_file = os.path.join(os.environ["OUT"], "stop_at")
     for step in range(steps):
+        if os.path.exists(stop_file):
+            with open(stop_file) as f:
+                if step >= int(f.read()):
+                    break
         state["step"] = step
         g = torch.Generator().manual_seed(1000 + step)  # the step's global batch: the same for any split
         x = torch.randn(per_replica * dp, 16, generator=g)
