@@ -6,8 +6,10 @@ puts the replicas back to balanced once rank 3 recovers. Two trainers, each agai
 run of the same global batch and seeds (no fault, no hooks):
 
 - a plain DDP loop through ``tracer.on_command("rebalance", ...)`` (rebalance_ddp_child.py);
-- the reference trainer in its ZeRO shape (ZeRO 2: gradients reduced at every micro-batch); its
-  balanced run is one replica of the whole global batch (the data is the same batch in any layout).
+- the reference trainer in its ZeRO shape (ZeRO 2: gradients reduced at every micro-batch).
+
+Each balanced run is one process training the whole global batch (DDP's and ZeRO's gradient is the
+replicas' average, so one replica of all the samples is the balanced run, to rounding).
 
 Each closed loop ends (stop file) a few steps after the undo is seen in force; its balanced run
 then runs the same steps.
@@ -170,10 +172,11 @@ def ddp(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rebalance-ddp")
     res = _closed_loop(tmp, "rebalance-ddp", [str(DDP_STEPS)], script=CHILD,
                        env={"OUT": str(tmp), "WORK_MS": "40", "SLOW": f"3:1.5@{ONSET}-{TO}"})
-    # the balanced run after it, as long as the closed loop ran (stopped once it had what the checks need)
+    # the balanced run after it, as long as the closed loop ran (stopped once it had what the checks need):
+    # the whole global batch of the DP replicas in one process (DDP's gradient is their average)
     (tmp / "bal").mkdir()
-    bal = Trainer(tmp / "bal", nproc=4, args=[str(_last_step(tmp) + 1)], script=CHILD,
-                  env={"OUT": str(tmp / "bal"), "TRACETOP_DISABLE": "1", "WORK_MS": "0"})
+    bal = Trainer(tmp / "bal", nproc=1, args=[str(_last_step(tmp) + 1)], script=CHILD,
+                  env={"OUT": str(tmp / "bal"), "TRACETOP_DISABLE": "1", "WORK_MS": "0", "REPLICAS": str(DP)})
     assert bal.wait() == 0, bal.output()[-3000:]
     res["rows"] = _rows(tmp)
     res["balanced"] = {r["step"]: r["loss"] for r in _rows(tmp / "bal")[0] if "loss" in r}
