@@ -17,8 +17,6 @@ run ends the next run that names it at its first step boundary: remove it before
 
 from __future__ import annotations
 
-from typing import Any
-
 #: what the broadcast carries when there is no stop step (no file yet, or not an integer)
 NONE = -1
 
@@ -62,7 +60,7 @@ class StopFile:
         return self.stop_step is not None and step >= self.stop_step
 
 
-def describe(stop: Any, step: int) -> str:
+def describe(stop: StopFile, step: int) -> str:
     """The line rank 0 prints when it stops."""
     asked = stop.stop_step
     return (f"[reference_trainer] stopping before step {step}: {stop.path} asked for step {asked}"
