@@ -199,6 +199,11 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     g.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
                    help="auto: bf16 on GPU, fp32 on CPU")
+    g.add_argument("--stop-file", default=None, metavar="PATH",
+                   help="end cleanly before the step number written in PATH (every rank at the same step, "
+                   "exit 0, hooks closed, checkpoint saved with --save-dir); write it whole (write, then "
+                   "rename); a step not ahead of the run ends it at the next step boundary. Rank 0 reads "
+                   "it and broadcasts it every step (one CPU collective a step, only with this flag)")
     g.add_argument("--dist-timeout-s", type=float, default=600.0,
                    help="timeout of every process group's collectives, seconds (default 600)")
     g = p.add_argument_group("output")

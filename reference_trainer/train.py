@@ -28,6 +28,7 @@ from reference_trainer.config import (
     make_layout,
 )
 from reference_trainer.faults import FaultSpecError, StageClock, parse_faults
+from reference_trainer.stop import StopFile, describe
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +243,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
     if clock.needs_hang_group:  # every rank takes part in creating it; only the hanging rank uses it
         clock.hang_group = dist.new_group(ranks=list(range(layout.world_size)), backend="gloo")
     clock.install(engine, engine.module, embedding if coord.pipe == 0 else None)
+    stop = StopFile(args.stop_file, rank) if args.stop_file else None
 
     start_step = 0
     if args.load_dir:
@@ -293,8 +295,14 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
               f"offload={layout.offload} shape={layout.shape} micro_batch={run.micro_batch} "
               f"micro_batches={run.micro_batches} global_batch={run.global_batch} "
               f"dtype={'bf16' if bf16 else 'fp32'}", flush=True)
+    done, stopped = start_step, False  # stopped: by --stop-file, before --steps
     try:
         for step in range(start_step, args.steps):
+            if stop is not None and stop.should_stop(step):
+                stopped = True
+                if rank == 0:
+                    print(describe(stop, step), flush=True)
+                break
             run.step = step
             for a in adjustments:
                 if a.step == step:
@@ -345,6 +353,8 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
             done = step + 1
             if args.save_dir and ((args.save_every and done % args.save_every == 0) or done == args.steps):
                 engine.save_checkpoint(args.save_dir, tag=f"step{done}", client_state={"step": done})
+        if stopped and args.save_dir and done > start_step and not (args.save_every and done % args.save_every == 0):
+            run.engine.save_checkpoint(args.save_dir, tag=f"step{done}", client_state={"step": done})
     finally:
         run.tracing.close()
         if log:

@@ -38,16 +38,18 @@ def tp2pp2dp2(tmp_path_factory) -> RunResult:
 def pp2_ckpt(tmp_path_factory):
     """PP2 (2 processes, ZeRO 1), 6 steps, checkpoints after 3 and 6; optimizer offload via
     offload_states on before step 1 and off before step 4. Then a resume from the step-3
-    checkpoint to step 6, launched by `tracetop train`."""
+    checkpoint to step 6, launched by `tracetop train`, ended there by --stop-file (not --steps)."""
     tmp = tmp_path_factory.mktemp("ckpt")
     ck = tmp / "ck"
+    (tmp / "stop").write_text("6")
     full = _ok(torchrun(tmp / "full", nproc=2, args=["--pp", "2", "--steps", "6", "--save-dir", str(ck),
                                                      "--save-every", "3", "--adjust", "1:offload=on",
                                                      "--adjust", "4:offload=off"]))
     # The resume goes through `tracetop train`, which execs torchrun with the same flags.
     resumed = _ok(torchrun(tmp / "resumed", nproc=2, via_tracetop=True,
-                           args=["--pp", "2", "--steps", "6", "--load-dir", str(ck), "--load-tag", "step3"]))
-    return full, resumed
+                           args=["--pp", "2", "--steps", "50", "--load-dir", str(ck), "--load-tag", "step3",
+                                 "--stop-file", str(tmp / "stop"), "--save-dir", str(tmp / "ck2")]))
+    return full, resumed, tmp / "ck2"
 
 
 def test_pp2dp2_loss_falls_over_50_steps(pp2dp2):
@@ -86,14 +88,25 @@ def test_tp2_gives_the_tp1_losses(tp2pp2dp2, pp2dp2):
 
 
 def test_resume_continues_the_uninterrupted_loss_sequence(pp2_ckpt):
-    full, resumed = pp2_ckpt
+    full, resumed, _ = pp2_ckpt
     assert [r["step"] for r in resumed.rows] == [3, 4, 5]
     want = full.losses()[3:]
     assert max(abs(a - b) for a, b in zip(want, resumed.losses())) <= 1e-5, (want, resumed.losses())
 
 
+def test_stop_file_ends_every_rank_at_the_step_written_and_saves_it(pp2_ckpt):
+    """--stop-file (passed through `tracetop train`): both ranks end before step 6 of 50, rc 0,
+    and the stop's checkpoint is saved like the end's (tag step6)."""
+    _, resumed, ck2 = pp2_ckpt
+    assert "stopping before step 6: " in resumed.output, resumed.output[-3000:]
+    assert sorted(resumed.ranks) == [0, 1]
+    for k, rows in resumed.ranks.items():
+        assert [r["step"] for r in rows] == [3, 4, 5], k
+    assert (ck2 / "step6").is_dir() and not (ck2 / "step50").exists(), sorted(p.name for p in ck2.iterdir())
+
+
 def test_optimizer_offload_toggle_moves_states_and_keeps_the_losses(pp2_ckpt, zero2_offload):
-    full, _ = pp2_ckpt
+    full, _, _ = pp2_ckpt
     for k, rows in full.ranks.items():
         states = [set(r["offloaded_states"]) for r in rows]
         assert states[0] == set() and states[4] == set() and states[5] == set(), f"rank {k}: {states}"

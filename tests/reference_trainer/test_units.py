@@ -239,3 +239,34 @@ def test_control_seam_asks_tracing_for_adjustments_and_reports_outcomes():
     assert (s1, k1, v1, ok1) == (7, "micro_batch", 3, False) and "does not divide the 16 samples" in m1
     assert (k2, ok2) == ("speed", False) and "unknown adjustment" in m2
     assert (run.micro_batch, run.micro_batches) == (4, 4)
+
+
+def test_stop_file_is_read_whole_and_the_step_it_names_is_kept(tmp_path):
+    """--stop-file in a world of one (a real gloo group): ignored while absent or not an integer,
+    then the run stops at the step written, or at once when that step is already behind it."""
+    import torch.distributed as dist
+
+    from reference_trainer.stop import StopFile, read_stop_step
+
+    path = tmp_path / "stop"
+    assert read_stop_step(str(path)) is None
+    path.write_text("")  # an empty (or half-written) file is no stop step
+    assert read_stop_step(str(path)) is None
+    path.write_text("12\n")
+    assert read_stop_step(str(path)) == 12
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        path.unlink()
+        late = StopFile(str(path), rank=0)
+        assert not late.should_stop(0) and not late.should_stop(1)
+        path.write_text("x")
+        assert not late.should_stop(2)
+        path.write_text("3")
+        assert not late.should_stop(2) and late.should_stop(3)
+        path.write_text("9")  # agreed once: a later write changes nothing
+        assert late.should_stop(4) and late.stop_step == 3
+        behind = StopFile(str(path), rank=0)
+        path.write_text("0")
+        assert behind.should_stop(7) and behind.stop_step == 0
+    finally:
+        dist.destroy_process_group()

@@ -70,8 +70,10 @@ class Trainer:
     def __init__(self, tmp: Path, *, nproc: int, args: list[str], env: dict[str, str], module: str = "reference_trainer",
                  script: str | None = None) -> None:
         self.rank_dir = tmp / "ranks"
+        self.stop_file = tmp / "stop"  # the reference trainer's --stop-file (stop_after)
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-        target = [script] if script else ["-m", module, "--quiet", "--rank-log-dir", str(self.rank_dir)]
+        target = [script] if script else ["-m", module, "--quiet", "--rank-log-dir", str(self.rank_dir),
+                                          *(["--stop-file", str(self.stop_file)] if module == "reference_trainer" else [])]
         e = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                  TRACETOP_COMMAND_POLL_S="0.5", **env)
         self.token = e[JOB_TOKEN] = uuid.uuid4().hex
@@ -90,6 +92,21 @@ class Trainer:
             raise AssertionError(f"trainer did not finish in {timeout_s} s:\n{self.output()[-3000:]}") from None
         finally:
             self.log.close()
+
+    def stop_after(self, steps: int, *, at_least: int = 0) -> int:
+        """Ask the reference trainer to end cleanly ``steps`` steps after the furthest one any rank
+        has logged, and not before step ``at_least`` (--stop-file): every rank ends before the step
+        returned, with rc 0. Tests call it once they have seen what they wait for, instead of
+        running out a --steps chosen with slack."""
+        import json
+
+        logged = [json.loads(x)["step"] for p in self.rank_dir.glob("rank*.jsonl")
+                  for x in p.read_text().splitlines() if x.strip().endswith("}")]  # a line being written: not yet
+        stop = max(max(logged, default=-1) + 1 + steps, at_least)
+        tmp = self.stop_file.with_suffix(".tmp")
+        tmp.write_text(str(stop))
+        tmp.replace(self.stop_file)  # whole, never half-written
+        return stop
 
     def kill(self) -> None:
         """End the job, its ranks included: torchrun starts each rank in a session of its own, so

@@ -6,7 +6,14 @@ micro-batch's loss weighted by ``Rebalance.micro_weight``.
 argv: STEPS. Environment: OUT (rankN.jsonl: one line per step, one per handler call), WORK_MS
 (per sample: the compute time a device would spend, slept inside the forward; the test's MLP is
 too small to time on a loaded CPU, and a GPU's time scales with the samples the same way),
-SLOW=RANK:FACTOR@FROM-TO (that rank's forward takes FACTOR x WORK_MS per sample in [FROM, TO)).
+SLOW=RANK:FACTOR@FROM-TO (that rank's forward takes FACTOR x WORK_MS per sample in [FROM, TO)),
+REPLICAS (the step's global batch is that of this many replicas, default the world size: the test's
+balanced reference runs the whole global batch of 4 replicas in one process).
+
+The run ends after STEPS steps, or before the step written in $OUT/stop_at once the test has seen
+what it waits for: every rank reads it before each step, and the test names a step far enough
+ahead of every rank's logged progress (the ranks run in lockstep: an all-reduce every step) that
+all of them stop there.
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ def main() -> int:
     torch.manual_seed(0)
     model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    per_replica = MICRO_BATCH * MICRO_BATCHES
+    global_batch = MICRO_BATCH * MICRO_BATCHES * int(os.environ.get("REPLICAS", dp))
+    per_replica = global_batch // dp
     target = torch.linspace(-1, 1, 16).unsqueeze(1)
     split = {"now": Rebalance((per_replica,) * dp)}
     state = {"step": -1}
@@ -55,11 +63,16 @@ def main() -> int:
         split["now"] = r
 
     tracer.on_command("rebalance", rebalance)  # the undo: the split in force before (the hooks keep it)
+    stop_file = os.path.join(os.environ["OUT"], "stop_at")
     for step in range(steps):
+        if os.path.exists(stop_file):
+            with open(stop_file) as f:
+                if step >= int(f.read()):
+                    break
         state["step"] = step
         g = torch.Generator().manual_seed(1000 + step)  # the step's global batch: the same for any split
-        x = torch.randn(per_replica * dp, 16, generator=g)
-        y = x @ target + 0.1 * torch.randn(per_replica * dp, 1, generator=g)  # learnable: the loss falls
+        x = torch.randn(global_batch, 16, generator=g)
+        y = x @ target + 0.1 * torch.randn(global_batch, 1, generator=g)  # learnable: the loss falls
         t0 = time.perf_counter()
         with tracer.step(step):
             r = split["now"]  # read after the boundary: in force this step

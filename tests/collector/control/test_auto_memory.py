@@ -21,9 +21,13 @@ import pytest
 from tests.collector.control.harness import changes, loop_run, wait_for
 
 pytestmark = pytest.mark.slow
-#: the third action is verified near step 35 (commands at every 5th step: 5, 15, 25, then 8 steps of
-#: verification); the steps after it only ran out the clock: 70 leaves 35 steps, 7 command boundaries
+#: the bound: the third action is verified near step 35 (commands at every 5th step: 5, 15, 25, then
+#: 8 steps of verification); once it is judged the test ends the run AFTER more steps (--stop-file)
+#: instead of running out the 70
 STEPS = 70
+AFTER = 5  # one command boundary (nothing is checked after the judgment; 5 steps: a margin for the stop)
+#: an action not yet judged: open (collector.control.actions.OPEN), or applied and in verification
+PENDING = ("proposed", "approved", "sent", "received", "applied")
 BUDGET = 950 * 2**20
 PRESSURE = 128 * 2**20
 TOML = """[controller]
@@ -45,6 +49,7 @@ def _run(tmp, run_id: str, extra: list[str], until) -> dict:
         # the third action judged, or the trainer ended without it (the checks then say what is missing)
         out["first"] = wait_for(lambda: until(client) or t.proc.poll() is not None, 400, "the controller's action",
                                 lambda: client.sql("SELECT action_id, state, rule, reason, outcome, verification FROM actions"))
+        out["stop"] = t.stop_after(AFTER)
         out["rc"] = t.wait()
         out["actions"] = client.sql("SELECT * FROM actions ORDER BY try_cast(action_id AS INT)")
         out["steps"] = lp.run_rows("step", "rank, step, micro_batch, micro_batches")
@@ -64,7 +69,7 @@ def _by_rank(rows):
 @pytest.fixture(scope="module")
 def auto(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("auto"), "loop-auto-1", ["--inject-slow-micro-batch", "2:1500"],
-                lambda cl: [a for a in cl.sql("SELECT state FROM actions WHERE action_id = '3'") if a["state"] != "applied"])
+                lambda cl: [a for a in cl.sql("SELECT state FROM actions WHERE action_id = '3'") if a["state"] not in PENDING])
 
 
 def test_memory_above_budget_shrinks_on_every_rank_at_one_step_rollback_then_verified(auto):
@@ -102,3 +107,5 @@ def test_memory_above_budget_shrinks_on_every_rank_at_one_step_rollback_then_ver
         for hi, lo in ((4, 2), (2, 1)):
             drop = statistics.median(peak[hi]) - statistics.median(peak[lo])
             assert 0.75 * (hi - lo) * PRESSURE < drop < 1.25 * (hi - lo) * PRESSURE, (rank, hi, lo, drop)
+    ends = {rows[-1]["step"] for rows in list(_by_rank(auto["steps"]).values()) + list(auto["trainer"].values())}
+    assert ends == {min(auto["stop"], STEPS) - 1}, ends  # every rank ended at the step the test asked for

@@ -20,6 +20,8 @@ from tests.collector.export.tools import Alertmanager, OtlpReceiver, Receiver
 from tracetop.wire import tracetop_pb2 as pb
 
 pytestmark = pytest.mark.slow
+AFTER = 10  # the bubble's steps compared after the change (and before it)
+BUBBLE_STEPS = 60  # the bound: the run ends (--stop-file) once the AFTER steps after the change have run
 
 
 def _by_rank(rows):
@@ -36,7 +38,7 @@ def bubble(tmp_path_factory):
     # The small model (7 M parameters): with tiny, DeepSpeed's per-instruction overhead outweighs the
     # compute on this CPU and more micro-batches do not shrink the bubble (measured: 0.69 -> 0.70).
     with loop_run(tmp_path_factory.mktemp("bubble"), run,
-                  ["--model", "small", "--pp", "2", "--micro-batch", "8", "--micro-batches", "2", "--steps", "45"],
+                  ["--model", "small", "--pp", "2", "--micro-batch", "8", "--micro-batches", "2", "--steps", str(BUBBLE_STEPS)],
                   controller="advise", toml="[controller]\ntick_s = 0.5\ncooldown_s = 1\n"
                   "cooldown_steps = 3\nverify_steps = 100\nbubble_threshold = 0.30\n") as lp:
         client, t = lp.client, lp.trainer
@@ -48,6 +50,8 @@ def bubble(tmp_path_factory):
         out["while_proposed"] = client.action(p["action_id"])
         client.op(pb.APPROVE, p["action_id"])
         out["applied"] = client.wait_action(p["action_id"], ("applied", "verified", "rejected", "lost"))
+        # the run ends (--stop-file) once the AFTER steps after the change the test compares have run
+        out["stop"] = t.stop_after(1, at_least=(out["applied"]["step"] or 0) + AFTER + 1)
         out["rc"] = t.wait()
         out["steps"] = lp.run_rows("step", "rank, step, micro_batch, micro_batches")
         out["bubble"] = client.sql(f"SELECT stage, step, bubble_rate FROM bubble_by_stage WHERE run_id = '{run}'")
@@ -72,8 +76,9 @@ def test_bubble_proposal_waits_for_a_person_then_applies_and_the_bubble_falls(bu
     for r in bubble["bubble"]:
         rates.setdefault(r["step"], []).append(r["bubble_rate"])
     mean = {k: statistics.mean(v) for k, v in rates.items() if len(v) == 2}  # over both stages
-    before = statistics.median(v for k, v in mean.items() if s - 10 <= k < s)
-    after = statistics.median(v for k, v in mean.items() if s + 1 <= k <= s + 10)
+    assert all(k in mean for k in range(s + 1, s + AFTER + 1)), (s, bubble["stop"], sorted(mean))  # ran, stored
+    before = statistics.median(v for k, v in mean.items() if s - AFTER <= k < s)
+    after = statistics.median(v for k, v in mean.items() if s + 1 <= k <= s + AFTER)
     assert after < before - 0.03, (before, after)
 
 
@@ -111,6 +116,9 @@ def leak(tmp_path_factory):
             out["otlp"] = wait_for(otlp_counts_it, 30, "OTLP's firing critical count to include it",
                                    lambda: (otlp.points().get(key), client.sql(
                                        f"SELECT rule, severity, state FROM alerts WHERE run_id = '{run}'")))
+            # given up: LEAK_AFTER more steps (the controller's cooldown and verification, twice over)
+            # in which nothing more may be proposed, then the run ends (--stop-file), not at the bound
+            out["stop"] = t.stop_after(LEAK_AFTER)
             out["rc"] = t.wait()
             out["actions"] = client.sql("SELECT * FROM actions ORDER BY try_cast(action_id AS INT)")
             out["steps"] = lp.run_rows("step", "rank, step, micro_batch, micro_batches")
@@ -120,6 +128,9 @@ def leak(tmp_path_factory):
         for r in (hook, am_hook, otlp):
             r.close()
     return out
+
+
+LEAK_AFTER = 20
 
 
 def _leak(tmp, run: str, collector_args: list[str]):
@@ -145,6 +156,7 @@ def test_the_leak_gets_at_most_the_configured_actions_then_cannot_fix(leak):
     assert 1 <= len(changes_made) <= 2, acts
     assert all(a["rule"] == "memory" and a["state"] in ("applied", "verified") for a in changes_made), changes_made
     assert len(gave_up) == 1 and gave_up[0] is acts[-1], acts  # nothing after giving up
+    assert max(r["step"] for r in leak["steps"]) == leak["stop"] - 1  # ... in the LEAK_AFTER steps run after it
     assert "cannot fix" in gave_up[0]["reason"] and "leak" in gave_up[0]["reason"]
     by = _by_rank(leak["steps"])
     assert changes(by[0]) == changes(by[1])  # every change on both ranks at one step

@@ -8,6 +8,12 @@ run of the same global batch and seeds (no fault, no hooks):
 - a plain DDP loop through ``tracer.on_command("rebalance", ...)`` (rebalance_ddp_child.py);
 - the reference trainer in its ZeRO shape (ZeRO 2: gradients reduced at every micro-batch).
 
+Each balanced run is one process training the whole global batch (DDP's and ZeRO's gradient is the
+replicas' average, so one replica of all the samples is the balanced run, to rounding).
+
+Each closed loop ends (stop file) a few steps after the undo is seen in force; its balanced run
+then runs the same steps.
+
 Shown for each: the rebalance applied on every rank at one step; the step time falling by at
 least half of the slowdown (medians over the windows, from the trainers' own clocks); the loss of
 every step within 1e-4 of the balanced run's; the undo applied after the slowdown stopped.
@@ -43,12 +49,29 @@ cooldown_s = 1
 cooldown_steps = 4
 verify_steps = 5
 """
+AFTER_UNDO = 6  # steps run after the undo is seen in force (the checks read 3 of them)
 CHILD = str(ROOT / "tests" / "collector" / "control" / "rebalance_ddp_child.py")
 
 
 def _done(client, run):
-    return [a for a in client.sql(f"SELECT rule, state FROM actions WHERE run_id = '{run}' AND kind = 'rebalance' "
-                                  "AND rule = 'rebalance_undo'") if a["state"] in ("applied", "verified")]
+    """The undo the checks look for, in force: after the slowdown stopped (an earlier one undoes a
+    straggler found in the noise, and the run must go on)."""
+    return [a for a in client.sql(f"SELECT rule, state, step FROM actions WHERE run_id = '{run}' AND kind = 'rebalance' "
+                                  "AND rule = 'rebalance_undo'")
+            if a["state"] in ("applied", "verified") and (a["step"] or -1) >= TO]
+
+
+def _last_step(folder) -> int:
+    """The furthest step any rank has logged in ``folder`` (whole lines only)."""
+    return max((json.loads(x)["step"] for p in folder.glob("rank*.jsonl") for x in p.read_text().splitlines()
+                if x.strip().endswith("}") and '"call"' not in x), default=-1)
+
+
+def _stop_script_at(folder, step: int) -> int:
+    """The DDP child's stop: every rank ends before ``step`` ($OUT/stop_at, written whole)."""
+    (folder / "stop_at.tmp").write_text(str(step))
+    (folder / "stop_at.tmp").replace(folder / "stop_at")
+    return step
 
 
 def _closed_loop(tmp, run: str, trainer_args: list[str], *, script: str | None = None, env: dict | None = None,
@@ -59,9 +82,16 @@ def _closed_loop(tmp, run: str, trainer_args: list[str], *, script: str | None =
                   collector_args=["--rules", str(tmp / "rules.toml")], env=env, script=script) as lp:
         client, t = lp.client, lp.trainer
         # the undo applied, or the trainer ended without it (the checks then say what is missing)
-        wait_for(lambda: _done(client, run) or t.proc.poll() is not None, 400, "the rebalance and its undo",
-                 lambda: (client.sql(
+        done = wait_for(lambda: _done(client, run) or t.proc.poll() is not None, 400, "the rebalance and its undo",
+                        lambda: (client.sql(
             "SELECT action_id, rule, state, step, reason, outcome, verification FROM actions"), t.output()[-2000:]))
+        # the undo is in force: AFTER_UNDO more steps (the checks read 3 of them), then every rank ends
+        # at one step instead of running out the bound
+        undo_step = max(a["step"] for a in done) if isinstance(done, list) else 0  # (0: the trainer ended)
+        if script is None:
+            out["stop"] = t.stop_after(AFTER_UNDO, at_least=undo_step + AFTER_UNDO)
+        else:
+            out["stop"] = _stop_script_at(tmp, max(_last_step(tmp) + 1 + AFTER_UNDO, undo_step + AFTER_UNDO))
         out["rc"] = t.wait()
         out["actions"] = client.sql(f"SELECT * FROM actions WHERE run_id = '{run}' ORDER BY try_cast(action_id AS INT)")
         out["ranks"] = client.sql(f"SELECT * FROM action_ranks WHERE run_id = '{run}' ORDER BY action_id, rank")
@@ -134,18 +164,20 @@ def _check(res: dict, trainer_rows: dict[int, list[dict]], balanced_loss: dict[i
 
 
 # ----------------------------------------------------------------------------- plain DDP
-DDP_STEPS = 65
+DDP_STEPS = 100  # the bound: the test ends the run once the undo is in force (near step 50)
 
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rebalance-ddp")
-    (tmp / "bal").mkdir()
-    bal = Trainer(tmp / "bal", nproc=4, args=[str(DDP_STEPS)], script=CHILD,
-                  env={"OUT": str(tmp / "bal"), "TRACETOP_DISABLE": "1", "WORK_MS": "0"})
-    assert bal.wait() == 0, bal.output()[-3000:]
     res = _closed_loop(tmp, "rebalance-ddp", [str(DDP_STEPS)], script=CHILD,
                        env={"OUT": str(tmp), "WORK_MS": "40", "SLOW": f"3:1.5@{ONSET}-{TO}"})
+    # the balanced run after it, as long as the closed loop ran (stopped once it had what the checks need):
+    # the whole global batch of the DP replicas in one process (DDP's gradient is their average)
+    (tmp / "bal").mkdir()
+    bal = Trainer(tmp / "bal", nproc=1, args=[str(_last_step(tmp) + 1)], script=CHILD,
+                  env={"OUT": str(tmp / "bal"), "TRACETOP_DISABLE": "1", "WORK_MS": "0", "REPLICAS": str(DP)})
+    assert bal.wait() == 0, bal.output()[-3000:]
     res["rows"] = _rows(tmp)
     res["balanced"] = {r["step"]: r["loss"] for r in _rows(tmp / "bal")[0] if "loss" in r}
     return res
@@ -161,21 +193,26 @@ def test_ddp_on_command_rebalance_relieves_the_straggler_keeps_the_loss_and_is_u
 
 
 # ----------------------------------------------------------------------------- reference trainer
-REF_STEPS, REF_ONSET, REF_TO = 65, ONSET, TO
+REF_STEPS, REF_ONSET, REF_TO = 100, ONSET, TO  # REF_STEPS: the bound, as DDP_STEPS
 REF = ["--steps", str(REF_STEPS), "--zero", "2", "--micro-batch", "8", "--micro-batches", "2"]
+BALANCED = ["--zero", "2", "--micro-batch", "8", "--micro-batches", str(2 * DP)]
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rebalance-ref")
-    (tmp / "bal").mkdir()
-    bal = Trainer(tmp / "bal", nproc=4, args=[*REF, "--no-trace"], env={})
-    assert bal.wait() == 0, bal.output()[-3000:]
     # 40 ms a sample of device time: the tiny model's own CPU time (100-300 ms a step at load 12-18, most
     # of it per step, not per sample) is noise the shares cannot follow
     res = _closed_loop(tmp, "rebalance-ref", [*REF, "--sample-ms", "40", "--inject-slow-samples",
                                               f"3:1.5@{REF_ONSET}-{REF_TO}"],
                        rules={"excess_ms": 100, "ratio": 1.3, "for_steps": 4})
+    # the balanced run after it, as long as the closed loop ran (stopped once it had what the checks need):
+    # one replica of the whole global batch (DP x 2 micro-batches of 8), which the data makes the same
+    # batch as any layout's (data.py); one process to start instead of DP
+    (tmp / "bal").mkdir()
+    bal = Trainer(tmp / "bal", nproc=1, args=[*BALANCED, "--steps", str(_last_step(tmp / "ranks") + 1), "--no-trace"],
+                  env={})
+    assert bal.wait() == 0, bal.output()[-3000:]
     res["rows"] = _rows(tmp / "ranks")
     res["balanced"] = {r["step"]: r["loss"] for r in _rows(tmp / "bal" / "ranks")[0]}
     return res

@@ -20,13 +20,16 @@ from tracetop.wire import tracetop_pb2 as pb
 pytestmark = pytest.mark.slow
 RUN = "loop-ref-1"
 K = 5
+#: command boundaries the run goes on for after the lost command is settled
+AFTER_D_BOUNDARIES = 8
+STEPS = 400  # the bound: the test stops the run (--stop-file) once it has seen D settled
 
 
 @pytest.fixture(scope="module")
 def loop_run(tmp_path_factory):
     out = {}
     with harness.loop_run(tmp_path_factory.mktemp("loop"), RUN,
-                          ["--pp", "2", "--steps", "400", "--micro-batch", "4", "--micro-batches", "4",
+                          ["--pp", "2", "--steps", str(STEPS), "--micro-batch", "4", "--micro-batches", "4",
                            "--inject-straggler", "0:40", "--inject-refuse-command", "1:micro_batch=1"],
                           collector_args=["--command-ttl-s", "8"], command_every_steps=K,
                           env={"TRACETOP_TEST_DROP_COMMANDS": "micro_batch=8"}) as lp:
@@ -42,6 +45,9 @@ def loop_run(tmp_path_factory):
         out["A_after"] = client.action(a.action_id)
         d = client.set_micro_batch(RUN, 8)
         out["D"] = client.wait_action(d.action_id, ("applied", "rejected", "lost", "inconsistent"), timeout_s=120)
+        # D is settled: AFTER_D_BOUNDARIES more command boundaries (nothing may change in them),
+        # then every rank ends at one step (--stop-file) instead of running out the 400
+        out["stop"] = t.stop_after(AFTER_D_BOUNDARIES * K)
         out["rc"] = t.wait()
         out["steps"] = lp.run_rows("step", "rank, step, micro_batch, micro_batches, samples")
         out["ranks"] = client.sql("SELECT * FROM action_ranks ORDER BY action_id, rank")
@@ -70,11 +76,25 @@ def test_a_applied_on_every_rank_at_the_same_step(loop_run):
     for rank, rows in stored.items():
         assert changes(rows) == expected, (rank, changes(rows))
         assert {r["micro_batch"] * r["micro_batches"] for r in rows} == {16}  # samples per step unchanged
-        assert [r["step"] for r in rows] == list(range(400))
+        assert [r["step"] for r in rows] == list(range(loop_run["stop"]))
     # the trainer's own account of what it ran, per rank: the same steps
     for rank, rows in loop_run["trainer"].items():
         assert changes(rows) == expected, (rank, changes(rows))
         assert {r["global_batch"] for r in rows} == {16}
+
+
+def test_the_stop_file_ends_every_rank_at_the_step_written(loop_run):
+    """--stop-file: every rank ends before the step the test wrote (not at --steps), rc 0, and the
+    last step's rows of every rank are stored (the hooks closed normally)."""
+    stop = loop_run["stop"]
+    assert loop_run["rc"] == 0, loop_run["log"][-3000:]
+    assert stop < STEPS
+    assert f"stopping before step {stop}: " in loop_run["log"], loop_run["log"][-3000:]
+    stored = _by_rank(loop_run["steps"])
+    assert sorted(stored) == sorted(loop_run["trainer"]) == [0, 1]
+    for rank in (0, 1):
+        assert [r["step"] for r in stored[rank]] == list(range(stop)), rank
+        assert [r["step"] for r in loop_run["trainer"][rank]] == list(range(stop)), rank
 
 
 def test_b_refused_by_one_rank_is_applied_by_none(loop_run):
