@@ -53,7 +53,7 @@ def _close_body(t: Tracer, deadline: float | None) -> None:
         colls.uninstall(rec)
         ddp.uninstall(rec)
         commands.windows.end(left(profiling.CLOSE_WAIT_S))
-        commands.close()
+        commands.close(left(t.close_timeout_s))  # its last reports, within the deadline too
         emitter.stop(timeout_s=left(max(2.0, t.close_timeout_s)))
         emitter.heartbeat(closed=True)  # the clean close: collector/ingest/source_ends.py watches for it
     except Exception as e:
