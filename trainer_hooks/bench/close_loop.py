@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--sleep-ms", type=float, default=20.0)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-close", action="store_true", help="leave the close to the atexit hook")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="gc.freeze() as the last atexit hook: the interpreter's final collection skips every object")
     a = ap.parse_args()
     import torch
     import torch.distributed as dist
@@ -76,6 +78,10 @@ def main() -> None:
         STAMPS["atexit_last"] = time.monotonic()
         out.write_text(json.dumps(STAMPS))
 
+    if a.gc_freeze:
+        import gc
+
+        atexit.register(gc.freeze)
     atexit.register(save)  # before the Tracer's: runs after it (atexit is last in, first out)
     _timed_joins()
     import trainer_hooks

@@ -7,7 +7,8 @@ every rank stamping its end on the system-wide monotonic clock (last step end, c
 end, barrier, process-group teardown, last atexit hook) and this driver stamping each rank's
 process exit through a pidfd. Scenarios, interleaved run by run: ``up`` (the collector reachable),
 ``down`` (an endpoint nobody listens on), ``sigterm`` (torchrun SIGTERMed mid-run: from the signal
-to each rank's exit), ``off`` (the hooks disabled: the baseline the rest is judged against). Prints medians and spread (min-max) per phase, seconds.
+to each rank's exit), ``off`` (the hooks disabled: the baseline the rest is judged against), ``freeze`` (``up`` with
+``gc.freeze()`` as the rank's last atexit hook: what the interpreter's final collection costs). Prints medians and spread (min-max) per phase, seconds.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def one_run(tmp: Path, scenario: str, nproc: int, steps: int, collector: Any) ->
     if scenario == "off":  # the baseline: the same loop with the hooks disabled
         env["TRACETOP_DISABLE"] = "1"
     n = steps if scenario != "sigterm" else 100000
+    extra = ["--gc-freeze"] if scenario == "freeze" else []
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                            str(nproc), "-m", "trainer_hooks.bench.close_loop", "--steps", str(n), "--out", str(out)],
+                            str(nproc), "-m", "trainer_hooks.bench.close_loop", "--steps", str(n), "--out", str(out), *extra],
                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True)
     exits, sent = _exits(out, nproc, job, 1.0 if scenario == "sigterm" else None)
@@ -119,6 +121,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--scenarios", default="off,up,down,sigterm")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="no new round of runs after this many seconds")
     ap.add_argument("--json", action="store_true")
 
 
@@ -127,7 +130,11 @@ def run(a: argparse.Namespace) -> int:
     c = procs.collector(tmp / "collector.duckdb", cwd=ROOT).start()
     results: dict[str, list[dict[str, float]]] = {}
     try:
-        for _ in range(a.runs):
+        started = time.monotonic()
+        for i in range(a.runs):
+            if i and time.monotonic() - started > a.budget_s:
+                print(f"budget spent: {i} rounds of {a.runs}", file=sys.stderr)
+                break
             for sc in a.scenarios.split(","):
                 results.setdefault(sc, []).extend(one_run(tmp, sc, a.nproc, a.steps, c))
     finally:
