@@ -6,7 +6,9 @@ A plain DDP loop with a Tracer (TRACETOP_ENDPOINT, TRACETOP_RUN_ID), then ``trac
 barrier and the process group's teardown, the way tests/trainer_hooks/user_loop.py ends. Each phase
 of the end is stamped on the system-wide monotonic clock into ``DIR/rank{R}.json`` (the driver adds
 the process's exit, seen through a pidfd): last step end, close start, close end, barrier end,
-teardown end, the last atexit hook. Inside the close, every ``Thread.join`` of a tracetop thread and
+teardown end, the last atexit hook (and the CPU seconds spent by then). The process torchrun
+starts is a thin parent of the loop, which writes the loop's exit and its CPU seconds in all
+(``rank{R}.exit.json``): the difference is the interpreter's finalization, in CPU seconds. Inside the close, every ``Thread.join`` of a tracetop thread and
 the steps of the close (``CommandBus.close``, ``Emitter.stop``, ``Shipper.flush``, ``Shipper.close``) are timed (name, seconds), so the wait is attributed to the thread it waited on.
 """
 
@@ -16,12 +18,17 @@ import argparse
 import atexit
 import json
 import os
+import resource
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 STAMPS: dict[str, Any] = {"pid": os.getpid(), "waits": []}
+_CHILD = "TRACETOP_CLOSE_LOOP_CHILD"
 
 
 def _timed_joins() -> None:
@@ -56,7 +63,32 @@ def _time_method(cls: type, name: str) -> None:
     setattr(cls, name, timed)
 
 
+def _wrap() -> int:
+    """The rank's process as torchrun sees it: runs the loop as its child and writes what only a
+    parent sees (the child's exit on the monotonic clock, its CPU seconds in all) to
+    ``rank{R}.exit.json``; a signal torchrun sends is handed to the child."""
+    out = Path(sys.argv[sys.argv.index("--out") + 1])
+    child = subprocess.Popen([sys.executable, "-m", "trainer_hooks.bench.close_loop", *sys.argv[1:]],
+                             env=dict(os.environ, **{_CHILD: "1"}))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    while True:
+        try:
+            rc = child.wait()
+            break
+        except InterruptedError:
+            continue
+    exit_mono = time.monotonic()
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{os.environ.get('RANK', '0')}.exit.json").write_text(
+        json.dumps({"exit": exit_mono, "cpu_s": ru.ru_utime + ru.ru_stime, "rc": rc}))
+    return 128 - rc if rc < 0 else rc
+
+
 def main() -> None:
+    if os.environ.get(_CHILD) != "1":
+        raise SystemExit(_wrap())
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--sleep-ms", type=float, default=20.0)
@@ -76,6 +108,8 @@ def main() -> None:
 
     def save() -> None:
         STAMPS["atexit_last"] = time.monotonic()
+        cpu = os.times()
+        STAMPS["atexit_cpu_s"] = cpu.user + cpu.system
         out.write_text(json.dumps(STAMPS))
 
     if a.gc_freeze:

@@ -97,6 +97,9 @@ def one_run(tmp: Path, scenario: str, nproc: int, steps: int, collector: Any) ->
             if key in s:
                 row[key] = s[key] - end
         row["exit"] = exits.get(r, float("nan")) - end
+        ex = out / f"rank{r}.exit.json"
+        if ex.exists() and "atexit_cpu_s" in s:  # CPU seconds after the last atexit hook: finalization
+            row["finalize_cpu_s"] = json.loads(ex.read_text())["cpu_s"] - s["atexit_cpu_s"]
         for name, secs in s["waits"]:
             row[name] = row.get(name, 0.0) + secs
         if "close_start" in s:
