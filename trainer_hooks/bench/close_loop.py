@@ -63,6 +63,13 @@ def _time_method(cls: type, name: str) -> None:
     setattr(cls, name, timed)
 
 
+def _save(out: Path) -> None:
+    """The stamps so far, replaced whole (a rank SIGTERMed mid-write leaves the previous ones)."""
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(STAMPS))
+    os.replace(tmp, out)
+
+
 def _wrap() -> int:
     """The rank's process as torchrun sees it: runs the loop as its child and writes what only a
     parent sees (the child's exit on the monotonic clock, its CPU seconds in all) to
@@ -110,7 +117,7 @@ def main() -> None:
         STAMPS["atexit_last"] = time.monotonic()
         cpu = os.times()
         STAMPS["atexit_cpu_s"] = cpu.user + cpu.system
-        out.write_text(json.dumps(STAMPS))
+        _save(out)
 
     if a.gc_freeze:
         import gc
@@ -136,7 +143,7 @@ def main() -> None:
                 opt.step()
                 opt.zero_grad()
         STAMPS["last_step_end"] = time.monotonic()
-        out.write_text(json.dumps(STAMPS))
+        _save(out)
     if not a.no_close:
         STAMPS["close_start"] = time.monotonic()
         tracer.close()
@@ -146,7 +153,7 @@ def main() -> None:
     dist.destroy_process_group()
     STAMPS["teardown_end"] = time.monotonic()
     STAMPS["stats"] = {k: v for k, v in tracer.stats().items() if isinstance(v, (int, bool))}
-    out.write_text(json.dumps(STAMPS))
+    _save(out)
 
 
 if __name__ == "__main__":
