@@ -54,7 +54,8 @@ def _exits(out: Path, nproc: int, job: subprocess.Popen, sigterm_after: float | 
                 except ProcessLookupError:
                     exits[r] = time.monotonic()
         if sigterm_after is not None and sent != sent and len(fds) == nproc:
-            started = [json.loads(f.read_text()) for f in out.glob("rank*.json")]
+            paths = [out / f"rank{r}.json" for r in range(nproc)]
+            started = [json.loads(p.read_text()) for p in paths if p.exists()]
             if len(started) == nproc and all("last_step_end" in s for s in started):
                 time.sleep(sigterm_after)
                 sent = time.monotonic()
