@@ -2,15 +2,20 @@
 command outcomes rank 0 still has to report (trainer_hooks/control_link.py) go out before close
 returns when the collector is there, and when it is gone the close ends by the exit path's deadline
 (shutdown.py) with the outcome counted as failed, not dropped in silence. A real collector; the
-endpoint that is gone is a port nobody listens on."""
+endpoint that is gone is a port nobody listens on. An endpoint never reached costs the close about
+a second, however soon after the start it comes (a receiver that refuses, at the network edge)."""
 
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tests.support.services import start_collector
+from tracetop.wire.transport import Disconnected
 from trainer_hooks import Tracer
 
 
@@ -59,3 +64,40 @@ def test_close_within_a_deadline_stops_reporting_to_a_gone_collector_there_and_c
     link.reporter.join(5.0)  # it was told to stop: it ends at its next try or backoff
     assert (stats["reports_sent"], stats["reports_failed"]) == (0, 1), stats
     assert tracer.errors >= 1  # and said, as every hook error
+
+
+class _RefusedOnRelease:
+    """The network edge: a receiver whose every connection is refused, the first refusal held
+    until the test releases it (the close then starts before the sender knows it cannot reach)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.tries = 0
+
+    def stream(self, batches: Iterator[Any]) -> Iterator[Any]:
+        self.tries += 1
+        self.release.wait(60)
+        raise Disconnected("connection refused (the test's receiver)")
+
+
+def test_a_close_before_the_first_refusal_still_gives_up_on_a_never_reached_endpoint() -> None:
+    """Before: whether the endpoint was never reached was judged when the close began; a close that
+    came before the sender's first try had failed (a short job) waited all of close_timeout_s."""
+    edge = _RefusedOnRelease()
+    tracer = Tracer(transport=edge, run_id="close-first-try", rank=0, world_size=1, device="cpu",
+                    wrap_collectives=False, close_timeout_s=60.0)
+    with tracer.step(0):
+        pass
+    assert tracer.shipper.stats()["last_error"] == ""  # the first try is held: nothing known yet
+    closer = threading.Thread(target=tracer.close)
+    closer.start()
+    while not tracer.closed:
+        time.sleep(0.001)
+    # the first try fails now: after the close began (and, before, had judged the endpoint: its first
+    # milliseconds), before the never-reached rule's second is over
+    time.sleep(0.3)
+    edge.release.set()
+    closer.join(30.0)  # the rule: about a second; before: the full 60 s
+    assert not closer.is_alive(), "close waited past the never-reached rule for an endpoint that refuses"
+    st = tracer.shipper.stats()
+    assert st["last_error"] and not st["connected"] and not st["batches_acked"], st
