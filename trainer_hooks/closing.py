@@ -64,7 +64,10 @@ def _close_body(t: Tracer, deadline: float | None) -> None:
     finally:
         if t.progress is not None:  # a rank of this run killed on this node: count its loss
             progress.claim_dead(shipper, t.run_id)
-        _hand_over(t, left(t.close_timeout_s))
+        try:
+            _hand_over(t, left(t.close_timeout_s))
+        except Exception as e:
+            rec.hook_error("close", e)
         if t.progress is not None and not shipper.stats().get("unacked_batches"):
             t.progress.remove()  # all handed over; else a neighbour counts what was not
         emitter.close()
@@ -80,15 +83,16 @@ def _hand_over(t: Tracer, timeout_s: float) -> None:
     used to wait the whole ``close_timeout_s`` for an endpoint that refuses every connection."""
     shipper = t.shipper
     end = time.monotonic() + timeout_s
-    if shipper.flush(min(timeout_s, NEVER_REACHED_S)):
-        shipper.close(max(0.0, end - time.monotonic()))  # all acked: stops at once
-        return
-    st = shipper.stats()
-    if st and st.get("last_error") and not st.get("connected") and not st.get("batches_acked"):
-        # never reached the endpoint: do not hold the trainer's exit for long
-        log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
-                    t.rank, t.endpoint, st.get("unacked_batches", 0))
-        end = time.monotonic()
+    try:
+        if not shipper.flush(min(timeout_s, NEVER_REACHED_S)):  # all acked: the close stops at once
+            st = shipper.stats()
+            if st and st.get("last_error") and not st.get("connected") and not st.get("batches_acked"):
+                # never reached the endpoint: do not hold the trainer's exit for long
+                log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
+                            t.rank, t.endpoint, st.get("unacked_batches", 0))
+                end = time.monotonic()
+    except Exception as e:  # a sink that cannot flush is still closed
+        t.recorder.hook_error("close", e)
     shipper.close(max(0.0, end - time.monotonic()))
 
 
