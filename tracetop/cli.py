@@ -48,6 +48,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "compact": ("collector.bench.compact", "a short run's file with compaction at close off and on: MB and close seconds"),
     "profile": ("trainer_hooks.bench.profile_boundary", "the command boundary a plain loop now runs by default (profiling windows): us per step, A/B"),
     "commands": ("trainer_hooks.bench.commands", "the command path's gloo broadcast on its own: us per K steps"),
+    "close": ("trainer_hooks.bench.close_path", "a torchrun rank's end, phase by phase: close, barrier, teardown, exit"),
+    "close-gone": ("trainer_hooks.bench.close_gone", "a tracer's close when its endpoint refuses: early close, a pending report; A/B"),
 }
 
 

@@ -5,7 +5,7 @@ Close, in order: the collectives are restored (the training's own calls run unti
 a running profiling window stops and its upload gets up to ``profiling.CLOSE_WAIT_S``, the command
 path's threads stop after their last reports, the emitter drains its last rows and a heartbeat
 says ``closed`` (collector/ingest/source_ends.py watches for it), then the shipper waits for the
-acks (``close_timeout_s``; 1 s when the endpoint was never reached) and the progress record is
+acks (``close_timeout_s``; :data:`NEVER_REACHED_S` when the endpoint was never reached) and the progress record is
 removed once everything was handed over. With a deadline (the exit path, shutdown.py) every wait
 is bounded by it. A failure on the way is counted as a hook error; the rest still runs.
 """
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from trainer_hooks.tracer import Tracer
 
 log = logging.getLogger("trainer_hooks")
+
+#: Seconds a close waits for an endpoint that was never reached (its first try failed, nothing acked).
+NEVER_REACHED_S = 1.0
 
 
 def close(tracer: Tracer, deadline: float | None) -> None:
@@ -53,28 +56,44 @@ def _close_body(t: Tracer, deadline: float | None) -> None:
         colls.uninstall(rec)
         ddp.uninstall(rec)
         commands.windows.end(left(profiling.CLOSE_WAIT_S))
-        commands.close()
+        commands.close(left(t.close_timeout_s))  # its last reports, within the deadline too
         emitter.stop(timeout_s=left(max(2.0, t.close_timeout_s)))
         emitter.heartbeat(closed=True)  # the clean close: collector/ingest/source_ends.py watches for it
     except Exception as e:
         rec.hook_error("close", e)
     finally:
-        timeout_s = left(t.close_timeout_s)
-        st = shipper.stats()
-        if st and st.get("last_error") and not st.get("connected") and not st.get("batches_acked"):
-            # never reached the endpoint: do not hold the trainer's exit for long
-            timeout_s = min(timeout_s, 1.0)
-            log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
-                        t.rank, t.endpoint, st.get("unacked_batches", 0))
         if t.progress is not None:  # a rank of this run killed on this node: count its loss
             progress.claim_dead(shipper, t.run_id)
-        shipper.close(timeout_s)
+        try:
+            _hand_over(t, left(t.close_timeout_s))
+        except Exception as e:
+            rec.hook_error("close", e)
         if t.progress is not None and not shipper.stats().get("unacked_batches"):
             t.progress.remove()  # all handed over; else a neighbour counts what was not
         emitter.close()
         step_peak.close()
         if rec.errors:
             log.warning("trainer_hooks: %d hook errors were counted and skipped on rank %d", rec.errors, t.rank)
+
+
+def _hand_over(t: Tracer, timeout_s: float) -> None:
+    """The shipper's last flush and stop, within ``timeout_s``; an endpoint never reached gets
+    :data:`NEVER_REACHED_S` of it. Judged after that first stretch, not before it: a close that came
+    before the sender's first try had failed (a short job, a tracer closed soon after its start)
+    used to wait the whole ``close_timeout_s`` for an endpoint that refuses every connection."""
+    shipper = t.shipper
+    end = time.monotonic() + timeout_s
+    try:
+        if not shipper.flush(min(timeout_s, NEVER_REACHED_S)):  # all acked: the close stops at once
+            st = shipper.stats()
+            if st and st.get("last_error") and not st.get("connected") and not st.get("batches_acked"):
+                # never reached the endpoint: do not hold the trainer's exit for long
+                log.warning("trainer_hooks: rank %d never reached %s; %d telemetry batches are dropped at exit",
+                            t.rank, t.endpoint, st.get("unacked_batches", 0))
+                end = time.monotonic()
+    except Exception as e:  # a sink that cannot flush is still closed
+        t.recorder.hook_error("close", e)
+    shipper.close(max(0.0, end - time.monotonic()))
 
 
 def exit_flush(t: Tracer, deadline: float, final: bool) -> None:

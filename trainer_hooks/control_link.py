@@ -89,6 +89,7 @@ class ControlLink:
         self.subscriber: threading.Thread | None = None
         self.reporter: threading.Thread | None = None
         self.outbox: collections.deque = collections.deque()
+        self.sent = threading.Condition()  # notified by the reporter as each report is done with (close waits on it)
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.chan: Any = None
@@ -249,27 +250,34 @@ class ControlLink:
                         self.stats["reports_sent"] += 1
                         break
                     except Exception as e:
-                        if attempt == 4:
+                        # the last try, or the close's deadline is past: the report is lost, counted
+                        if attempt == 4 or self.stopping.wait(0.5 * (attempt + 1)):
                             self.stats["reports_failed"] += 1
                             self.t.recorder.hook_error("commands report", e)
-                        elif self.stopping.wait(0.5 * (attempt + 1)):
                             break
                 self.outbox.popleft()
+                with self.sent:
+                    self.sent.notify_all()
             if self.stopping.is_set():
                 return
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the threads after the last reports are out (up to timeout_s)."""
+        """Stop the threads after the last reports are out, all of it within ``timeout_s`` (the
+        tracer's close passes what its deadline leaves). Woken by the reporter as each report is
+        done with, not by a timer: it returns as soon as the last one is."""
         deadline = time.monotonic() + timeout_s
-        while self.outbox and self.reporter is not None and time.monotonic() < deadline:
+        reporter = self.reporter
+        if reporter is not None:
             self.wake.set()
-            time.sleep(0.02)
+            with self.sent:
+                self.sent.wait_for(lambda: not self.outbox or not reporter.is_alive(),
+                                   max(0.0, deadline - time.monotonic()))
         self.stopping.set()
         self.wake.set()
         self.poke.set()
-        for th in (self.subscriber, self.reporter):
+        for th in (self.subscriber, reporter):
             if th is not None:
-                th.join(timeout=2.0)
+                th.join(timeout=min(2.0, max(0.0, deadline - time.monotonic())))
         if self.chan is not None:
             try:
                 self.chan.close()
