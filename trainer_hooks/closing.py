@@ -58,6 +58,11 @@ def _close_body(t: Tracer, deadline: float | None) -> None:
         commands.windows.end(left(profiling.CLOSE_WAIT_S))
         commands.close(left(t.close_timeout_s))  # its last reports, within the deadline too
         emitter.stop(timeout_s=left(max(2.0, t.close_timeout_s)))
+        # the last rows sealed before the closed heartbeat is recorded (a flush of no wait seals, then
+        # returns): one pass seals its heartbeat rows before its step columns, so the closed marker
+        # went out with a lower seq than the last step's rows, and a collector that committed it and
+        # died before them stored a clean end without them. Sealed first, it is the rank's last batch
+        shipper.flush(0.0)
         emitter.heartbeat(closed=True)  # the clean close: collector/ingest/source_ends.py watches for it
     except Exception as e:
         rec.hook_error("close", e)

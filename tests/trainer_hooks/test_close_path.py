@@ -101,3 +101,31 @@ def test_a_close_before_the_first_refusal_still_gives_up_on_a_never_reached_endp
     assert not closer.is_alive(), "close waited past the never-reached rule for an endpoint that refuses"
     st = tracer.shipper.stats()
     assert st["last_error"] and not st["connected"] and not st["batches_acked"], st
+
+
+def test_the_closed_heartbeat_is_the_rank_last_batch(tmp_path: Path) -> None:
+    """The heartbeat saying "closed" goes out after every row the rank recorded (a higher seq than
+    each data batch): one stream is committed in order, so a collector that stored it had stored them.
+    The steps end right before close (nothing drained yet: the close drains them)."""
+    import duckdb
+
+    c = start_collector(tmp_path)
+    try:
+        tracer = Tracer(endpoint=c.addr, run_id="close-last", rank=0, world_size=1, device="cpu",
+                        wrap_collectives=False, drain_interval_s=60.0)
+        for s in range(3):
+            with tracer.step(s):
+                pass
+        tracer.close()
+    finally:
+        assert c.stop() == 0
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        closed = con.execute("SELECT count(*) FROM heartbeat WHERE run_id = 'close-last' AND phase = 'closed'").fetchone()
+        seqs = dict(con.execute("SELECT kind, max(seq) FROM ingest_log GROUP BY kind").fetchall())
+    finally:
+        con.close()
+    assert closed == (1,)
+    data = {k: v for k, v in seqs.items() if k not in ("heartbeat", "gap")}
+    assert {"step", "memory"} <= set(data), seqs
+    assert seqs["heartbeat"] > max(data.values()), seqs
