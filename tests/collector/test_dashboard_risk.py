@@ -164,9 +164,9 @@ def test_degrading_gpus_are_flagged_12h_ahead_healthy_ones_are_not(tmp_path) -> 
         con.close()
     redo = {(a.labels["node"], int(a.labels["gpu"])): a for a in again if a.rule == "hardware_risk"}
     assert set(redo) == DEGRADING, again
-    for k, a in redo.items():
-        assert (a.state, a.kind, a.value, a.message) == ("firing", "hardware", live[k]["value"], live[k]["message"]), \
-            (a, live[k])
+    for k, found in redo.items():
+        assert (found.state, found.kind, found.value, found.message) == (
+            "firing", "hardware", live[k]["value"], live[k]["message"]), (found, live[k])
     cli = subprocess.run([sys.executable, "-m", "tracetop.cli", "alerts", str(collector.db), "--recompute", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
