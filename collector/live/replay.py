@@ -28,12 +28,12 @@ from tracetop.events import SCHEMAS, Kind, table_name
 
 _STEP_KINDS = (Kind.COLLECTIVE, Kind.PIPE_INSTR, Kind.OFFLOAD, Kind.MEMORY, Kind.THROUGHPUT, Kind.STEP)
 _NP = {"i4": np.int32, "i8": np.int64, "f8": np.float64}
-#: signals whose judgment needs what a file does not hold, and why (the recompute leaves them out)
+#: signals the recompute does not judge, and why: what the file lacks, or a replay not written yet
 _NOT_IN_FILE = {
     "collector_behind": "the collector's own backlog while it ran is not stored",
-    "xid": "GPU samples and XIDs are not replayed through the evaluator's clock (the hardware_risk rule is)",
-    "thermal_throttle": "GPU samples are not replayed through the evaluator's clock (the hardware_risk rule is)",
-    "ecc": "GPU samples are not replayed through the evaluator's clock (the hardware_risk rule is)",
+    "xid": "the agents' samples and XIDs are not replayed on a clock (hardware_risk, their SQL judgment, is)",
+    "thermal_throttle": "the agents' samples are not replayed on a clock (hardware_risk, their SQL judgment, is)",
+    "ecc": "the agents' samples are not replayed on a clock (hardware_risk, their SQL judgment, is)",
 }
 
 
