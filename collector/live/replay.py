@@ -10,9 +10,10 @@ the live engine would have found had it seen everything (live == post-mortem is 
 
 What differs by cadence: live, a dashboard rule is also judged every every_s during the run; an
 alert one of those ticks fired and a later one resolved (a group that crossed nodes for a while)
-is in the live file and not in the recompute, which sees only the last window. The rules the
-recompute cannot judge from a file at all are named by `not_recomputed` (`tracetop alerts
---recompute` prints them).
+is in the live file and not in the recompute, which sees only the last window; and a run the live
+engine saw end (every rank silent run_end_s before the collector stopped) had its alerts resolved
+there, where the recompute may leave them firing. The rules the recompute does not judge at all
+are named by `not_recomputed` (`tracetop alerts --recompute` prints them).
 """
 
 from __future__ import annotations
