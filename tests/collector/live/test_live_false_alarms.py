@@ -1,4 +1,4 @@
-"""No straggler (nor data stall, first failure, unheard, silent or stuck) alarm on clean runs: a clean PP2 x DP2 run of 400 steps and one where every rank
+"""No straggler alarm the stored rows do not show (nor data stall, first failure, unheard, silent or stuck alarm) on clean runs: a clean PP2 x DP2 run of 400 steps and one where every rank
 enters its gradient reduction 100 ms late (a balanced comm delay: everyone waits, nobody
 straggles), 2,000 rank-steps in all, judged live by the built-in rules."""
 
@@ -46,8 +46,8 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
                     ).to_pylist()
         # No straggler alarm the rows do not show. Each rank of a stage has one peer here, and this
         # machine has 2 cores: at load ~5 (a CPU burner beside this test) a rank was flagged on 2-5.5%
-        # of its 400 steps, in bursts (rank 1: 7 of steps 331-345), the longest 3 in a row; at load
-        # 7-12 a burst can hold 6: a rank descheduled that long computes 1.5x and 50 ms more than
+        # of its 400 steps, in bursts (rank 1: 7 of steps 331-345), the longest 3 in a row (4 in a
+        # second run at load 3.5-6.5); at load 7-12 a burst can hold 6: a rank descheduled that long computes 1.5x and 50 ms more than
         # its peer while the peer waits for it, which is the straggler signal itself (the rows
         # carry no CPU time to tell a descheduled rank from a slow one). Such a stretch is in the
         # view; an alert without one, or one without its alert, is a false (or missed) judgment.
