@@ -1,6 +1,7 @@
 """`tracetop alerts FILE | --collector ADDR [--firing] [--incidents] [--recompute] [--json]`: the
 alerts the live engine stored (firing and resolved), or with --recompute (FILE only) the alerts the
-same rules find over the file's stored rows, post-mortem.
+same rules find over the file's stored rows, post-mortem (collector/live/replay.py; the rules it
+cannot judge from a file are named on stderr, each with why).
 
 Alerts come grouped by incident: each cause (a fault: `role` cause) first, its consequences (the
 SLA breaches and waiters it explains: `role` consequence) right under it, then standalone SLA
@@ -122,7 +123,7 @@ def _recompute(args: argparse.Namespace) -> int:
 
     from collector.ingest.schema import SchemaError, connect
     from collector.live import rules as R
-    from collector.live.replay import recompute
+    from collector.live.replay import not_recomputed, recompute
     from collector.query.cli import format_table
 
     if not os.path.exists(args.file):
@@ -157,4 +158,6 @@ def _recompute(args: argparse.Namespace) -> int:
     else:
         names = list(rows[0]) if rows else _COLUMNS.split(", ")
         sys.stdout.write(format_table(names, [[r[n] for n in names] for r in rows]))
+    for name, why in not_recomputed(rules):  # its absence above says nothing about the run
+        print(f"tracetop alerts: rule {name} is not recomputed: {why}", file=sys.stderr)
     return 0

@@ -2,8 +2,18 @@
 
 `recompute(con, rules)` feeds every run's rows through the same LiveState, judge and AlertBook
 the live engine uses, a window of steps at a time, in step order; then it replays the heartbeats
-in time order with the clock at each one, for the time-based rules. What it returns is what the
-live engine would have found had it seen everything (live == post-mortem is tested).
+in time order with the clock at each one, for the time-based rules; then it judges the dashboard
+rules (cross_node_share, hardware_risk, fragmentation) once, as the live engine's last tick at
+close does (`LiveEngine._dashboard_tick(final=True)`): each rule's SQL over its last window_s of
+rows, up to each run's newest step end and the agents' newest GPU sample. What it returns is what
+the live engine would have found had it seen everything (live == post-mortem is tested).
+
+What differs by cadence: live, a dashboard rule is also judged every every_s during the run; an
+alert one of those ticks fired and a later one resolved (a group that crossed nodes for a while)
+is in the live file and not in the recompute, which sees only the last window; and a run the live
+engine saw end (every rank silent run_end_s before the collector stopped) had its alerts resolved
+there, where the recompute may leave them firing. The rules the recompute does not judge at all
+are named by `not_recomputed` (`tracetop alerts --recompute` prints them).
 """
 
 from __future__ import annotations
@@ -12,13 +22,26 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from collector.live.engine import Evaluator, lookup_baseline
+from collector.live.engine import Evaluator, dashboard_obs, lookup_baseline
 from collector.live.model import Alert
 from collector.live.rules import Rule
 from tracetop.events import SCHEMAS, Kind, table_name
 
 _STEP_KINDS = (Kind.COLLECTIVE, Kind.PIPE_INSTR, Kind.OFFLOAD, Kind.MEMORY, Kind.THROUGHPUT, Kind.STEP)
 _NP = {"i4": np.int32, "i8": np.int64, "f8": np.float64}
+#: signals the recompute does not judge, and why: what the file lacks, or a replay not written yet
+_NOT_IN_FILE = {
+    "collector_behind": "the collector's own backlog while it ran is not stored",
+    "xid": "the agents' samples and XIDs are not replayed on a clock (hardware_risk, their SQL judgment, is)",
+    "thermal_throttle": "the agents' samples are not replayed on a clock (hardware_risk, their SQL judgment, is)",
+    "ecc": "the agents' samples are not replayed on a clock (hardware_risk, their SQL judgment, is)",
+}
+
+
+def not_recomputed(rules: Sequence[Rule]) -> list[tuple[str, str]]:
+    """(rule name, why) for each enabled rule the recompute does not judge: its absence from the
+    recompute says nothing about the run."""
+    return [(r.name, _NOT_IN_FILE[r.signal]) for r in rules if r.enabled and r.signal in _NOT_IN_FILE]
 
 
 def _columns(con, kind: Kind, where: str, params: list) -> dict | None:
@@ -79,4 +102,19 @@ def recompute(con, rules: Sequence[Rule], *, window: int = 64, baseline: str | N
                     i = j
                 ev.evaluate_timer(now)
                 now += int(tick_s * 1e9)
+    _dashboard_final(con, ev, run_ids)
     return ev.book.all()
+
+
+def _dashboard_final(con, ev: Evaluator, run_ids: Sequence[str]) -> None:
+    """The dashboard rules once, as `LiveEngine._dashboard_tick(final=True)`: the runs not ended
+    (their newest step end, the ranks' clock) and the agents' newest GPU sample."""
+    if not ev.dashboard_rules:
+        return
+    runs = {r.run_id: int(r.slot_end_ns.max()) for r in ev.state.runs.values()
+            if r.run_id in run_ids and not r.ended and len(r.slot_end_ns)}
+    gpu_ns = int(con.execute(f"SELECT coalesce(max(start_ns), 0) FROM {table_name(Kind.GPU_SAMPLE)}").fetchone()[0])
+    now = max([gpu_ns, *runs.values()])
+    for rule in ev.dashboard_rules:
+        for run_id, obs in dashboard_obs(con, rule, runs, gpu_ns).items():
+            ev.book.update(rule, run_id, obs, -1, now, True)

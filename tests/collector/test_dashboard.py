@@ -16,7 +16,8 @@ import sys
 import duckdb
 import pytest
 
-from collector.live.rules import DEFAULTS_TOML
+from collector.live.replay import recompute
+from collector.live.rules import DEFAULTS_TOML, parse
 from collector.query import dashboard
 from tests.collector.live.test_live_runs import _env
 from tests.support import ROOT
@@ -118,5 +119,14 @@ def test_live_rule_alerted_the_cross_node_dp_groups_not_the_tp_ones(topo_file) -
                                                                                    "role"), a
         assert a["value"] == 1.0 and a["threshold"] == 0.60, a
         assert a["message"].startswith(f"group {g} (dp") and "100% of its communication time" in a["message"], a
+    # the post-mortem recompute over the same file judges the rule too (as the live engine's last
+    # tick at close, over the last window_s): the same two DP groups, at the same share
+    con = duckdb.connect(str(topo_file), read_only=True)
+    try:
+        again = [a for a in recompute(con, parse(DEFAULTS_TOML)) if a.rule == "cross_node_share" and a.state != "pending"]
+    finally:
+        con.close()
+    assert {a.labels["group"]: (a.state, a.value, a.run_id) for a in again} == {
+        g: ("firing", 1.0, "topo") for g in by_group}, again
     # a clean run otherwise: no other rule fired on it (no straggler: the delay is in a collective)
     assert not [o for o in others if o[0] in ("hardware_risk", "fragmentation")], others

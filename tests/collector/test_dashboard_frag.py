@@ -15,6 +15,8 @@ import duckdb
 import torch
 
 import trainer_hooks
+from collector.live import rules as R
+from collector.live.replay import recompute
 from collector.query import dashboard, snapshot
 from collector.report import build_report
 from tests.support.services import start_collector
@@ -102,6 +104,15 @@ def test_fragmentation_rises_where_the_allocator_fragments(tmp_path) -> None:
         con.close()
     assert [(a["run_id"], a["rank"], a["state"], a["kind"]) for a in alerts] == [("grow", 0, "firing", "sla")], alerts
     assert alerts[0]["message"].startswith("rank 0's allocator fragmentation") and "per 100 steps" in alerts[0]["message"]
+    # and the post-mortem recompute over the same file judges the rule too (as the live engine's
+    # last tick at close): rank 0 of `grow`, nothing on `steady`
+    con = duckdb.connect(str(c.db), read_only=True)
+    try:
+        again = [a for a in recompute(con, R.defaults()) if a.rule == "fragmentation" and a.state != "pending"]
+    finally:
+        con.close()
+    assert [(a.run_id, a.labels["rank"], a.state, a.kind) for a in again] == [("grow", "0", "firing", "sla")], again
+    assert again[0].message.startswith("rank 0's allocator fragmentation") and "per 100 steps" in again[0].message
     # the GPUs screen's panel and the report read the same view
     con = duckdb.connect(str(c.db), read_only=True)
     try:

@@ -14,13 +14,18 @@ failure: precision and recall at each are printed (docs/dashboard.md quotes them
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import duckdb
 
 from agent.fake_nvml import FakeGPU, FakeNVML
 from agent.gpu import GPUSampler, xid_columns
 from agent.nvml import NVML
+from collector.live import rules as R
+from collector.live.replay import recompute
 from collector.query import dashboard
 from tests.support.services import start_collector
 from tracetop.events import Kind
@@ -150,3 +155,23 @@ def test_degrading_gpus_are_flagged_12h_ahead_healthy_ones_are_not(tmp_path) -> 
         assert a["incident_id"] == a["id"] and a["value"] >= 4, a
     assert live[("node-7", 3)]["message"] == msg, (live[("node-7", 3)], msg)
     assert all(a["message"].endswith("likely to fail") for a in alerts), alerts
+    # the post-mortem recompute over the same file judges the rule too, as the live engine's last
+    # tick did: the same four GPUs, the same points and words (the file has no steps, GPUs only)
+    con = duckdb.connect(str(collector.db), read_only=True)
+    try:
+        again = [a for a in recompute(con, R.defaults()) if a.state != "pending"]
+    finally:
+        con.close()
+    redo = {(a.labels["node"], int(a.labels["gpu"])): a for a in again if a.rule == "hardware_risk"}
+    assert set(redo) == DEGRADING, again
+    for k, found in redo.items():
+        assert (found.state, found.kind, found.value, found.message) == (
+            "firing", "hardware", live[k]["value"], live[k]["message"]), (found, live[k])
+    cli = subprocess.run([sys.executable, "-m", "tracetop.cli", "alerts", str(collector.db), "--recompute", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    rows = [r for r in json.loads(cli.stdout) if r["rule"] == "hardware_risk"]
+    assert {(json.loads(r["labels"])["node"], int(json.loads(r["labels"])["gpu"])) for r in rows} == DEGRADING, rows
+    # the rules it cannot judge from a file are named, not left out silently
+    assert "rule ecc is not recomputed" in cli.stderr and "rule collector_behind is not recomputed" in cli.stderr, \
+        cli.stderr

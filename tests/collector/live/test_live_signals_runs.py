@@ -57,8 +57,8 @@ def runs(tmp_path_factory):
         wait_judged(c, *(p[0] for p in plans), "loss")  # the last steps settle and are judged
         yield {"collector": c, "alerts": sql(c.addr, "SELECT * FROM alerts ORDER BY first_ns").to_pylist(),
                "steps": sql(c.addr, "SELECT run_id, step, rank, loss FROM step").to_pylist(),
-               "stage1_compute": [(r["step"], r["compute_ms"]) for r in sql(
-                   c.addr, "SELECT step, compute_ms FROM bubble_budget WHERE run_id = 'imbal' AND stage = 1").to_pylist()],
+               "stage_compute": sql(c.addr, "SELECT step, stage, compute_ms FROM bubble_budget WHERE run_id = 'imbal'"
+                                    ).to_pylist(),
                "memory": sql(c.addr, "SELECT run_id, step, rss_bytes FROM memory WHERE run_id = 'mem'").to_pylist()}
     finally:
         c.stop()
@@ -103,11 +103,19 @@ def test_stage_imbalance_bubble_alert_names_the_slow_stage(runs):
     assert any("stage 1 is the slow stage" in a["message"] for a in bub)
     imb = [a for a in _of(runs, "imbal", "stage_imbalance") if a["fired_step"] >= 4]
     assert imb and imb[0]["value"] > 1.2 and json.loads(imb[0]["labels"])["slow_stage"] == "1"
-    # the live figures see the injection: stage 1 computes ~3x what it did before step 4
-    c = runs["stage1_compute"]
-    before = sorted(v for s, v in c if 1 <= s < 4)
-    after = sorted(v for s, v in c if s >= 5)
-    assert after[len(after) // 2] > 2.0 * before[len(before) // 2], c
+    # the live figures see the injection: stage 1 computes ~3x what it did before step 4 (its
+    # forwards and backwards each sleep 2x their own recent median), read against stage 0's compute
+    # in the same step. Alone, stage 1's figure compared a median of 3 early steps with the rest,
+    # under whatever load each had: at load 7-12 it rose 1.97x for the 3x injection (428.9 vs 2 x
+    # 218 ms) and failed the 2x bar; both stages of one step share the same load
+    c: dict[int, dict[int, float]] = {}
+    for r in runs["stage_compute"]:
+        c.setdefault(r["step"], {})[r["stage"]] = r["compute_ms"]
+    ratio = {s: v[1] / v[0] for s, v in c.items() if v.get(0) and v.get(1) is not None}
+    before = sorted(v for s, v in ratio.items() if 1 <= s < 4)
+    after = sorted(v for s, v in ratio.items() if s >= 5)
+    assert len(before) == 3 and len(after) >= 10, c
+    assert after[len(after) // 2] > 2.0 * before[len(before) // 2], (ratio, c)
 
 
 def test_memory_alert_before_the_budget_is_reached(runs):
