@@ -1,4 +1,4 @@
-"""No straggler alarm the stored rows do not show (nor data stall, first failure, unheard, silent or stuck alarm) on clean runs: a clean PP2 x DP2 run of 400 steps and one where every rank
+"""No straggler (nor data stall, first failure, unheard, silent or stuck) alarm on clean runs: a clean PP2 x DP2 run of 400 steps and one where every rank
 enters its gradient reduction 100 ms late (a balanced comm delay: everyone waits, nobody
 straggles), 2,000 rank-steps in all, judged live by the built-in rules."""
 
@@ -34,26 +34,8 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
                    ).column(0)[0].as_py()
         assert grew > 50
         wait_judged(c, "clean", "balanced")  # the last steps settle and are judged
-        # The straggler judgment is per step; the rule fires on a rank flagged on `for_steps` (6)
-        # consecutive steps: `held` is each (run, rank, step) that ends such a stretch in the stored
-        # `stragglers` view (the same figures, tested equal elsewhere).
-        held = sql(c.addr, "SELECT run_id, rank, step FROM (SELECT run_id, rank, step, is_straggler AND "
-                           "lag(is_straggler) OVER w AND lag(is_straggler, 2) OVER w AND lag(is_straggler, 3) OVER w "
-                           "AND lag(is_straggler, 4) OVER w AND lag(is_straggler, 5) OVER w AS held FROM stragglers "
-                           "WHERE run_id IN ('clean', 'balanced') WINDOW w AS (PARTITION BY run_id, rank ORDER BY step)) "
-                           "WHERE held").to_pylist()
-        strag = sql(c.addr, "SELECT DISTINCT run_id, rank, fired_step FROM alerts WHERE signal = 'straggler'"
-                    ).to_pylist()
-        # No straggler alarm the rows do not show. Each rank of a stage has one peer here, and this
-        # machine has 2 cores: at load ~5 (a CPU burner beside this test) a rank was flagged on 2-5.5%
-        # of its 400 steps, in bursts (rank 1: 7 of steps 331-345), the longest 3 in a row (4 in a
-        # second run at load 3.5-6.5); at load 7-12 a burst can hold 6: a rank descheduled that long computes 1.5x and 50 ms more than
-        # its peer while the peer waits for it, which is the straggler signal itself (the rows
-        # carry no CPU time to tell a descheduled rank from a slow one). Such a stretch is in the
-        # view; an alert without one, or one without its alert, is a false (or missed) judgment.
-        assert {(a["run_id"], a["rank"]) for a in strag} == {(h["run_id"], h["rank"]) for h in held}, (strag, held)
-        ends = {(h["run_id"], h["rank"], h["step"]) for h in held}
-        assert all((a["run_id"], a["rank"], a["fired_step"]) in ends for a in strag), (strag, held)
+        strag = sql(c.addr, "SELECT run_id, rank, first_step, message FROM alerts WHERE signal = 'straggler'").to_pylist()
+        assert strag == []
         # nor any other fault judgment: both runs ended with every rank's clean close
         faults = sql(c.addr, "SELECT run_id, signal, rank, message FROM alerts WHERE signal IN ('data_stall', "
                              "'first_failure', 'unheard_rank', 'silent_rank', 'stuck_collective')").to_pylist()
@@ -69,7 +51,11 @@ def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
         judged = sql(c.addr, "SELECT run_id, count(*) AS n, count(*) FILTER (WHERE is_straggler) AS flagged FROM stragglers "
                              "WHERE run_id IN ('clean', 'balanced') GROUP BY run_id ORDER BY run_id").to_pylist()
         assert [r["run_id"] for r in judged] == ["balanced", "clean"] and all(r["n"] >= 400 for r in judged)
-        if held:  # said, not hidden: the machine made a straggler of these stretches
-            print(f"stretches of 6 flagged steps (load-made stragglers): {held}; judged: {judged}")
+        held = sql(c.addr, "SELECT run_id, rank, step FROM (SELECT run_id, rank, step, is_straggler AND "
+                           "lag(is_straggler) OVER w AND lag(is_straggler, 2) OVER w AND lag(is_straggler, 3) OVER w "
+                           "AND lag(is_straggler, 4) OVER w AND lag(is_straggler, 5) OVER w AS held FROM stragglers "
+                           "WHERE run_id IN ('clean', 'balanced') WINDOW w AS (PARTITION BY run_id, rank ORDER BY step)) "
+                           "WHERE held").to_pylist()
+        assert held == [], (held, judged)
     finally:
         c.stop()
