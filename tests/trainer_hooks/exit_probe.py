@@ -15,6 +15,7 @@ STEPS_FILE, and prints ``ready`` once 20 are done. Then, by MODE:
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 import time
@@ -23,6 +24,7 @@ from datetime import timedelta
 
 def main() -> None:
     mode, steps_file = sys.argv[1], sys.argv[2]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waited too long asks where it is
     if mode in ("stuck", "peer"):
         import torch.distributed as dist
 

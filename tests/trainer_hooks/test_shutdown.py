@@ -181,8 +181,12 @@ def test_sigterm_flushes_then_ends_the_process_as_it_would_have(tmp_path: Path, 
         try:
             rest, _ = p.communicate(timeout=60)
         except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)  # its threads' stacks (exit_probe registers faulthandler)
+            time.sleep(2.0)
             p.kill()
-            raise AssertionError(f"{mode}: the process did not end within 60 s of SIGTERM") from None
+            stacks = p.communicate()[0]
+            raise AssertionError(f"{mode}: the process did not end within 60 s of the signal; where its threads "
+                                 f"were:\n{stacks[-8000:]}") from None
         time.sleep(0.5)
     finally:
         if peer is not None:
