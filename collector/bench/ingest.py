@@ -358,8 +358,12 @@ def run(args: argparse.Namespace) -> int:
             if value <= 0:
                 print(f"tracetop bench ingest: {flag} must be positive", file=sys.stderr)
                 return 2
-        with tempfile.TemporaryDirectory(prefix="tracetop-mix-", dir=args.dir) as d:
-            result = ingest_mix(args.ranks, args.step_s, args.duration_s, args.sources, Path(d), args.listen)
+        if args.dir is not None:  # --dir keeps the file (mix.duckdb), as for the rows bench
+            args.dir.mkdir(parents=True, exist_ok=True)
+            result = ingest_mix(args.ranks, args.step_s, args.duration_s, args.sources, args.dir, args.listen)
+        else:
+            with tempfile.TemporaryDirectory(prefix="tracetop-mix-") as d:
+                result = ingest_mix(args.ranks, args.step_s, args.duration_s, args.sources, Path(d), args.listen)
         print(json.dumps(result) if args.json else "\n".join(f"{k:>24}: {v}" for k, v in result.items()))
         return 0 if result["accounted"] else 1
     if args.dir is not None:

@@ -25,6 +25,14 @@ def test_realistic_mix_is_stored_whole_with_the_stated_proportions(tmp_path) -> 
     assert out["offered_events_per_s"] == pytest.approx(64 * (39 / 0.5 + 1 / 8 + 1 / 5))
     for key in ("events_per_s", "p99_ms", "collector_cpu_pct", "collector_peak_rss_mb", "file_gb_per_hour"):
         assert out[key] > 0, key
+    # --dir keeps the file (it was made in a temporary directory inside it, and deleted)
+    import duckdb
+
+    con = duckdb.connect(str(tmp_path / "mix.duckdb"), read_only=True)
+    try:
+        assert con.execute("SELECT count(*) FROM step").fetchone()[0] >= 64 * steps
+    finally:
+        con.close()
 
 
 def test_bad_mix_arguments_exit_2(tmp_path) -> None:
