@@ -694,7 +694,7 @@ class Evaluator:
                                      f"rank {h.rank} sent no heartbeat for {h.seconds:.0f} s (last at step {h.step}) "
                                      f"{others}{wait}"))
             elif h.kind == "stalled" and rule.signal == "stuck_collective":
-                if self._silent_named(run.run_id, h.rank):
+                if self._named(run.run_id, h.rank, "silent_rank"):
                     continue  # it was frozen, and is heard again: silent_rank named it already
                 labels["cause"] = "stalled"
                 out.append(judge.Obs("rank", labels, h.seconds, True,
@@ -715,9 +715,6 @@ class Evaluator:
                                      f"rank {h.rank} is stuck in {h.op} (role {h.role}) for {h.seconds:.0f} s at step "
                                      f"{h.step}{wait}"))
         return out
-
-    def _silent_named(self, run_id: str, rank: int) -> bool:
-        return self._named(run_id, rank, "silent_rank")
 
     def _named(self, run_id: str, rank: int, signal: str) -> bool:
         """A `signal` alert on `rank` of the run is firing."""

@@ -110,8 +110,9 @@ def kill_job(token: str) -> None:
 
 
 def torchrun(tmp: Path, *, nproc: int, args: list[str], timeout_s: float = 400.0, trace: bool = False,
-             via_tracetop: bool = False) -> RunResult:
-    """``torchrun -m reference_trainer`` (or ``tracetop train``, which execs the same) with logs in tmp."""
+             via_tracetop: bool = False, env: dict[str, str] | None = None) -> RunResult:
+    """``torchrun -m reference_trainer`` (or ``tracetop train``, which execs the same) with logs in tmp;
+    ``env``: the job's environment in place of os.environ (a job run from a thread beside another)."""
     tmp.mkdir(parents=True, exist_ok=True)
     log, rank_dir = tmp / "rank0.jsonl", tmp / "ranks"
     if via_tracetop:
@@ -122,7 +123,7 @@ def torchrun(tmp: Path, *, nproc: int, args: list[str], timeout_s: float = 400.0
     cmd = [*launcher, "--quiet", "--log-jsonl", str(log), "--rank-log-dir", str(rank_dir), *args]
     if not trace:
         cmd.append("--no-trace")
-    job = launch(cmd, timeout_s=timeout_s)
+    job = launch(cmd, timeout_s=timeout_s, env=env)
     ranks = {int(p.stem[4:]): read_jsonl(p) for p in sorted(rank_dir.glob("rank*.jsonl"))}
     return RunResult(job.rc, job.output, read_jsonl(log), ranks, job.wall_s, job.exit_unix_s, job.leftover_pids)
 

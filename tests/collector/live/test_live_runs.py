@@ -27,7 +27,7 @@ from collector.live.rules import DEFAULTS_TOML, parse
 from tests.collector.util import sql
 from tests.support import ROOT
 from tests.support.services import start_collector
-from tests.support.torchrun import launch, torchrun
+from tests.support.torchrun import torchrun
 from tests.support.wait import wait_for
 
 pytestmark = pytest.mark.slow
@@ -75,14 +75,11 @@ def _alerts(addr: str, run_id: str) -> list[dict]:
 
 
 def _hang_run(addr: str, tmp: Path):
-    """The hang run (rank 1 hangs at HANG_STEP; the run ends at its 35 s timeout), as torchrun() runs the
-    reference trainer, with its environment passed, not set in os.environ (it runs in a thread)."""
-    tmp.mkdir(parents=True, exist_ok=True)
+    """The hang run (rank 1 hangs at HANG_STEP; the run ends at its 35 s timeout), its environment
+    passed, not set in os.environ (it runs in a thread beside the straggler run)."""
     env = dict(os.environ, TRACETOP_ENDPOINT=addr, TRACETOP_RUN_ID="hang")
-    return launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                   "-m", "reference_trainer", "--quiet", "--log-jsonl", str(tmp / "rank0.jsonl"), "--rank-log-dir",
-                   str(tmp / "ranks"), "--pp", "2", "--steps", "20", "--inject-hang", f"1@{HANG_STEP}",
-                   "--dist-timeout-s", "35"], timeout_s=400, env=env)
+    return torchrun(tmp, nproc=4, trace=True, env=env, args=[
+        "--pp", "2", "--steps", "20", "--inject-hang", f"1@{HANG_STEP}", "--dist-timeout-s", "35"])
 
 
 @pytest.fixture(scope="module")
