@@ -397,6 +397,12 @@ class Evaluator:
         if kind in _LIVE_KINDS:
             self.state.ingest(kind, run_id, cols, now_ns)
 
+    def dashboard_runs(self) -> dict[str, int]:
+        """The runs the dashboard rules judge: those not ended, each at its newest step end (the
+        ranks' clock)."""
+        return {r.run_id: int(r.slot_end_ns.max()) for r in self.state.runs.values()
+                if not r.ended and len(r.slot_end_ns)}
+
     def ready_steps(self, run: RunState, now_ns: int, *, final: bool = False) -> list[int]:
         """Steps to evaluate now, in order; counts the ones pushed out of the window unevaluated."""
         out = []
@@ -935,8 +941,7 @@ class LiveEngine:
         if not due:
             return
         with self._lock:  # what is live: runs not ended (their newest step end, the ranks' clock), GPUs
-            runs = {r.run_id: int(r.slot_end_ns.max()) for r in self.ev.state.runs.values()
-                    if not r.ended and len(r.slot_end_ns)}
+            runs = self.ev.dashboard_runs()
             gpu_ns = max((g.last_ns for g in self.ev.state.gpus.values()), default=0)
         found = []
         for rule in due:

@@ -102,17 +102,16 @@ def recompute(con, rules: Sequence[Rule], *, window: int = 64, baseline: str | N
                     i = j
                 ev.evaluate_timer(now)
                 now += int(tick_s * 1e9)
-    _dashboard_final(con, ev, run_ids)
+    _dashboard_final(con, ev)
     return ev.book.all()
 
 
-def _dashboard_final(con, ev: Evaluator, run_ids: Sequence[str]) -> None:
+def _dashboard_final(con, ev: Evaluator) -> None:
     """The dashboard rules once, as `LiveEngine._dashboard_tick(final=True)`: the runs not ended
     (their newest step end, the ranks' clock) and the agents' newest GPU sample."""
     if not ev.dashboard_rules:
         return
-    runs = {r.run_id: int(r.slot_end_ns.max()) for r in ev.state.runs.values()
-            if r.run_id in run_ids and not r.ended and len(r.slot_end_ns)}
+    runs = ev.dashboard_runs()  # the runs replayed: the state holds no other
     gpu_ns = int(con.execute(f"SELECT coalesce(max(start_ns), 0) FROM {table_name(Kind.GPU_SAMPLE)}").fetchone()[0])
     now = max([gpu_ns, *runs.values()])
     for rule in ev.dashboard_rules:
