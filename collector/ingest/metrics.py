@@ -105,13 +105,14 @@ class CollectorMetrics:
         self._queue_bytes = 0
 
     def attach_live(self, engine) -> None:
-        """Put the live engine's own losses on /metrics (`LiveCounts`): what it could not judge or
+        """Put the live engine's own losses on /metrics (`LIVE_COUNTS`): what it could not judge or
         store is counted where an operator's alert can see it, not only in the log."""
-        self.registry.register(LiveCounts(engine))
+        self.registry.register(ReadCounts(engine, LIVE_COUNTS))
 
     def attach(self, writer) -> None:
-        """Judge "behind" by `writer`'s oldest uncommitted batch (Writer.oldest_wait_s), now."""
+        """Judge "behind" by `writer`'s oldest uncommitted batch (Writer.oldest_wait_s), now; count its checkpoints."""
         self._oldest_wait_s = writer.oldest_wait_s
+        self.registry.register(ReadCounts(writer, WRITER_COUNTS))
 
     def on_commit(self, batches: Sequence) -> None:
         """The writer's committed batches: count what the shippers say they did not get stored."""
@@ -194,33 +195,46 @@ class CollectorMetrics:
         self._queue_bytes = nbytes
 
 
-class LiveCounts:
-    """The live engine's counts, read at each scrape (collector.live.engine.LiveEngine): batches
-    dropped from its full inbox (their steps not judged), steps judged at the deadline without every
-    rank, alert rows dropped past the ones kept across failed stores (never in the file), and its errors (a judgment or a store that raised)."""
+class ReadCounts:
+    """Counters read from an object at each scrape: `families` is (name, help, read(obj)) each."""
 
-    FAMILIES = (
-        ("tracetop_live_batches_dropped", "Committed batches the live engine dropped from its full inbox "
-                                          "(their steps were not judged live)", lambda e: e.stats.batches_dropped),
-        ("tracetop_live_alert_rows_lost", "Alert rows dropped past the ones kept across failed stores "
-                                          "(not in the file)", lambda e: e.alert_rows_lost),
-        ("tracetop_live_steps_incomplete", "Steps judged live without every rank's STEP row (15 s after "
-                                           "the first came): rows arriving later can make a recompute differ",
-         lambda e: e.stats.steps_incomplete),
-        ("tracetop_live_errors", "Live judgments or alert stores that raised (see the log)", lambda e: e.errors),
-    )
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    def __init__(self, obj, families: tuple) -> None:
+        self.obj = obj
+        self.families = families
 
     def describe(self):
-        return [CounterMetricFamily(name, doc) for name, doc, _ in self.FAMILIES]
+        return [CounterMetricFamily(name, doc) for name, doc, _ in self.families]
 
     def collect(self):
-        for name, doc, read in self.FAMILIES:
+        for name, doc, read in self.families:
             family = CounterMetricFamily(name, doc)
-            family.add_metric([], read(self.engine))
+            family.add_metric([], read(self.obj))
             yield family
+
+
+#: the live engine's counts (collector.live.engine.LiveEngine): batches dropped from its full inbox
+#: (their steps not judged), steps judged at the deadline without every rank, alert rows dropped past
+#: the ones kept across failed stores (never in the file), and its errors (a judgment or a store that raised)
+LIVE_COUNTS = (
+    ("tracetop_live_batches_dropped", "Committed batches the live engine dropped from its full inbox "
+                                      "(their steps were not judged live)", lambda e: e.stats.batches_dropped),
+    ("tracetop_live_alert_rows_lost", "Alert rows dropped past the ones kept across failed stores "
+                                      "(not in the file)", lambda e: e.alert_rows_lost),
+    ("tracetop_live_steps_incomplete", "Steps judged live without every rank's STEP row (15 s after "
+                                       "the first came): rows arriving later can make a recompute differ",
+     lambda e: e.stats.steps_incomplete),
+    ("tracetop_live_errors", "Live judgments or alert stores that raised (see the log)", lambda e: e.errors),
+)
+
+#: the writer's checkpoints (Writer._checkpoint_if_due): commits wait while one runs
+WRITER_COUNTS = (
+    ("tracetop_collector_checkpoints", "DuckDB checkpoints run once the WAL passed its threshold",
+     lambda w: w.checkpoints),
+    ("tracetop_collector_checkpoint_seconds", "Seconds spent in those checkpoints (commits wait meanwhile)",
+     lambda w: w.checkpoint_s),
+    ("tracetop_collector_checkpoints_deferred", "Checkpoints put off to a later try: a scan or another write "
+                                                "transaction held DuckDB's checkpoint lock", lambda w: w.checkpoints_deferred),
+)
 
 
 def serve_metrics(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1", auth=None):

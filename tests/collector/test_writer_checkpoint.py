@@ -1,0 +1,140 @@
+"""The writer checkpoints once the WAL passes DuckDB's threshold, also while readers are open.
+
+DuckDB checkpoints on its own at a commit only when no other transaction is open (every commit here
+updates `sources`' marks). A collector always has some open (the roll, the source-end watch, live
+queries): at 16,384 ranks the WAL grew to ~290 MB before one ran, and that one held every commit for
+seconds. These tests run readers (and a writer) on other cursors, as those threads do."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from collector.ingest import rollup
+from collector.ingest.metrics import CollectorMetrics
+from collector.ingest.schema import open_store
+from collector.ingest.writer import Ack, QueuedBatch, StreamReplies, Writer, batch_to_arrow
+from tracetop.events import SCHEMAS, Kind
+from tracetop.wire.codec import decode_batch, encode_batch
+
+ROWS = 4000  # a commit's STEP rows: under a row group, so they go through the WAL
+COMMITS = 60
+
+
+class _Acks(StreamReplies):
+    def __init__(self) -> None:
+        self.seq = 0
+        self.cond = threading.Condition()
+
+    def deliver(self, item) -> None:
+        if isinstance(item, Ack):
+            with self.cond:
+                self.seq = item.seq
+                self.cond.notify_all()
+
+    def wait(self, seq: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.seq >= seq, 30), f"no ack for seq {seq}"
+
+
+def _step_batch(replies, i: int) -> QueuedBatch:
+    steps = np.arange(i * ROWS, (i + 1) * ROWS)
+    cols = {"rank": steps % 7, "step": steps, "loss": steps / 3.0, "duration_ns": steps * 1000}
+    full = {c.name: cols.get(c.name, [""] * ROWS if c.dtype == "str" else np.zeros(ROWS)) for c in SCHEMAS[Kind.STEP]}
+    b = decode_batch(encode_batch(Kind.STEP, full, source_id="ck", seq=i + 1, run_id="run-ck"))
+    return QueuedBatch(replies, b, batch_to_arrow(b))
+
+
+def _wal(path) -> int:
+    return os.path.getsize(f"{path}.wal") if os.path.exists(f"{path}.wal") else 0
+
+
+def _commit_each(writer: Writer, path, first: int, n: int) -> list[int]:
+    """Submit n batches one commit at a time; the WAL's size after each."""
+    replies, sizes = _Acks(), []
+    for i in range(first, first + n):
+        writer.submit(_step_batch(replies, i))
+        replies.wait(i + 1)
+        sizes.append(_wal(path))
+    return sizes
+
+
+class _Readers:
+    """A thread running short queries back to back on its own cursor, as the roll's reads, the
+    source-end watch and the live queries do: a transaction is open at most moments."""
+
+    def __init__(self, con, n: int = 1) -> None:
+        self.stop = threading.Event()
+        self.queries = 0
+        self.threads = [threading.Thread(target=self._loop, args=(con.cursor(),)) for _ in range(n)]
+
+    def _loop(self, cur) -> None:
+        while not self.stop.is_set():
+            cur.execute("SELECT count(*), max(hwm) FROM sources").fetchall()
+            self.queries += 1
+
+    def __enter__(self) -> _Readers:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def test_the_wal_stays_near_its_threshold_while_readers_come_and_go(tmp_path, monkeypatch) -> None:
+    # no roll meanwhile: its transaction defers the writer's checkpoints to the roll's end, and the
+    # commits during a roll (as many as its length allows) would set the bound, not the checkpoints
+    monkeypatch.setattr(rollup, "ROLL_EVERY_ROWS", 10**12)
+    path = tmp_path / "ck.duckdb"
+    con = open_store(str(path), settings={"checkpoint_threshold": "1MB"})
+    writer = Writer(con, flush_rows=1, flush_interval_s=0.0)
+    metrics = CollectorMetrics()
+    metrics.attach(writer)
+    writer.start()
+    try:
+        with _Readers(con) as readers:
+            sizes = _commit_each(writer, path, 0, COMMITS)
+    finally:
+        writer.close()
+    assert readers.queries > COMMITS
+    per_commit = int(np.median([b - a for a, b in zip([0, *sizes], sizes) if b > a]))  # one commit's WAL bytes
+    assert per_commit > 100_000, "nothing reached the WAL: the test measures nothing"
+    # DuckDB's own checkpoint alone let it grow to 9-28 MB here (it ran only between queries)
+    assert max(sizes) <= 10**6 + 3 * per_commit, (sizes, per_commit, writer.checkpoints_deferred)
+    assert writer.checkpoints >= 3, (writer.checkpoints, writer.checkpoints_deferred)
+    scraped = metrics.registry.get_sample_value
+    assert scraped("tracetop_collector_checkpoints_total") == writer.checkpoints
+    assert 0 < scraped("tracetop_collector_checkpoint_seconds_total") == writer.checkpoint_s
+    got = con.execute("SELECT count(*), sum(step), count(DISTINCT step) FROM step").fetchone()
+    n = COMMITS * ROWS
+    assert got == (n, n * (n - 1) // 2, n)
+    con.close()
+
+
+def test_a_checkpoint_gives_way_to_another_writer_and_runs_once_it_commits(tmp_path) -> None:
+    path = tmp_path / "ck.duckdb"
+    con = open_store(str(path), settings={"checkpoint_threshold": "1MB"})
+    con.execute("CREATE TABLE scratch (a INTEGER)")
+    other = con.cursor()
+    other.execute("BEGIN TRANSACTION")
+    other.execute("INSERT INTO scratch VALUES (1)")  # a roll's transaction, say
+    writer = Writer(con, flush_rows=1, flush_interval_s=0.0)
+    writer.start()
+    try:
+        with _Readers(con):
+            held = _commit_each(writer, path, 0, 10)
+            assert writer.checkpoints_deferred > 0 and writer.checkpoints == 0, (writer.checkpoints, held)  # (no roll here)
+            assert held[-1] > 2 * 10**6  # it grew past the threshold meanwhile, every commit stored
+            other.execute("COMMIT")
+            after = _commit_each(writer, path, 10, 10)
+    finally:
+        writer.close()
+    assert writer.checkpoints >= 1 and min(after) < 10**6, (held, after)
+    assert con.execute("SELECT count(*) FROM step").fetchone()[0] == 20 * ROWS
+    assert con.execute("SELECT count(*) FROM scratch").fetchone()[0] == 1
+    con.close()
