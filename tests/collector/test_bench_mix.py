@@ -25,6 +25,8 @@ def test_realistic_mix_is_stored_whole_with_the_stated_proportions(tmp_path) -> 
     assert out["offered_events_per_s"] == pytest.approx(64 * (39 / 0.5 + 1 / 8 + 1 / 5))
     for key in ("events_per_s", "p99_ms", "collector_cpu_pct", "collector_peak_rss_mb", "file_gb_per_hour"):
         assert out[key] > 0, key
+    # the stop's work (the closing roll, the last checkpoint) counted in the second figure only
+    assert out["collector_cpu_s_per_m_through_close"] > out["collector_cpu_s_per_m"] > 0
     # --dir keeps the file (it was made in a temporary directory inside it, and deleted)
     import duckdb
 
