@@ -33,3 +33,19 @@ def test_generated_file_has_the_row_counts_it_reports(tmp_path) -> None:
         assert con.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == n
     # the generated pipeline shape: 4 stages, so bubble_by_stage has rows for each stage
     assert con.execute("SELECT count(DISTINCT stage) FROM bubble_by_stage").fetchone()[0] == 4
+
+
+def test_roll_statements_rolls_every_step_of_a_copy_and_names_the_views(tmp_path) -> None:
+    path = tmp_path / "g.duckdb"
+    generate(str(path), 5000, 8)
+    before = path.read_bytes()
+    con = duckdb.connect(str(path), read_only=True)
+    steps = con.execute("SELECT count(DISTINCT step) FROM step").fetchone()[0]
+    con.close()
+    out = subprocess.run([sys.executable, "-m", "collector.bench.roll_statements", str(path), "--top", "30"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"{steps} steps rolled")
+    for view in ("step_ranks", "stragglers", "lost_time", "grad_sync"):
+        assert f"INSERT INTO {view}_m" in out.stdout, view
+    assert path.read_bytes() == before  # a copy was rolled, not the file
