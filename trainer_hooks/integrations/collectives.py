@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from trainer_hooks.integrations import async_done
+from trainer_hooks.integrations import async_done, bound_call
 
 if TYPE_CHECKING:
     from trainer_hooks.recorder import Recorder
@@ -184,7 +184,7 @@ _installed = _Installed()
 call_flag = _installed.local
 
 
-def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _make_wrapper(spec: _Spec, fn: Callable[..., Any], bound: bool = True) -> Callable[..., Any]:
     state = _installed
     local = state.local
     clock = time.perf_counter_ns
@@ -199,6 +199,9 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
     kw_key, tensor_name = _KwKey(), spec.arg_name
 
     inside = local.tids
+    fast = bound_call.make(spec, fn, state, _device_timed, kw_key) if bound else None  # fn's own parameters
+    if fast is not None:
+        return _named(fast, spec, fn)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         sink = state.sink
@@ -248,6 +251,10 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
             except Exception as e:
                 sink.hook_error("collective", e)
 
+    return _named(wrapper, spec, fn)
+
+
+def _named(wrapper: Callable[..., Any], spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__name__ = getattr(fn, "__name__", spec.name)
     wrapper.__qualname__ = getattr(fn, "__qualname__", spec.name)
     wrapper.__doc__ = getattr(fn, "__doc__", None)
@@ -355,10 +362,11 @@ def deepspeed_originals() -> dict[str, Any]:
     return dict(_installed.cdb_originals)
 
 
-def wrap_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_function(name: str, fn: Callable[..., Any], *, bound: bool = True) -> Callable[..., Any]:
     """A timed wrapper of ``fn`` as the collective ``name`` (a key of :data:`PAYLOAD`), without
-    installing it: benchmarks and tests time a stand-in this way."""
-    return _make_wrapper(_Spec(name, fn), fn)
+    installing it: benchmarks and tests time a stand-in this way. ``bound=False``: the general
+    ``(*args, **kwargs)`` form even where the fast one (:mod:`.bound_call`) applies."""
+    return _make_wrapper(_Spec(name, fn), fn, bound)
 
 
 # ----------------------------------------------------------------------------- roles
