@@ -6,7 +6,10 @@ module globals: ``send`` -> ``isend``, ``all_gather_into_tensor`` -> ``all_gathe
 thread-local flag makes nested calls count once, under the outermost name. DeepSpeed's comm
 backend keeps references to ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` taken at
 ``init_distributed``; :func:`install` re-points them (``deepspeed.comm.comm.cdb``) when DeepSpeed
-is loaded, and :func:`uninstall` puts everything back.
+is loaded, and :func:`uninstall` puts everything back. An op whose parameters are all plain and
+whose one tensor comes first (``all_reduce``, ``broadcast``, ``reduce``, ...) gets a wrapper with its
+own parameters (:mod:`trainer_hooks.integrations.bound_call`: no keyword dict a call); the others
+the general ``(*args, **kwargs)`` one.
 
 Bytes follow the NCCL-tests "size" convention: the tensor for all_reduce / broadcast / reduce /
 send / recv; the whole output for the all-gathers; the whole input for reduce-scatter and
