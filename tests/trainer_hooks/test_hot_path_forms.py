@@ -198,3 +198,43 @@ def test_the_fast_forms_give_the_general_forms_rows(monkeypatch: pytest.MonkeyPa
     assert len(coll["step"]) == 15 and fast["errors"] == 0
     assert coll["bytes"][:5] == [32, 32, 8, 16, 0] and coll["is_async"][:5] == [0, 0, 0, 1, 0]
     assert len(fast["rows"][Kind.PIPE_INSTR]["step"]) == 3 * 4 + 6 and len(set(coll["start_ns"])) == 15
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_call_inside_a_call_counts_once_on_each_thread(fast: bool) -> None:
+    """"Inside a timed call" is per thread: the owner's flag (the thread that routed the wrappers)
+    and the other threads' set. A nested call counts once on either; another thread's call made
+    while the owner is inside one is timed all the same."""
+    import threading
+
+    main = threading.get_ident()
+    seen: list[tuple[bool, bool]] = []  # (on the owner's thread, inside as the DDP hook reads it)
+
+    def body(tensor, op=None, group=None, async_op=False):
+        if tensor.numel() == 1:  # a nested call: passed straight through
+            return None
+        seen.append((threading.get_ident() == main, colls.call_flag.inside))
+        timed(torch.ones(1))
+        if threading.get_ident() == main:
+            other = threading.Thread(target=lambda: timed(torch.ones(2)))
+            other.start()
+            other.join()
+        return None
+
+    mem = MemoryTransport()
+    tracer = Tracer(rank=0, world_size=1, run_id="inside", transport=mem, wrap_collectives=False, heartbeat_s=60)
+    tracer.set_topology({"dp": [(0,)]})
+    timed = colls.wrap_function("all_reduce", body, bound=fast)
+    colls.route_to(tracer.recorder)
+    assert colls.call_flag.owner == main  # pytest's thread routed first: the flag's path is the one tested
+    try:
+        with tracer.step(0):
+            timed(torch.ones(8))
+            timed(torch.ones(8))
+        assert not colls.call_flag.inside and not colls.call_flag.tids
+    finally:
+        colls.route_to(None)
+        tracer.close()
+    rows = mem.rows(Kind.COLLECTIVE)
+    assert list(rows["bytes"]) == [8, 32, 8, 32]  # each thread's outer call, the inner one finishing first
+    assert seen == [(True, True), (False, True)] * 2 and tracer.errors == 0

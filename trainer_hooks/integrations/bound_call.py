@@ -27,7 +27,8 @@ _TEMPLATE = '''
 def wrapper({params}):
     sink = state.sink
     tid = get_ident()
-    if sink is None or tid in inside:
+    mine = tid == flag.owner
+    if sink is None or (flag.owner_in if mine else tid in inside):
         return fn({call})
     if sink.device_clock is not None:
         return device_timed(sink, spec, fn, ({call},), {{}})
@@ -52,7 +53,10 @@ def wrapper({params}):
     except Exception as e:  # a hook never breaks the call it observes
         sink.hook_error("collective", e)
         return fn({call})
-    inside.add(tid)
+    if mine:
+        flag.owner_in = True
+    else:
+        inside.add(tid)
     sink.pending_sig = sig
     ret = None
     t0 = sink.pending_t0 = clock()
@@ -61,7 +65,10 @@ def wrapper({params}):
         return ret
     finally:
         dur = clock() - t0
-        inside.discard(tid)
+        if mine:
+            flag.owner_in = False
+        else:
+            inside.discard(tid)
         sink.pending_sig = -1
         try:
             sink.acc.comm_ns += dur
@@ -93,7 +100,7 @@ def make(spec: Any, fn: Callable[..., Any], state: Any, device_timed: Callable[.
     names = [p.name for p in params]
     if "group" not in names or "async_op" not in names or names[0] in ("group", "async_op"):
         return None
-    scope: dict[str, Any] = {"state": state, "inside": state.local.tids, "get_ident": get_ident, "fn": fn,
+    scope: dict[str, Any] = {"state": state, "flag": state.local, "inside": state.local.tids, "get_ident": get_ident, "fn": fn,
                              "spec": spec, "device_timed": device_timed, "kw_key": kw_key,
                              "clock": time.perf_counter_ns, "track": async_done.track}
     decl = []
@@ -103,7 +110,7 @@ def make(spec: Any, fn: Callable[..., Any], state: Any, device_timed: Callable[.
         else:
             scope[f"_default_{i}"] = p.default
             decl.append(f"{p.name}=_default_{i}")
-    if any(n in scope for n in names) or any(n in ("sink", "tid", "sig", "nbytes", "key", "ret", "t0", "dur", "e")
+    if any(n in scope for n in names) or any(n in ("sink", "tid", "mine", "sig", "nbytes", "key", "ret", "t0", "dur", "e")
                                              for n in names):
         return None  # a parameter would shadow a name the body uses
     source = _TEMPLATE.format(params=", ".join(decl), call=", ".join(names), tensor=names[0], group="group",
