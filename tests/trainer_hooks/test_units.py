@@ -287,13 +287,15 @@ def test_pipeline_handlers_get_exactly_what_the_engine_passes() -> None:
         timed["reduce"](engine, 1, 2, x=3)
         timed["reduce"](engine, buffer_id=7)
         timed["recv"](engine, buffer_id=4)
-        with pytest.raises(TypeError):  # a call the handler refuses fails as it would unwrapped
-            timed["forward"](engine, buffer_id=1, other=2)
+        with pytest.raises(TypeError):  # a call the handler refuses fails as it would unwrapped (a handler of
+            timed["forward"](engine, buffer_id=1, other=2)  # (engine, buffer_id): refused before a row is written
+        with pytest.raises(TypeError):  # a general handler's refusal: after the wrapper took it (a row)
+            timed["step"](engine, other=2)
     tracer.close()
     assert calls == [("forward", 3), ("forward", 5), ("step", None), ("step", {"lr": 0.1}),
                      ("reduce", (1, 2), {"x": 3}), ("reduce", (), {"buffer_id": 7}), ("recv", None, 4)]
     rows = mem.rows(Kind.PIPE_INSTR)
     assert list(rows["instr"]) == ["ForwardPass", "ForwardPass", "OptimizerStep", "OptimizerStep", "ReduceGrads",
-                                   "ReduceGrads", "RecvGrad", "ForwardPass"]
-    assert list(rows["micro_batch"]) == [0, 1, -1, -1, -1, -1, 0, 2]
+                                   "ReduceGrads", "RecvGrad", "OptimizerStep"]
+    assert list(rows["micro_batch"]) == [0, 1, -1, -1, -1, -1, 0, -1]
     assert tracer.errors == 0

@@ -6,7 +6,10 @@ module globals: ``send`` -> ``isend``, ``all_gather_into_tensor`` -> ``all_gathe
 thread-local flag makes nested calls count once, under the outermost name. DeepSpeed's comm
 backend keeps references to ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` taken at
 ``init_distributed``; :func:`install` re-points them (``deepspeed.comm.comm.cdb``) when DeepSpeed
-is loaded, and :func:`uninstall` puts everything back.
+is loaded, and :func:`uninstall` puts everything back. An op whose parameters are all plain and
+whose one tensor comes first (``all_reduce``, ``broadcast``, ``reduce``, ...) gets a wrapper with its
+own parameters (:mod:`trainer_hooks.integrations.bound_call`: no keyword dict a call); the others
+the general ``(*args, **kwargs)`` one.
 
 Bytes follow the NCCL-tests "size" convention: the tensor for all_reduce / broadcast / reduce /
 send / recv; the whole output for the all-gathers; the whole input for reduce-scatter and
@@ -28,7 +31,7 @@ from collections.abc import Callable, Iterable
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
-from trainer_hooks.integrations import async_done
+from trainer_hooks.integrations import async_done, bound_call
 
 if TYPE_CHECKING:
     from trainer_hooks.recorder import Recorder
@@ -141,26 +144,39 @@ def payload(spec: _Spec, args: tuple, kwargs: dict) -> tuple[int, Any]:
 
 
 class _Inside:
-    """Which threads are inside a timed call: their ids in a set. ``.inside`` reads and sets it for
-    the calling thread (the DDP hook); the wrapper tests and edits ``tids`` itself: a set's
-    membership test, add and discard cost about a third of a ``threading.local``'s attribute
-    reads and writes."""
+    """Which threads are inside a timed call. One thread, the ``owner`` (the first to point the
+    wrappers at a sink: the training thread), has a flag of its own (``owner_in``, an attribute
+    write each way); every other thread's id is kept in the set ``tids`` (a test, an add and a
+    discard: ~130 ns a call in a tight loop, against ~25 ns for the flag). ``.inside`` reads and sets
+    it for the calling thread (the DDP hook); the wrappers test and edit it themselves."""
 
-    __slots__ = ("tids",)
+    __slots__ = ("tids", "owner", "owner_in")
 
     def __init__(self) -> None:
         self.tids: set[int] = set()
+        self.owner = -1  # set once (claim): a thread id, never -1
+        self.owner_in = False
+
+    def claim(self) -> None:
+        """The calling thread owns the flag, unless a thread already does (an owner never changes:
+        its flag may be set by a call in progress)."""
+        if self.owner == -1:
+            self.owner = get_ident()
 
     @property
     def inside(self) -> bool:
-        return get_ident() in self.tids
+        tid = get_ident()
+        return self.owner_in if tid == self.owner else tid in self.tids
 
     @inside.setter
     def inside(self, value: bool) -> None:
-        if value:
-            self.tids.add(get_ident())
+        tid = get_ident()
+        if tid == self.owner:
+            self.owner_in = bool(value)
+        elif value:
+            self.tids.add(tid)
         else:
-            self.tids.discard(get_ident())
+            self.tids.discard(tid)
 
 
 class _KwKey:
@@ -184,7 +200,7 @@ _installed = _Installed()
 call_flag = _installed.local
 
 
-def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _make_wrapper(spec: _Spec, fn: Callable[..., Any], bound: bool = True) -> Callable[..., Any]:
     state = _installed
     local = state.local
     clock = time.perf_counter_ns
@@ -199,11 +215,15 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
     kw_key, tensor_name = _KwKey(), spec.arg_name
 
     inside = local.tids
+    fast = bound_call.make(spec, fn, state, _device_timed, kw_key) if bound else None  # fn's own parameters
+    if fast is not None:
+        return _named(fast, spec, fn)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         sink = state.sink
         tid = get_ident()
-        if sink is None or tid in inside:
+        mine = tid == local.owner
+        if sink is None or (local.owner_in if mine else tid in inside):
             return fn(*args, **kwargs)
         if sink.device_clock is not None:
             return _device_timed(sink, spec, fn, args, kwargs)
@@ -229,7 +249,10 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as e:  # a hook never breaks the call it observes
             sink.hook_error("collective", e)
             return fn(*args, **kwargs)
-        inside.add(tid)
+        if mine:
+            local.owner_in = True
+        else:
+            inside.add(tid)
         sink.pending_sig = sig
         ret = None
         t0 = sink.pending_t0 = clock()
@@ -238,7 +261,10 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
             return ret
         finally:
             dur = clock() - t0
-            inside.discard(tid)
+            if mine:
+                local.owner_in = False
+            else:
+                inside.discard(tid)
             sink.pending_sig = -1
             try:
                 sink.acc.comm_ns += dur
@@ -248,6 +274,10 @@ def _make_wrapper(spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
             except Exception as e:
                 sink.hook_error("collective", e)
 
+    return _named(wrapper, spec, fn)
+
+
+def _named(wrapper: Callable[..., Any], spec: _Spec, fn: Callable[..., Any]) -> Callable[..., Any]:
     wrapper.__name__ = getattr(fn, "__name__", spec.name)
     wrapper.__qualname__ = getattr(fn, "__qualname__", spec.name)
     wrapper.__doc__ = getattr(fn, "__doc__", None)
@@ -288,6 +318,7 @@ def install(sink: Recorder, ops: Iterable[str] = tuple(PAYLOAD)) -> list[str]:
 
     if _installed.originals:
         _installed.sink = sink
+        _installed.local.claim()
         return sorted({name for _, name in _installed.originals})
     wrapped = []
     for name in ops:
@@ -302,6 +333,7 @@ def install(sink: Recorder, ops: Iterable[str] = tuple(PAYLOAD)) -> list[str]:
         wrapped.append(name)
     _repoint_deepspeed(dist)
     _installed.sink = sink
+    _installed.local.claim()
     return wrapped
 
 
@@ -343,6 +375,8 @@ def route_to(sink: Recorder | None) -> None:
     """Point the installed wrappers at ``sink`` (None: every call passes straight through), leaving
     them in place (the overhead benchmark switches the hooks on and off this way)."""
     _installed.sink = sink
+    if sink is not None:
+        _installed.local.claim()
 
 
 def originals() -> dict[tuple[Any, str], Any]:
@@ -355,10 +389,11 @@ def deepspeed_originals() -> dict[str, Any]:
     return dict(_installed.cdb_originals)
 
 
-def wrap_function(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_function(name: str, fn: Callable[..., Any], *, bound: bool = True) -> Callable[..., Any]:
     """A timed wrapper of ``fn`` as the collective ``name`` (a key of :data:`PAYLOAD`), without
-    installing it: benchmarks and tests time a stand-in this way."""
-    return _make_wrapper(_Spec(name, fn), fn)
+    installing it: benchmarks and tests time a stand-in this way. ``bound=False``: the general
+    ``(*args, **kwargs)`` form even where the fast one (:mod:`.bound_call`) applies."""
+    return _make_wrapper(_Spec(name, fn), fn, bound)
 
 
 # ----------------------------------------------------------------------------- roles

@@ -45,9 +45,27 @@ def _buffer_id_first(handler: Any) -> bool:
             and params[1].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
-def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
+def _simple(handler: Any) -> bool:
+    """The handler takes the engine alone, or the engine and ``buffer_id`` (DeepSpeed's handlers but
+    ``OptimizerStep``): ``timed(engine, buffer_id=_ABSENT)`` then accepts every call the handler
+    accepts and passes it on as it came, with no ``*args``/``**kwargs`` (a function with ``**kwargs``
+    makes a dict at every call)."""
+    try:
+        params = list(inspect.signature(handler).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if not params or params[0].kind not in plain:
+        return False
+    return len(params) == 1 or (len(params) == 2 and params[1].name == "buffer_id"
+                                and params[1].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _wrap_handler(rec: Recorder, instr: str, handler: Any, simple: bool = True) -> Any:
     slot, phase, has_mb = INSTRUCTIONS.get(instr, (4, "comm", False))
     code = rec.instr_code(instr)
+    if simple and _simple(handler):
+        return _wrap_simple(rec, instr, handler, slot, phase, has_mb, code)
     # the Recorder's objects that live as long as it (reset in place): bound once, not looked up per call
     counts, acc, add_row = rec.instr_counts, rec.acc, rec.instr_rows.extend
     sums = acc.sums
@@ -97,6 +115,47 @@ def _wrap_handler(rec: Recorder, instr: str, handler: Any) -> Any:
     return timed
 
 
+def _wrap_simple(rec: Recorder, instr: str, handler: Any, slot: int, phase: str, has_mb: bool, code: int) -> Any:
+    """``_wrap_handler``'s timed handler for a handler of ``(engine)`` or ``(engine, buffer_id)``:
+    the same hot path, its arguments bound by the interpreter (no keyword dict a call)."""
+    counts, acc, add_row = rec.instr_counts, rec.acc, rec.instr_rows.extend
+    sums = acc.sums
+    clock = perf_counter_ns
+
+    def timed(engine: Any, buffer_id: Any = _ABSENT) -> Any:
+        r = rec
+        if r.device_clock is not None:
+            return _device_timed(r, instr, slot, has_mb, handler, engine, buffer_id, (), {})
+        try:
+            if has_mb:
+                mb = counts[code]
+                counts[code] = mb + 1
+            else:
+                mb = -1
+            prev = r.current_phase
+            r.current_phase = phase
+            comm0 = acc.comm_ns
+        except Exception as e:  # a hook never breaks the instruction it observes
+            r.hook_error("pipeline", e)
+            return handler(engine) if buffer_id is _ABSENT else handler(engine, buffer_id)
+        t0 = clock()
+        try:
+            return handler(engine) if buffer_id is _ABSENT else handler(engine, buffer_id)
+        finally:
+            dur = clock() - t0
+            try:
+                r.current_phase = prev
+                comm = acc.comm_ns
+                sums[slot] += dur if comm == comm0 else dur - (comm - comm0)
+                add_row((r.step_n, r.step_off + t0, dur, mb, code))
+            except Exception as e:
+                r.hook_error("pipeline", e)
+
+    timed.__name__ = getattr(handler, "__name__", instr)
+    timed.__wrapped__ = handler  # type: ignore[attr-defined]
+    return timed
+
+
 def _device_timed(r: Recorder, instr: str, slot: int, has_mb: bool, handler: Any, engine: Any, buffer_id: Any,
                   args: tuple, kwargs: dict) -> Any:
     """GPU: CUDA events around the instruction, resolved later by the emitter."""
@@ -114,12 +173,14 @@ def _device_timed(r: Recorder, instr: str, slot: int, has_mb: bool, handler: Any
             r.hook_error("pipeline", e)
 
 
-def wrap(engine: Any, tracer: Tracer) -> bool:
-    """Shadow the engine's instruction map with timed handlers. False if it has none."""
+def wrap(engine: Any, tracer: Tracer, *, simple: bool = True) -> bool:
+    """Shadow the engine's instruction map with timed handlers. False if it has none.
+    ``simple=False``: every handler in the general form (tests compare the two forms' rows)."""
     table = getattr(type(engine), "_INSTRUCTION_MAP", None)
     if not isinstance(table, dict) or not tracer.enabled:
         return False
-    engine._INSTRUCTION_MAP = {cls: _wrap_handler(tracer.recorder, cls.__name__, fn) for cls, fn in table.items()}
+    rec = tracer.recorder
+    engine._INSTRUCTION_MAP = {cls: _wrap_handler(rec, cls.__name__, fn, simple) for cls, fn in table.items()}
     return True
 
 
