@@ -105,7 +105,9 @@ def test_the_wal_stays_near_its_threshold_while_readers_come_and_go(tmp_path, mo
     per_commit = int(np.median([b - a for a, b in zip([0, *sizes], sizes) if b > a]))  # one commit's WAL bytes
     assert per_commit > 100_000, "nothing reached the WAL: the test measures nothing"
     # DuckDB's own checkpoint alone let it grow to 9-28 MB here (it ran only between queries)
-    assert max(sizes) <= 10**6 + 3 * per_commit, (sizes, per_commit, writer.checkpoints_deferred)
+    # (twice the threshold: a checkpoint waits for the queue to drain up to there; the test's next batch may
+    # be queued already when the writer looks)
+    assert max(sizes) <= 2 * 10**6 + 2 * per_commit, (sizes, per_commit, writer.checkpoints_deferred)
     assert writer.checkpoints >= 3, (writer.checkpoints, writer.checkpoints_deferred)
     scraped = metrics.registry.get_sample_value
     assert scraped("tracetop_collector_checkpoints_total") == writer.checkpoints
