@@ -35,6 +35,15 @@ def test_realistic_mix_is_stored_whole_with_the_stated_proportions(tmp_path) -> 
         assert con.execute("SELECT count(*) FROM step").fetchone()[0] >= 64 * steps
     finally:
         con.close()
+    # the checkpoint-cost bench on that file: a round on a fresh file and on a copy, rows in the WAL each
+    r = subprocess.run([sys.executable, "-m", "collector.bench.checkpoint_cost", str(tmp_path / "mix.duckdb"),
+                        "--rounds", "1", "--vacuum-tasks", "0", "--json"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ck = json.loads(r.stdout)
+    assert ck["vacuum_tasks"] == 0 and ck["file_mb"] > 0
+    for side in ("fresh", "this_file"):
+        assert ck[side][0]["wal_mb"] > 0 and ck[side][0]["cpu_s"] >= 0, ck
 
 
 def test_bad_mix_arguments_exit_2(tmp_path) -> None:
