@@ -9,9 +9,13 @@ Every fault acts on the real run, never on a reported number:
   backward), so it enters its DP collectives late; nothing in ``torch.distributed`` is wrapped,
   so hooks that wrap it see the late entry as it is;
 - stage imbalance STAGE:FACTOR[@STEP]: every rank of that pipeline stage measures its forward and
-  its backward and sleeps (FACTOR - 1) times its median of the last 16 such measurements inside
-  each, so the stage is FACTOR x slower (the median: a rank descheduled once on a busy host does
-  not have that delay multiplied into the fault, which made one rank of the stage a straggler);
+  its backward and, from STEP, sleeps inside each (FACTOR - 1) times its median of the last 16
+  such measurements before STEP, so the stage is FACTOR x slower than it was (the median: a rank
+  descheduled once on a busy host does not have that delay multiplied into the fault, which made
+  one rank of the stage a straggler; fixed at onset as slow rank's: a rolling median followed
+  the stage's own speed after the onset, and on a busy host the sleeping stage computes faster,
+  so the fault read 1.9-2.2 x for a FACTOR of 3). From step 0 (no measurement before it) the
+  median of the last 16 measurements;
 - slow rank RANK:FACTOR[@STEP]: a straggler proportional to the step: from STEP that rank sleeps
   (FACTOR - 1) x the median wall time of its own steps before STEP, every step, inside its forward
   (split across its micro-batches). A fixed MS is half a step on an idle machine and a fifth of one
@@ -162,8 +166,8 @@ class StageClock:
         self._in_reduction = self._entered_reduction = False
         self.forward_s = self.backward_s = self.dp_reduce_s = 0.0
         self._fwd_t0 = self._fwd_c0 = self._bwd_t0 = 0.0
-        self._fwd_hist: list[float] = []  # measured forwards / backwards while a stage imbalance acts
-        self._bwd_hist: list[float] = []
+        self._fwd_base = _Baseline()  # a stage imbalance's measured forwards / backwards
+        self._bwd_base = _Baseline()
 
     # -- step boundaries ------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -192,9 +196,9 @@ class StageClock:
 
     def _factor(self) -> float:
         factor = max((f.amount for f in self.imbalance if f.active(self.step)), default=1.0)
-        if factor > 1.0 and getattr(self.device, "type", "cpu") == "cuda":
+        if self.imbalance and getattr(self.device, "type", "cpu") == "cuda":
             # Kernels run asynchronously: wait for them, so the clock reads compute, not launches.
-            # Only the imbalanced stage does this, and only while the fault is on.
+            # Only the imbalanced stage does this (before the onset too: its baseline is measured).
             import torch
 
             torch.cuda.synchronize()
@@ -294,17 +298,10 @@ class StageClock:
         walls = sorted(self.step_walls)
         return (factor - 1.0) * walls[len(walls) // 2] * 1000.0
 
-    def _imbalance_s(self, hist: list[float], measured: float, factor: float) -> float:
-        """(FACTOR - 1) x this rank's median of its last 16 measured forwards (or backwards): a
-        one-off delay (a rank descheduled on a busy host) is not multiplied into the fault."""
-        hist.append(measured)
-        del hist[:-16]
-        return (factor - 1.0) * statistics.median(hist)
-
     def _post_forward(self, module: Any, args: tuple, output: Any) -> Any:
         factor = self._factor()
-        if factor > 1.0:
-            self._sleep(self._imbalance_s(self._fwd_hist, self._clock() - self._fwd_c0, factor))
+        if self.imbalance and (s := self._fwd_base.sleep_s(self._clock() - self._fwd_c0, factor)) > 0.0:
+            self._sleep(s)
         self.forward_s += self._clock() - self._fwd_t0
         if isinstance(output, tuple):
             return (_wrap_start(output[0], self), *output[1:])
@@ -320,11 +317,32 @@ class StageClock:
 
     def backward_ended(self) -> None:
         factor = self._factor()
-        if factor > 1.0:
-            self._sleep(self._imbalance_s(self._bwd_hist, self._clock() - self._bwd_t0, factor))
+        if self.imbalance and (s := self._bwd_base.sleep_s(self._clock() - self._bwd_t0, factor)) > 0.0:
+            self._sleep(s)
         self.backward_s += self._clock() - self._bwd_t0
         if self.activations:  # this micro-batch's activations are freed with its backward (1F1B: FIFO)
             self.activations.pop(0)
+
+
+@dataclasses.dataclass
+class _Baseline:
+    """A stage imbalance's measured forwards (or backwards): the last 16 before its onset, which
+    fix the sleep from it; with none (onset at step 0), the last 16 since."""
+
+    before: list[float] = dataclasses.field(default_factory=list)
+    since: list[float] = dataclasses.field(default_factory=list)
+
+    def sleep_s(self, measured: float, factor: float) -> float:
+        """The sleep after a forward (backward) that measured ``measured`` s: none before the onset."""
+        if factor <= 1.0:
+            self.before.append(measured)
+            del self.before[:-16]
+            return 0.0
+        if self.before:
+            return (factor - 1.0) * statistics.median(self.before)
+        self.since.append(measured)
+        del self.since[:-16]
+        return (factor - 1.0) * statistics.median(self.since)
 
 
 def _batch_size(args: tuple) -> int:

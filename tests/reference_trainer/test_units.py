@@ -179,6 +179,27 @@ def test_stage_clock_straggler_and_imbalance_sleep_the_right_amounts():
     assert clock.held == []  # memory growth is rank 1's
 
 
+def test_stage_clock_imbalance_from_a_step_sleeps_its_median_before_the_onset():
+    """From its onset the stage sleeps (FACTOR - 1) x its median forward (backward) before it, not
+    a median that follows its speed after: on a busy host the sleeping stage computes faster."""
+    c = FakeClock()
+    clock = StageClock([Fault("stage_imbalance", 1, 3.0, 3)], rank=1, stage=1, micro_batches=lambda: 1,
+                       clock=c, sleep=c.sleep)
+    for step, (fwd, bwd) in enumerate(((0.010, 0.004), (0.030, 0.008), (0.020, 0.006), (0.005, 0.001),
+                                       (0.050, 0.020))):
+        c.slept.clear()
+        clock.begin_step(step)
+        clock._pre_forward(None, ())
+        c.t += fwd
+        clock._post_forward(None, (), None)
+        clock.backward_started()
+        c.t += bwd
+        clock.backward_ended()
+        # before step 3 nothing; from it 2 x 20 ms and 2 x 6 ms, whatever the stage measures now
+        assert c.slept == ([] if step < 3 else [pytest.approx(0.040), pytest.approx(0.012)]), step
+        assert clock.forward_s == pytest.approx(fwd + (0.040 if step >= 3 else 0.0))
+
+
 def test_stage_clock_slow_rank_sleeps_factor_minus_one_times_its_median_step_before_onset():
     faults = [Fault("slow_rank", 1, 2.5, 3)]
     for rank in (1, 0):
