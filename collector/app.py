@@ -142,19 +142,24 @@ def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[st
     and a higher p99 (docs/benchmarks.md, "DuckDB's threads").
     TRACETOP_CHECKPOINT_MB overrides the checkpoint threshold (for A/B runs: `bench ingest --ab`).
     TRACETOP_DUCKDB_SET="name=value;name=value" sets any others (for A/B runs).
-    TRACETOP_MAX_VACUUM_TASKS sets DuckDB's max_vacuum_tasks (for A/B runs): 0 stops checkpoints
-    merging the partial row groups big commits leave (recompressing them: at 131,072-row commits of
-    STEP rows 0.5 of 1.0 CPU-s per million, `python -m collector.bench.writer --set
-    max_vacuum_tasks=0`), but also stops them reclaiming partly deleted row groups until compaction."""
+    DuckDB's vacuum is off (``max_vacuum_tasks = 0``; TRACETOP_MAX_VACUUM_TASKS sets another, DuckDB's
+    own default is 100): a vacuum merges the partial row groups each commit leaves and rewrites those
+    with deleted rows, and its cost grows with the file (on a 1.1 GB 16k-rank file 0.52–0.98 CPU-s a
+    checkpoint against 0.17–0.26 without it: `python -m collector.bench.checkpoint_cost`). At
+    16,384 ranks × 300 s, three interleaved pairs: p99 record → commit 1.65–2.35 s → 0.85–1.20 s,
+    CPU 80–85% → 66–80%, the file within its spread (1,103–1,186 MB against 1,113–1,143;
+    docs/benchmarks.md, "DuckDB's vacuum"). What it leaves: row groups with deleted rows keep them
+    (the views' re-rolled steps; a table emptied whole is dropped all the same) and appended row
+    groups stay as committed; files up to TRACETOP_COMPACT_MAX_MB are rewritten at close anyway
+    (collector/compact.py). A vacuum at close would not help: it frees blocks inside the file, which
+    then grows (measured: 49 → 79 MB)."""
     import os
 
     mb = int(os.environ.get("TRACETOP_CHECKPOINT_MB") or budget.checkpoint_mb)
     out: dict[str, str | int] = {"checkpoint_threshold": f"{mb}MB"}
     if threads:
         out["threads"] = threads
-    vacuum = os.environ.get("TRACETOP_MAX_VACUUM_TASKS")
-    if vacuum:
-        out["max_vacuum_tasks"] = int(vacuum)
+    out["max_vacuum_tasks"] = int(os.environ.get("TRACETOP_MAX_VACUUM_TASKS") or 0)
     for item in filter(None, os.environ.get("TRACETOP_DUCKDB_SET", "").split(";")):
         name, _, value = item.partition("=")
         out[name.strip()] = value.strip()
