@@ -46,6 +46,20 @@ def test_realistic_mix_is_stored_whole_with_the_stated_proportions(tmp_path) -> 
         assert ck[side][0]["wal_mb"] > 0 and ck[side][0]["cpu_s"] >= 0, ck
 
 
+def test_vacuum_growth_bench_keeps_deleted_rows_only_without_vacuum() -> None:
+    """The bench behind the collector's vacuum default: without vacuum the view table keeps the row
+    groups its deletes left and the append-only table its partial ones; a table emptied whole is
+    dropped either way."""
+    r = subprocess.run([sys.executable, "-m", "collector.bench.vacuum_growth", "--rounds", "48", "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    with_vacuum, without = json.loads(r.stdout)["files"]
+    assert (with_vacuum["max_vacuum_tasks"], without["max_vacuum_tasks"]) == (100, 0)
+    assert without["tables"]["view_m"]["row_groups"] > with_vacuum["tables"]["view_m"]["row_groups"]
+    assert without["tables"]["ev"]["row_groups"] >= with_vacuum["tables"]["ev"]["row_groups"]
+    assert with_vacuum["tables"]["roll"]["row_groups"] == without["tables"]["roll"]["row_groups"] == 1
+
+
 def test_bad_mix_arguments_exit_2(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "ingest", "--mix", "realistic", "--ranks", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
