@@ -50,13 +50,14 @@ def test_vacuum_growth_bench_keeps_deleted_rows_only_without_vacuum() -> None:
     """The bench behind the collector's vacuum default: without vacuum the view table keeps the row
     groups its deletes left and the append-only table its partial ones; a table emptied whole is
     dropped either way."""
-    r = subprocess.run([sys.executable, "-m", "collector.bench.vacuum_growth", "--rounds", "48", "--json"],
+    r = subprocess.run([sys.executable, "-m", "collector.bench.vacuum_growth", "--rounds", "40", "--json"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     with_vacuum, without = json.loads(r.stdout)["files"]
     assert (with_vacuum["max_vacuum_tasks"], without["max_vacuum_tasks"]) == (100, 0)
     assert without["tables"]["view_m"]["row_groups"] > with_vacuum["tables"]["view_m"]["row_groups"]
     assert without["tables"]["ev"]["row_groups"] >= with_vacuum["tables"]["ev"]["row_groups"]
+    # the 40th round re-sums the rollup table whole: its deleted row groups are gone either way
     assert with_vacuum["tables"]["roll"]["row_groups"] == without["tables"]["roll"]["row_groups"] == 1
 
 
