@@ -18,7 +18,9 @@ What happens:
   dies by it, with the same exit status as without the hooks). Where the process will die of it
   (default action) and everything was acked, a last heartbeat says ``closed``: nothing of this
   rank is missing. Where the previous handler was ``SIG_IGN`` or not set from Python, nothing is
-  installed for that signal.
+  installed for that signal. Where the signal lands inside a ``__del__`` (the garbage collector's,
+  where Python drops an exception) and the previous handler is Python's, it is flushed there and
+  handed on a moment later, outside it (:func:`_in_del`).
 * **A main thread stuck in C** (a collective waiting on a dead peer) runs no Python handler until
   the call returns. So a watcher thread also learns of the signal (``signal.set_wakeup_fd``, where
   nobody else has set one), flushes from its own thread, and, when the previous action was the
@@ -56,6 +58,9 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: After its flush, how long the watcher lets the main thread take the signal before it takes the
 #: default action itself.
 MAIN_THREAD_GRACE_S = 0.25
+#: A signal whose previous Python handler would raise inside a ``__del__`` is sent again this much
+#: later (flushed once), until it lands outside one: see :func:`_in_del`.
+REDELIVER_S = 0.005
 
 _lock = threading.RLock()
 _tracers: weakref.WeakSet[Tracer] = weakref.WeakSet()
@@ -64,6 +69,7 @@ _flush_owner = 0  # thread ident holding _flush_lock
 _previous: dict[int, Any] = {}  # signum -> the handler ours replaced
 _pending: list[int] = []  # signals that arrived on the main thread while it was flushing
 _chained = threading.Event()  # the main thread handed a signal on
+_redeliver: set[int] = set()  # signals flushed and sent again, to be handed on outside a __del__
 _closing = 0  # thread ident of a Tracer.close() in progress (0: none)
 _close_done = threading.Event()  # set when no close() is in progress
 _close_done.set()
@@ -182,11 +188,33 @@ def _on_signal(signum: int, frame: Any) -> None:
         if threading.get_ident() in (_flush_owner, _closing):
             _pending.append(signum)  # arrived inside our own flush or a close: handed on after it
             return
-        try:
-            flush_all(time.monotonic() + exit_flush_s(), final=_dies_of(signum))
-        except Exception:  # never out of a handler
-            pass
+        if signum not in _redeliver:
+            try:
+                flush_all(time.monotonic() + exit_flush_s(), final=_dies_of(signum))
+            except Exception:  # never out of a handler
+                pass
+        if callable(_previous.get(signum)) and _in_del(frame):
+            _redeliver.add(signum)
+            timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+            return
+        _redeliver.discard(signum)
     _chain(signum, frame)
+
+
+def _in_del(frame: Any) -> bool:
+    """Whether the main thread was interrupted inside a ``__del__``. An exception a handler raises
+    there (``KeyboardInterrupt``) is printed as "Exception ignored in" and dropped, and the loop it
+    was meant to end runs on. The garbage collector runs finalizers in whichever thread allocates:
+    with the hooks the main thread also collects the shipper's cycles (gRPC's objects have
+    ``__del__``), so a SIGINT landed there once in a few hundred tries; the signal is sent again
+    a moment later instead (tests/trainer_hooks/test_shutdown.py, ``sigint-in-del``)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _chain(signum: int, frame: Any) -> None:
@@ -212,8 +240,8 @@ def _watch(r: socket.socket, w: socket.socket) -> None:
         if not data:
             return
         for signum in set(data):
-            if signum not in _previous or os.getpid() != _pid:
-                continue
+            if signum not in _previous or os.getpid() != _pid or signum in _redeliver:
+                continue  # (sent again by the main thread: flushed already)
             deadline = time.monotonic() + exit_flush_s()
             try:
                 flush_all(deadline, final=_dies_of(signum))

@@ -10,16 +10,30 @@ STEPS_FILE, and prints ``ready`` once 20 are done. Then, by MODE:
   exits with status 7 (a framework's graceful stop);
 * ``stuck``: enters a gloo barrier that never completes (its peer, ``peer`` mode with the same
   STORE_FILE, never joins it): the main thread is in C and runs no Python handler;
-* ``peer``: rank 1 of that group: joins it and sleeps.
+* ``peer``: rank 1 of that group: joins it and sleeps;
+* ``garbage``: as ``default``, but every step leaves a cycle whose ``__del__`` runs 20 ms of Python
+  and collects it: most of the time the main thread is inside a ``__del__``, where an exception
+  (a ``KeyboardInterrupt``) is printed and dropped.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import signal
 import sys
 import time
 from datetime import timedelta
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.02:
+            pass
 
 
 def main() -> None:
@@ -52,6 +66,9 @@ def main() -> None:
         with tracer.step(step):
             with tracer.phase("forward"):
                 time.sleep(0.01)
+            if mode == "garbage":
+                _Cycle()
+                gc.collect()
         log.write(f"{step}\n")
         step += 1
         if step == 20:

@@ -157,14 +157,15 @@ def _until_ready(p: subprocess.Popen) -> list[str]:
     raise AssertionError("".join(seen))
 
 
-@pytest.mark.parametrize("mode", ["default", "handler", "stuck", "sigint"])
+@pytest.mark.parametrize("mode", ["default", "handler", "stuck", "sigint", "sigint-in-del"])
 def test_sigterm_flushes_then_ends_the_process_as_it_would_have(tmp_path: Path, mode: str) -> None:
     """SIGTERM to a rank that never calls close(): every step it completed is stored, and the
     process then ends exactly as without the hooks: by SIGTERM (default action), through the
     handler that was there before the Tracer (which exits 7), or, with its main thread stuck in a
     gloo barrier (C++: no Python handler can run), by SIGTERM all the same, long before the
     barrier's 300 s timeout (the watcher thread flushes and takes the default action). SIGINT:
-    Python's own handler is the previous one, so KeyboardInterrupt still ends the loop."""
+    Python's own handler is the previous one, so KeyboardInterrupt still ends the loop, also when
+    the signal lands inside a ``__del__`` the garbage collector runs (where Python drops it)."""
     c = start_collector(tmp_path, listen="unix")
     peer = None
     run_id = f"exit-{mode}"
@@ -174,10 +175,10 @@ def test_sigterm_flushes_then_ends_the_process_as_it_would_have(tmp_path: Path, 
             peer = _probe(tmp_path, "peer", c.addr, "peer", store)
             p = _probe(tmp_path, mode, c.addr, run_id, store)
         else:
-            p = _probe(tmp_path, "default" if mode == "sigint" else mode, c.addr, run_id)
+            p = _probe(tmp_path, {"sigint": "default", "sigint-in-del": "garbage"}.get(mode, mode), c.addr, run_id)
         _until_ready(p)
         time.sleep(0.5)  # in the barrier, or a few steps further
-        p.send_signal(signal.SIGINT if mode == "sigint" else signal.SIGTERM)
+        p.send_signal(signal.SIGINT if mode.startswith("sigint") else signal.SIGTERM)
         try:
             rest, _ = p.communicate(timeout=60)
         except subprocess.TimeoutExpired:
@@ -198,7 +199,7 @@ def test_sigterm_flushes_then_ends_the_process_as_it_would_have(tmp_path: Path, 
         assert c.stop() == 0
     if mode == "handler":
         assert p.returncode == 7 and "previous handler" in rest, rest
-    elif mode == "sigint":
+    elif mode.startswith("sigint"):
         assert p.returncode == -signal.SIGINT and "KeyboardInterrupt" in rest, rest
     else:
         assert p.returncode == -signal.SIGTERM, rest
