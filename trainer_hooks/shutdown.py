@@ -194,11 +194,14 @@ def _on_signal(signum: int, frame: Any) -> None:
             except Exception:  # never out of a handler
                 pass
         if callable(_previous.get(signum)) and _in_del(frame):
-            _redeliver.add(signum)
-            timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
-            timer.daemon = True
-            timer.start()
-            return
+            try:
+                _redeliver.add(signum)
+                timer = threading.Timer(REDELIVER_S, os.kill, (os.getpid(), signum))
+                timer.daemon = True
+                timer.start()
+                return
+            except Exception:  # no thread to be had: hand it on here, as before
+                pass
         _redeliver.discard(signum)
     _chain(signum, frame)
 
