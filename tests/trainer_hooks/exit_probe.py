@@ -39,6 +39,11 @@ class _Cycle:
 def main() -> None:
     mode, steps_file = sys.argv[1], sys.argv[2]
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waited too long asks where it is
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # started under a job that ignores SIGINT (a non-interactive shell's `cmd &` does; the child
+        # inherits it and Python then installs no handler, so SIGINT would not end the process, with
+        # or without the hooks): start as a launcher's rank does, with Python's own
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if mode in ("stuck", "peer"):
         import torch.distributed as dist
 
