@@ -166,6 +166,33 @@ def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[st
     return out
 
 
+#: The collector process's GIL switch interval (Python's default is 5 ms). DuckDB's Python client
+#: takes the GIL back between the tasks of a query to check for Ctrl-C, and a thread that asks for it
+#: waits until the holder (the gRPC edge decoding, the live engine) lets go, up to the interval: the
+#: writer's INSERTs waited there (py-spy, native stacks: ~14% of its samples at 8 sources). At 0.5 ms,
+#: two interleaved 5 + 5 runs of `tracetop bench ingest --sources 8`: +7% and +4% ev/s, p99 -13% and
+#: -7%, CPU per row -10% and -7% (docs/benchmarks.md, "The GIL's switch interval").
+SWITCH_INTERVAL_S = 0.0005
+
+
+def switch_interval_s() -> float:
+    """The switch interval the collector process runs with: TRACETOP_SWITCH_INTERVAL_S (seconds, for
+    A/B runs) or SWITCH_INTERVAL_S. ValueError names a bad value and the fix."""
+    import os
+
+    raw = os.environ.get("TRACETOP_SWITCH_INTERVAL_S", "").strip()
+    if not raw:
+        return SWITCH_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"TRACETOP_SWITCH_INTERVAL_S={raw!r} is not a number of seconds in (0, 1]; unset it "
+                         f"for the default {SWITCH_INTERVAL_S}")
+    return value
+
+
 @dataclass
 class Collector:
     """A running collector (inside an event loop). Made by `start`, ended by `shutdown`."""

@@ -172,6 +172,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"tracetop collector: {e}", file=sys.stderr)
         return 2
 
+    from collector.app import switch_interval_s
+
+    try:
+        sys.setswitchinterval(switch_interval_s())
+    except ValueError as e:
+        print(f"tracetop collector: {e}", file=sys.stderr)
+        return 2
+
     config = CollectorConfig(
         args.db,
         args.listen,

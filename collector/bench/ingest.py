@@ -13,6 +13,9 @@ Figures, all from one run:
   collector_cpu_s_per_m_by_thread  the same by thread (their OS names: tracetop-writer, tracetop-rollup,
                          tracetop-live, main (gRPC edge), and DuckDB's workers under the process's name)
   collector_peak_rss_mb  the collector's VmHWM
+  window                 the rows mix's sources: 16,384-row chunks a source may have unacked when it
+                         records the next (`--window`, default 1; a real shipper never waits for acks,
+                         up to its 256 MiB budget: larger windows give larger commits, docs/benchmarks.md)
 
 `--ab 'SETTING'`: interleaved runs of the collector as it is (A) and with SETTING (B: collector flags,
 and NAME=VALUE words set in the collector's environment), `--runs` of each, A B A B ...; each run's
@@ -39,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=None, help="collector address (default: 127.0.0.1 on a free port)")
     parser.add_argument("--dir", type=Path, default=None, help="keep the DuckDB file here (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--window", type=int, default=None,
+                        help="rows mix: 16,384-row chunks a source may have unacked when it records the next "
+                        "(default 1, or TRACETOP_BENCH_WINDOW)")
     mix = parser.add_argument_group("simulated ranks (--mix realistic)")
     mix.add_argument("--mix", choices=["rows", "realistic"], default="rows",
                      help="rows: identifiable STEP rows as fast as acks allow (default); realistic: --ranks ranks' "
@@ -154,10 +160,11 @@ def _commit_delays(db: Path, where: str = ""):
 
 
 def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
-           collector_args: tuple[str, ...] = ()) -> dict:
+           collector_args: tuple[str, ...] = (), window: int | None = None) -> dict:
     import psutil
 
     from collector.bench.loadgen import (
+        MAX_INFLIGHT_BATCHES,
         CollectorProcess,
         collect_sources,
         count_stored,
@@ -173,7 +180,8 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
     assert collector.proc is not None
     ps = psutil.Process(collector.proc.pid)
     go = workdir / "go"
-    procs = start_sources(listen, "bench", sources, events // sources, start_file=go)
+    window = window or int(os.environ.get("TRACETOP_BENCH_WINDOW") or MAX_INFLIGHT_BATCHES)
+    procs = start_sources(listen, "bench", sources, events // sources, start_file=go, window=window)
     release(go, procs)  # every source set up: interpreter start-up stays out of the figures
     cpu0, wall0, threads0 = ps.cpu_times(), time.monotonic(), _thread_cpu(ps.pid)
     results = collect_sources(procs)
@@ -187,6 +195,7 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
     cpu_s = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
     return {
         "sources": sources,
+        "window": window,
         "events": int(sum(r["sent"] for r in results)),
         "stored": stored,
         "events_per_s": round(stored / ((t_last - t_first) / 1e9), 1),
@@ -327,7 +336,7 @@ def _one(args: argparse.Namespace, workdir: Path, flags: tuple[str, ...], env: d
     try:
         if args.mix == "realistic":
             return ingest_mix(args.ranks, args.step_s, args.duration_s, args.sources, workdir, args.listen, flags)
-        return ingest(args.sources, args.events, workdir, args.listen, flags)
+        return ingest(args.sources, args.events, workdir, args.listen, flags, args.window)
     finally:
         os.chdir(cwd)
         for k, v in saved.items():
@@ -375,6 +384,9 @@ def ab(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.window is not None and args.window < 1:
+        print("tracetop bench ingest: --window must be at least 1 (chunks a source may have unacked)", file=sys.stderr)
+        return 2
     if args.ab is not None:
         if args.runs < 1:
             print("tracetop bench ingest: --runs must be at least 1", file=sys.stderr)
@@ -397,10 +409,10 @@ def run(args: argparse.Namespace) -> int:
         return 0 if result["accounted"] else 1
     if args.dir is not None:
         args.dir.mkdir(parents=True, exist_ok=True)
-        result = ingest(args.sources, args.events, args.dir, args.listen)
+        result = ingest(args.sources, args.events, args.dir, args.listen, window=args.window)
     else:
         with tempfile.TemporaryDirectory(prefix="tracetop-ingest-") as d:
-            result = ingest(args.sources, args.events, Path(d), args.listen)
+            result = ingest(args.sources, args.events, Path(d), args.listen, window=args.window)
     if args.json:
         print(json.dumps(result))
     else:

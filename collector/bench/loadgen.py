@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 CHUNK_ROWS = 16384
-#: A source waits (rather than letting its shipper drop the oldest) while this many batches are unacked.
+#: A source waits (rather than letting its shipper drop the oldest) while this many chunks are unacked.
 MAX_INFLIGHT_BATCHES = 1
 
 
@@ -33,6 +33,7 @@ def run_source(
     start_file: str | None = None,
     trainer_like: bool = False,
     buffer_bytes: int | None = None,
+    window: int = MAX_INFLIGHT_BATCHES,
 ) -> dict:
     """Ship `events` STEP rows tagged (rank=source, step=0..events-1); return the shipper's stats.
 
@@ -42,7 +43,9 @@ def run_source(
 
     trainer_like: behave as a training loop does: never wait for acks (the shipper must buffer,
     spill or drop and count), and time each hand-over to the shipper; the stats then carry
-    ``record_ms_p50/p99/max``, what telemetry cost the "training" thread per step."""
+    ``record_ms_p50/p99/max``, what telemetry cost the "training" thread per step.
+
+    window: otherwise, the chunks that may be unacked when the source records the next one."""
     import numpy as np
 
     from tracetop.events import SCHEMAS, Kind
@@ -59,16 +62,15 @@ def run_source(
         Path(f"{start_file}.ready.{source}").touch()
         while not os.path.exists(start_file):
             time.sleep(0.005)
+    acks = _AckedRows(shipper)
     t0, cpu0 = time.monotonic(), time.process_time()
-    sent = 0
+    sent = most_unacked = 0
     record_s: list[float] = []
     while sent < events:
         n = min(chunk_rows, events - sent)
-        while not trainer_like:
-            st = shipper.stats()
-            if st["unacked_batches"] + st["pending_rows"] // chunk_rows <= MAX_INFLIGHT_BATCHES:
-                break
-            time.sleep(0.002)
+        if not trainer_like:
+            acks.wait_until_unacked(sent, chunk_rows, window)
+            most_unacked = max(most_unacked, sent - acks.rows)
         steps = np.arange(sent, sent + n, dtype="<i8")
         now = time.time_ns()
         cols = {name: steps for name in names}
@@ -85,12 +87,43 @@ def run_source(
     ok = shipper.flush(timeout_s=600)
     stats = shipper.stats()
     shipper.close(timeout_s=5)
-    stats.update(sent=sent, flushed=ok, source=source, elapsed_s=time.monotonic() - t0, cpu_s=time.process_time() - cpu0)
+    stats.update(sent=sent, flushed=ok, source=source, elapsed_s=time.monotonic() - t0, cpu_s=time.process_time() - cpu0,
+                 most_unacked_rows=most_unacked)
     if record_s:
         q = np.quantile(np.array(record_s), [0.5, 0.99])
         stats.update(record_ms_p50=float(q[0]) * 1e3, record_ms_p99=float(q[1]) * 1e3,
                      record_ms_max=max(record_s) * 1e3)
     return stats
+
+
+class _AckedRows:
+    """A source's acked rows, counted from the shipper's ack callback, so the source waits on a
+    condition rather than polling ``stats()`` every 2 ms (~70 us a call): with 8 sources beside the
+    collector on two cores the polling cost the sources ~20% more CPU, and each ack was seen up to
+    2 ms late (p99 record -> commit 717 -> 422 ms at the same rate; docs/benchmarks.md)."""
+
+    def __init__(self, shipper) -> None:
+        import threading
+
+        self.shipper = shipper
+        self.rows = 0
+        self.cv = threading.Condition()
+        shipper.on_acked(self._acked)
+
+    def _acked(self, kind, rows: int) -> None:
+        with self.cv:
+            self.rows += rows
+            self.cv.notify()
+
+    def wait_until_unacked(self, sent: int, chunk_rows: int, chunks: int) -> None:
+        """Until at most ``chunks`` chunks of the ``sent`` rows are unacked. A batch the shipper drops
+        is never acked, so every second its own counts (unacked batches, pending rows) decide too."""
+        with self.cv:
+            while sent - self.rows > chunks * chunk_rows:
+                if not self.cv.wait(1.0):
+                    st = self.shipper.stats()
+                    if st["unacked_batches"] + st["pending_rows"] // chunk_rows <= chunks:
+                        return
 
 
 class CollectorProcess:
@@ -142,11 +175,12 @@ def wait_ready(address: str, timeout_s: float, proc: subprocess.Popen | None = N
 def start_sources(
     endpoint: str, run_id: str, sources: int, events: int, rate_eps: float = 0.0, start_file: Path | None = None,
     *, trainer_like: bool = False, chunk_rows: int = CHUNK_ROWS, buffer_bytes: int | None = None,
+    window: int = MAX_INFLIGHT_BATCHES,
 ) -> list[subprocess.Popen]:
     """Launch the source processes. With start_file they get ready and wait; call release(start_file)."""
     extra = ["--start-file", str(start_file)] if start_file else []
     extra += ["--trainer-like"] if trainer_like else []
-    extra += ["--chunk-rows", str(chunk_rows)]
+    extra += ["--chunk-rows", str(chunk_rows), "--window", str(window)]
     extra += ["--buffer-bytes", str(buffer_bytes)] if buffer_bytes else []
     return [
         subprocess.Popen(
@@ -347,6 +381,8 @@ def main() -> None:
     p.add_argument("--trainer-like", action="store_true", help="never wait for acks; time each hand-over")
     p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS, help="rows per hand-over (one 'step')")
     p.add_argument("--buffer-bytes", type=int, default=None, help="the shipper's unacked budget")
+    p.add_argument("--window", type=int, default=MAX_INFLIGHT_BATCHES,
+                   help="chunks that may be unacked when the next is recorded (not with --trainer-like)")
     p.add_argument("--mix-ranks", type=int, default=0, help="ship the realistic mix of this many ranks instead")
     p.add_argument("--mix-first-rank", type=int, default=0)
     p.add_argument("--mix-step-s", type=float, default=1.0)
@@ -358,7 +394,8 @@ def main() -> None:
         print(json.dumps(stats), flush=True)
         return
     stats = run_source(a.endpoint, a.run_id, a.source, a.events, chunk_rows=a.chunk_rows, rate_eps=a.rate_eps,
-                       start_file=a.start_file, trainer_like=a.trainer_like, buffer_bytes=a.buffer_bytes)
+                       start_file=a.start_file, trainer_like=a.trainer_like, buffer_bytes=a.buffer_bytes,
+                       window=a.window)
     print(json.dumps(stats), flush=True)
 
 

@@ -65,6 +65,9 @@ def test_bad_mix_arguments_exit_2(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "ingest", "--mix", "realistic", "--ranks", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--ranks must be positive" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "ingest", "--window", "0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--window must be at least 1" in r.stderr
 
 
 def test_ab_runs_both_settings_interleaved_and_reports_medians(tmp_path) -> None:
@@ -103,3 +106,22 @@ def test_each_side_runs_the_tree_it_names(monkeypatch) -> None:
     assert side_env({"X": "1"}) == {"X": "1", "PYTHONPATH": OWN_TREE + ":/elsewhere"}
     assert side_env({"PYTHONPATH": "/other/tree"}) == {"PYTHONPATH": "/other/tree"}
     assert (ROOT / "collector" / "bench" / "ingest.py").samefile(OWN_TREE + "/collector/bench/ingest.py")
+
+
+def test_rows_sources_keep_at_most_their_window_unacked(tmp_path) -> None:
+    """A rows source records its next chunk only once at most `window` chunks of what it sent are
+    unacked (it waits on the shipper's acks, not by polling), and everything is stored once."""
+    from collector.bench.ingest import _free_port
+    from collector.bench.loadgen import CollectorProcess, count_stored, run_source
+
+    listen = f"127.0.0.1:{_free_port()}"
+    collector = CollectorProcess(tmp_path / "w.duckdb", listen)
+    collector.start()
+    try:
+        stats = {w: run_source(listen, f"w{w}", w, 60_000, chunk_rows=4_000, window=w) for w in (1, 3)}
+    finally:
+        collector.stop()
+    for w, st in stats.items():
+        assert st["flushed"] and st["sent"] == 60_000
+        assert 0 <= st["most_unacked_rows"] <= w * 4_000, (w, st["most_unacked_rows"])
+        assert count_stored(tmp_path / "w.duckdb", f"w{w}")["per_source"] == {w: (60_000, 60_000)}

@@ -61,3 +61,27 @@ def test_duckdb_threads_follow_the_flag(tmp_path) -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--duckdb-threads" in out.stderr
     assert not db.exists()
+
+
+def test_switch_interval_is_short_and_a_bad_one_is_refused_by_name(tmp_path, monkeypatch) -> None:
+    """The collector process runs with a 0.5 ms GIL switch interval (DuckDB's client takes the GIL
+    back between a query's tasks; docs/benchmarks.md), TRACETOP_SWITCH_INTERVAL_S sets another, and a
+    value that is not a time in (0, 1] s stops the collector before it opens anything, naming it."""
+    import os
+    import subprocess
+
+    from collector.app import SWITCH_INTERVAL_S, switch_interval_s
+
+    monkeypatch.delenv("TRACETOP_SWITCH_INTERVAL_S", raising=False)
+    assert switch_interval_s() == SWITCH_INTERVAL_S == 0.0005
+    monkeypatch.setenv("TRACETOP_SWITCH_INTERVAL_S", "0.002")
+    assert switch_interval_s() == 0.002
+    for bad in ("abc", "0", "-1", "5"):
+        monkeypatch.setenv("TRACETOP_SWITCH_INTERVAL_S", bad)
+        with pytest.raises(ValueError, match="TRACETOP_SWITCH_INTERVAL_S"):
+            switch_interval_s()
+    db = tmp_path / "refused.duckdb"
+    out = subprocess.run([sys.executable, "-m", "collector", "--db", str(db)], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, TRACETOP_SWITCH_INTERVAL_S="soon"))
+    assert out.returncode == 2 and "TRACETOP_SWITCH_INTERVAL_S='soon'" in out.stderr
+    assert not db.exists()
