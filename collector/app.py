@@ -171,7 +171,7 @@ def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[st
 #: waits until the holder (the gRPC edge decoding, the live engine) lets go, up to the interval: the
 #: writer's INSERTs waited there (py-spy, native stacks: ~14% of its samples at 8 sources). At 0.5 ms,
 #: two interleaved 5 + 5 runs of `tracetop bench ingest --sources 8`: +7% and +4% ev/s, p99 -13% and
-#: -7%, CPU per row -10% and -7% (docs/benchmarks.md, "The GIL's switch interval").
+#: -7%, CPU per row -10% and -7% (docs/benchmarks.md, "What holds the ingest rate").
 SWITCH_INTERVAL_S = 0.0005
 
 

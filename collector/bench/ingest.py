@@ -180,7 +180,7 @@ def ingest(sources: int, events: int, workdir: Path, listen: str | None = None,
     assert collector.proc is not None
     ps = psutil.Process(collector.proc.pid)
     go = workdir / "go"
-    window = window or int(os.environ.get("TRACETOP_BENCH_WINDOW") or MAX_INFLIGHT_BATCHES)
+    window = window or _env_window() or MAX_INFLIGHT_BATCHES
     procs = start_sources(listen, "bench", sources, events // sources, start_file=go, window=window)
     release(go, procs)  # every source set up: interpreter start-up stays out of the figures
     cpu0, wall0, threads0 = ps.cpu_times(), time.monotonic(), _thread_cpu(ps.pid)
@@ -383,9 +383,26 @@ def ab(args: argparse.Namespace) -> dict:
     return out
 
 
+def _env_window(raw: str | None = None) -> int | None:
+    """TRACETOP_BENCH_WINDOW (or ``raw``) as a window, None when unset; ValueError names a bad one."""
+    raw = (os.environ.get("TRACETOP_BENCH_WINDOW", "") if raw is None else raw).strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"TRACETOP_BENCH_WINDOW={raw!r} is not a whole number of chunks, at least 1")
+    return int(raw)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.window is not None and args.window < 1:
         print("tracetop bench ingest: --window must be at least 1 (chunks a source may have unacked)", file=sys.stderr)
+        return 2
+    try:  # checked before any run: the environment's, and B's word when --ab sets one
+        _env_window()
+        b_env = _split_setting(args.ab)[1] if args.ab is not None else {}
+        _env_window(b_env.get("TRACETOP_BENCH_WINDOW", ""))
+    except ValueError as e:
+        print(f"tracetop bench ingest: {e}", file=sys.stderr)
         return 2
     if args.ab is not None:
         if args.runs < 1:

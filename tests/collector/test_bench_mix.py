@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -68,6 +69,10 @@ def test_bad_mix_arguments_exit_2(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "ingest", "--window", "0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--window must be at least 1" in r.stderr
+    for env, ab in (({"TRACETOP_BENCH_WINDOW": "two"}, []), ({}, ["--ab", "TRACETOP_BENCH_WINDOW=0"])):
+        r = subprocess.run([sys.executable, "-m", "tracetop.cli", "bench", "ingest", *ab], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env={**os.environ, **env})
+        assert r.returncode == 2 and "TRACETOP_BENCH_WINDOW=" in r.stderr, r.stderr[-500:]
 
 
 def test_ab_runs_both_settings_interleaved_and_reports_medians(tmp_path) -> None:
