@@ -28,7 +28,7 @@ from collector.export.prometheus import AlertsFn, GaugesFn
 from collector.ingest.metrics import CollectorMetrics, serve_metrics
 from collector.ingest.schema import open_store
 from collector.ingest.server import CollectorService, check_listen, clear_stale_socket, unix_path
-from collector.ingest.writer import QueuedBatch, StreamEnd, StreamReplies, Writer, batch_to_arrow
+from collector.ingest.writer import ROLL_NICE, QueuedBatch, StreamEnd, StreamReplies, Writer, batch_to_arrow
 from collector.query import readonly
 from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
@@ -72,6 +72,9 @@ class CollectorConfig:
     memory_limit_mb: int | None = None
     #: DuckDB's threads for the file (ingest, the roll, queries); None: DuckDB's default, one per core
     duckdb_threads: int | None = None
+    #: the niceness the views' roll thread adds to its own, so commits come first (writer.ROLL_NICE;
+    #: 0: the roll runs as the writer does)
+    roll_nice: int = ROLL_NICE
     #: the collector's memory budget (`memory_budget`): DuckDB's limit (unless memory_limit_mb), the
     #: writer's queue and the live inbox are sized from it; None: sized to the machine
     memory_cap_mb: int | None = None
@@ -190,6 +193,24 @@ def switch_interval_s() -> float:
     if not 0.0 < value <= 1.0:
         raise ValueError(f"TRACETOP_SWITCH_INTERVAL_S={raw!r} is not a number of seconds in (0, 1]; unset it "
                          f"for the default {SWITCH_INTERVAL_S}")
+    return value
+
+
+def roll_nice() -> int:
+    """The niceness of the collector's roll thread: TRACETOP_ROLL_NICE (0-19, for A/B runs; 0 turns it
+    off) or ROLL_NICE. ValueError names a bad value and the fix."""
+    import os
+
+    raw = os.environ.get("TRACETOP_ROLL_NICE", "").strip()
+    if not raw:
+        return ROLL_NICE
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 19:
+        raise ValueError(f"TRACETOP_ROLL_NICE={raw!r} is not a niceness from 0 to 19; unset it for the "
+                         f"default {ROLL_NICE}")
     return value
 
 
@@ -313,6 +334,7 @@ async def start(
         on_flush=metrics.on_flush,
         on_queue=metrics.on_queue,
         on_commit=live.on_commit if live is not None else None,
+        roll_nice=config.roll_nice,
     )
     metrics.attach(writer)
     writer.start()

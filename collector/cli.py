@@ -172,10 +172,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"tracetop collector: {e}", file=sys.stderr)
         return 2
 
-    from collector.app import switch_interval_s
+    from collector.app import roll_nice, switch_interval_s
 
     try:
         sys.setswitchinterval(switch_interval_s())
+        nice = roll_nice()
     except ValueError as e:
         print(f"tracetop collector: {e}", file=sys.stderr)
         return 2
@@ -192,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         memory_limit_mb=args.memory_limit_mb,
         memory_cap_mb=args.memory_cap_mb,
         duckdb_threads=args.duckdb_threads,
+        roll_nice=nice,
         flush_rows=args.flush_rows,
         flush_interval_s=args.flush_interval_s,
         rules=rules,

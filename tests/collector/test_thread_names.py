@@ -85,3 +85,42 @@ def test_switch_interval_is_short_and_a_bad_one_is_refused_by_name(tmp_path, mon
                          timeout=60, env=dict(os.environ, TRACETOP_SWITCH_INTERVAL_S="soon"))
     assert out.returncode == 2 and "TRACETOP_SWITCH_INTERVAL_S='soon'" in out.stderr
     assert not db.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness: Linux only")
+def test_the_roll_thread_runs_lowered_and_a_bad_niceness_is_refused_by_name(tmp_path, monkeypatch) -> None:
+    """The views' roll thread adds ROLL_NICE to its niceness (commits first where the cores are short);
+    the writer and the live engine keep the process's; `roll_nice=0` leaves it; TRACETOP_ROLL_NICE
+    sets another, and a bad one stops the collector before it opens anything, naming it."""
+    import os
+    import subprocess
+    import time
+
+    from collector.app import roll_nice
+    from collector.ingest.writer import ROLL_NICE
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    for asked, want in ((ROLL_NICE, min(19, base + ROLL_NICE)), (0, base)):
+        handle = serve(CollectorConfig(str(tmp_path / f"n{asked}.duckdb"), roll_nice=asked))
+        try:
+            w = handle.collector.writer
+            deadline = time.monotonic() + 10
+            while os.getpriority(os.PRIO_PROCESS, w._roller.native_id) != want and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert os.getpriority(os.PRIO_PROCESS, w._roller.native_id) == want
+            assert os.getpriority(os.PRIO_PROCESS, w._thread.native_id) == base
+        finally:
+            handle.stop()
+    monkeypatch.delenv("TRACETOP_ROLL_NICE", raising=False)
+    assert roll_nice() == ROLL_NICE == 10
+    monkeypatch.setenv("TRACETOP_ROLL_NICE", "0")
+    assert roll_nice() == 0
+    for bad in ("low", "-1", "20", "2.5"):
+        monkeypatch.setenv("TRACETOP_ROLL_NICE", bad)
+        with pytest.raises(ValueError, match="TRACETOP_ROLL_NICE"):
+            roll_nice()
+    db = tmp_path / "refused.duckdb"
+    out = subprocess.run([sys.executable, "-m", "collector", "--db", str(db)], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, TRACETOP_ROLL_NICE="low"))
+    assert out.returncode == 2 and "TRACETOP_ROLL_NICE='low'" in out.stderr
+    assert not db.exists()

@@ -140,3 +140,39 @@ def test_a_checkpoint_gives_way_to_another_writer_and_runs_once_it_commits(tmp_p
     assert con.execute("SELECT count(*) FROM step").fetchone()[0] == 20 * ROWS
     assert con.execute("SELECT count(*) FROM scratch").fetchone()[0] == 1
     con.close()
+
+
+def test_a_checkpoint_put_off_by_the_roll_runs_when_the_roll_asks_with_nothing_queued(tmp_path) -> None:
+    """The roll thread runs lowered (writer.ROLL_NICE) and does not checkpoint itself: after its roll it
+    asks the writer thread, which checks at once even with nothing to commit. Here the roll's open
+    transaction makes every commit's checkpoint give way; once it commits and asks, the WAL is
+    checkpointed with no commit after it."""
+    import time
+
+    path = tmp_path / "ask.duckdb"
+    con = open_store(str(path), settings={"checkpoint_threshold": "1MB"})
+    con.execute("CREATE TABLE scratch (a INTEGER)")
+    roll = con.cursor()
+    roll.execute("BEGIN TRANSACTION")
+    roll.execute("INSERT INTO scratch VALUES (1)")  # the roll's transaction
+    writer = Writer(con, flush_rows=1, flush_interval_s=0.0)
+    writer.start()
+    try:
+        held = _commit_each(writer, path, 0, 10)
+        assert writer.checkpoints == 0 and held[-1] > 10**6, (writer.checkpoints, held)
+        tried = sum(w >= writer._checkpoint_bytes for w in held)  # commits past the threshold
+        deadline = time.monotonic() + 30  # the last one's tries (after its ack) have given way
+        while writer.checkpoints_deferred < tried and time.monotonic() < deadline:
+            time.sleep(0.01)
+        roll.execute("COMMIT")
+        time.sleep(0.3)  # nothing is committed meanwhile: nothing else checks
+        assert writer.checkpoints == 0 and _wal(path) > 10**6
+        writer.ask_checkpoint()
+        deadline = time.monotonic() + 30
+        while writer.checkpoints == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert writer.checkpoints == 1 and _wal(path) < 10**6, (writer.checkpoints, _wal(path))
+    finally:
+        writer.close()
+    assert con.execute("SELECT count(*) FROM step").fetchone()[0] == 10 * ROWS
+    con.close()
