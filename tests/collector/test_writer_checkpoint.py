@@ -176,3 +176,43 @@ def test_a_checkpoint_put_off_by_the_roll_runs_when_the_roll_asks_with_nothing_q
         writer.close()
     assert con.execute("SELECT count(*) FROM step").fetchone()[0] == 10 * ROWS
     con.close()
+
+
+def test_a_batch_queued_while_a_checkpoint_gives_way_is_committed_without_waiting_for_the_tries(
+        tmp_path, monkeypatch) -> None:
+    """A due checkpoint whose lock is held (the roll's transaction) is tried a few times; a batch queued
+    between the tries ends them, so sources waiting on their acks do not wait for the tries. The tries
+    are 2 s apart here: a batch that waited for them would be acked after ~6 s."""
+    import time
+
+    from collector.ingest import writer as writer_mod
+
+    monkeypatch.setattr(writer_mod, "CHECKPOINT_RETRY_S", 2.0)
+    path = tmp_path / "q.duckdb"
+    con = open_store(str(path), settings={"checkpoint_threshold": "1MB"})
+    con.execute("CREATE TABLE scratch (a INTEGER)")
+    roll = con.cursor()
+    roll.execute("BEGIN TRANSACTION")
+    roll.execute("INSERT INTO scratch VALUES (1)")  # the roll's transaction holds the checkpoint off
+    writer = Writer(con, flush_rows=1, flush_interval_s=0.0)
+    writer.start()
+    replies = _Acks()
+    try:
+        i, waits = 0, []
+        while _wal(path) < 2 * 10**6:  # past the threshold: each commit's checkpoint is due and gives way
+            writer.submit(_step_batch(replies, i))
+            replies.wait(i + 1)
+            i += 1
+        for _ in range(3):  # each submitted as soon as the one before is acked (its tries just begun)
+            t0 = time.monotonic()
+            writer.submit(_step_batch(replies, i))
+            replies.wait(i + 1)
+            waits.append(time.monotonic() - t0)
+            i += 1
+        assert max(waits) < 1.5, waits
+        assert writer.checkpoints == 0 and writer.checkpoints_deferred >= 3
+    finally:
+        roll.execute("COMMIT")
+        writer.close()
+    assert con.execute("SELECT count(*) FROM step").fetchone()[0] == i * ROWS
+    con.close()
