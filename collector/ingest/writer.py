@@ -56,9 +56,9 @@ ROLL_DEFER_S = 5.0
 #: the niceness the collector's roll thread adds to its own (Linux; `Writer(roll_nice=)`). Where the
 #: cores are short the writer's commits and the gRPC edge take them first and the roll takes what is
 #: left; where they are not, it changes nothing. The views stay exact whatever the roll's lag (they
-#: read the rows past their watermarks). `bench ingest --ab "TRACETOP_ROLL_NICE=10"`, 5 + 5 at load
-#: 0.2-3.7: 746k -> 820k ev/s (the roll's CPU during the runs 0.47 -> 0.26 CPU-s per M rows, the same
-#: through the close); at 16,384 ranks (2 + 2, 120 s) CPU, p99 and RSS unchanged
+#: read the rows past their watermarks). `bench ingest --ab "TRACETOP_ROLL_NICE=0"`, 5 + 5 at load
+#: 0.8-3.3: 921k lowered against 831k ev/s (the roll's CPU during the runs 0.26 against 0.44 CPU-s per
+#: M rows, the same through the close); at 16,384 ranks (2 + 2, 120 s) CPU, p99 and RSS unchanged
 ROLL_NICE = 10
 #: the views roll whatever came once this many times ROLL_EVERY_ROWS rows of their inputs are past
 #: their watermarks. Below it they roll only after step rows that can complete a step: of a step newer
@@ -97,7 +97,8 @@ def lower_thread_priority(nice: int) -> int | None:
         now = min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice)
         os.setpriority(os.PRIO_PROCESS, tid, now)
     except OSError as e:  # (a sandbox without setpriority): the roll runs at the writer's priority
-        log.warning("collector: could not lower the roll thread's priority (%s); it runs as the writer does", e)
+        log.warning("collector: could not lower thread %s's priority (%s); it runs as the others do",
+                    threading.current_thread().name, e)
         return None
     return now
 
