@@ -178,40 +178,34 @@ def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[st
 SWITCH_INTERVAL_S = 0.0005
 
 
+def _env_setting(name: str, parse, ok, default, what: str):
+    """An A/B override from the environment: `name` parsed by `parse` and checked by `ok`, or
+    `default` when unset. ValueError names a bad value, what it should be, and the fix."""
+    import os
+
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = parse(raw)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise ValueError(f"{name}={raw!r} is not {what}; unset it for the default {default}")
+    return value
+
+
 def switch_interval_s() -> float:
     """The switch interval the collector process runs with: TRACETOP_SWITCH_INTERVAL_S (seconds, for
     A/B runs) or SWITCH_INTERVAL_S. ValueError names a bad value and the fix."""
-    import os
-
-    raw = os.environ.get("TRACETOP_SWITCH_INTERVAL_S", "").strip()
-    if not raw:
-        return SWITCH_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"TRACETOP_SWITCH_INTERVAL_S={raw!r} is not a number of seconds in (0, 1]; unset it "
-                         f"for the default {SWITCH_INTERVAL_S}")
-    return value
+    return _env_setting("TRACETOP_SWITCH_INTERVAL_S", float, lambda v: 0.0 < v <= 1.0, SWITCH_INTERVAL_S,
+                        "a number of seconds in (0, 1]")
 
 
 def roll_nice() -> int:
     """The niceness of the collector's roll thread: TRACETOP_ROLL_NICE (0-19, for A/B runs; 0 turns it
     off) or ROLL_NICE. ValueError names a bad value and the fix."""
-    import os
-
-    raw = os.environ.get("TRACETOP_ROLL_NICE", "").strip()
-    if not raw:
-        return ROLL_NICE
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 19:
-        raise ValueError(f"TRACETOP_ROLL_NICE={raw!r} is not a niceness from 0 to 19; unset it for the "
-                         f"default {ROLL_NICE}")
-    return value
+    return _env_setting("TRACETOP_ROLL_NICE", int, lambda v: 0 <= v <= 19, ROLL_NICE, "a niceness from 0 to 19")
 
 
 @dataclass

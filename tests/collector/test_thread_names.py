@@ -63,12 +63,22 @@ def test_duckdb_threads_follow_the_flag(tmp_path) -> None:
     assert not db.exists()
 
 
+def _refused_by_name(tmp_path, name: str, value: str) -> None:
+    """`tracetop collector` with a bad `name` in its environment exits 2 naming it, opening nothing."""
+    import os
+    import subprocess
+
+    db = tmp_path / "refused.duckdb"
+    out = subprocess.run([sys.executable, "-m", "collector", "--db", str(db)], capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, **{name: value}))
+    assert out.returncode == 2 and f"{name}={value!r}" in out.stderr, out.stderr
+    assert not db.exists()
+
+
 def test_switch_interval_is_short_and_a_bad_one_is_refused_by_name(tmp_path, monkeypatch) -> None:
     """The collector process runs with a 0.5 ms GIL switch interval (DuckDB's client takes the GIL
     back between a query's tasks; docs/benchmarks.md), TRACETOP_SWITCH_INTERVAL_S sets another, and a
     value that is not a time in (0, 1] s stops the collector before it opens anything, naming it."""
-    import os
-    import subprocess
 
     from collector.app import SWITCH_INTERVAL_S, switch_interval_s
 
@@ -80,11 +90,7 @@ def test_switch_interval_is_short_and_a_bad_one_is_refused_by_name(tmp_path, mon
         monkeypatch.setenv("TRACETOP_SWITCH_INTERVAL_S", bad)
         with pytest.raises(ValueError, match="TRACETOP_SWITCH_INTERVAL_S"):
             switch_interval_s()
-    db = tmp_path / "refused.duckdb"
-    out = subprocess.run([sys.executable, "-m", "collector", "--db", str(db)], capture_output=True, text=True,
-                         timeout=60, env=dict(os.environ, TRACETOP_SWITCH_INTERVAL_S="soon"))
-    assert out.returncode == 2 and "TRACETOP_SWITCH_INTERVAL_S='soon'" in out.stderr
-    assert not db.exists()
+    _refused_by_name(tmp_path, "TRACETOP_SWITCH_INTERVAL_S", "soon")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness: Linux only")
@@ -93,7 +99,6 @@ def test_the_roll_thread_runs_lowered_and_a_bad_niceness_is_refused_by_name(tmp_
     the writer and the live engine keep the process's; `roll_nice=0` leaves it; TRACETOP_ROLL_NICE
     sets another, and a bad one stops the collector before it opens anything, naming it."""
     import os
-    import subprocess
     import time
 
     from collector.app import roll_nice
@@ -119,8 +124,4 @@ def test_the_roll_thread_runs_lowered_and_a_bad_niceness_is_refused_by_name(tmp_
         monkeypatch.setenv("TRACETOP_ROLL_NICE", bad)
         with pytest.raises(ValueError, match="TRACETOP_ROLL_NICE"):
             roll_nice()
-    db = tmp_path / "refused.duckdb"
-    out = subprocess.run([sys.executable, "-m", "collector", "--db", str(db)], capture_output=True, text=True,
-                         timeout=60, env=dict(os.environ, TRACETOP_ROLL_NICE="low"))
-    assert out.returncode == 2 and "TRACETOP_ROLL_NICE='low'" in out.stderr
-    assert not db.exists()
+    _refused_by_name(tmp_path, "TRACETOP_ROLL_NICE", "low")
