@@ -37,6 +37,19 @@ def _get(url: str, token: str | None = None, context: ssl.SSLContext | None = No
         return e.code, e.read().decode()
 
 
+def _get_sampled(url: str, token: str | None = None, context: ssl.SSLContext | None = None) -> tuple[int, str]:
+    """`_get` until the agent's first GPU sample is in the page (/metrics serves from its start, before
+    the first sample: on a cold machine a scrape can come first), or 20 s have passed."""
+    import time
+
+    deadline = time.monotonic() + 20
+    while True:
+        code, body = _get(url, token, context)
+        if code != 200 or "tracetop_gpu_temperature_c" in body or time.monotonic() > deadline:
+            return code, body
+        time.sleep(0.1)
+
+
 def _agent(tmp_path: Path, *extra: str):
     # the collector is never reached (nothing listens there): the agent spools, /metrics still serves
     return start_agent(f"unix://{tmp_path / 'nobody.sock'}", f"unix://{tmp_path / 'agent.sock'}", tmp_path / "spool",
@@ -52,7 +65,7 @@ def test_metrics_need_the_bearer_token(tmp_path: Path, flag: str) -> None:
         assert code == 401 and "bearer token" in body and TOKEN not in body, body
         code, body = _get(url, "not-the-token")
         assert code == 401 and "not one this collector accepts" in body and "not-the-token" not in body
-        code, body = _get(url, TOKEN)
+        code, body = _get_sampled(url, TOKEN)
         assert code == 200 and "tracetop_gpu_temperature_c" in body and "tracetop_agent_spool_bytes" in body
     finally:
         agent.service.stop(timeout_s=30)
@@ -67,7 +80,7 @@ def test_metrics_over_tls(tmp_path: Path) -> None:
     try:
         assert agent.service.match["metrics_port"]
         ctx = ssl.create_default_context(cafile=str(d / "ca.pem"))
-        code, body = _get(f"https://127.0.0.1:{agent.metrics_port}/metrics", context=ctx)
+        code, body = _get_sampled(f"https://127.0.0.1:{agent.metrics_port}/metrics", context=ctx)
         assert code == 200 and "tracetop_gpu_temperature_c" in body
         with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP to the HTTPS port
             urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=20).read()

