@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
         "-m", "reference_trainer", "--tp", "1", "--pp", "2", "--steps", str(args.steps),
-        "--micro-batch", "4", "--micro-batches", "2", "--activation-mb-per-sample", "40", "--memory-budget-mb", "700",
+        "--micro-batch", "4", "--micro-batches", "2", "--activation-mb-per-sample", "40", "--memory-budget-mb", "750",
         "--inject-slow-rank", f"{args.straggler_rank}:{args.straggler_factor:g}@{strag_from}", "--quiet",
     ]
     print("tracetop demo: " + " ".join(cmd[2:]), flush=True)
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
             agree = "every rank runs" if (mb, mbs) == (mb_max, mbs_max) else "ranks DISAGREE:"
             print(f"  {agree} micro-batch {mb} x {mbs} from step {step}")
     print()
-    print(f"injected: activations of 40 MiB a sample against a 700 MiB budget; rank {args.straggler_rank} computes "
+    print(f"injected: activations of 40 MiB a sample against a 750 MiB budget; rank {args.straggler_rank} computes "
           f"{args.straggler_factor:g}x as long from step {strag_from}")
     print(f"explore: tracetop ui {db}   |   tracetop report {db} -o {workdir / 'report.html'}   |   "
           f'tracetop query {db} "SELECT * FROM stragglers WHERE is_straggler"')
