@@ -86,21 +86,18 @@ def _wal_and_threshold(con) -> tuple[str | None, int]:
     return (f"{path}.wal" if path else None), int(float(value) * _UNITS.get(unit, 1))
 
 
-def lower_thread_priority(nice: int) -> int | None:
+def lower_thread_priority(nice: int) -> None:
     """Add `nice` to the calling thread's niceness (Linux, where it is per thread; elsewhere nothing,
-    as a process-wide change would slow every thread). Returns the niceness now, or None where
-    unchanged. A lowered thread cannot raise it again without privileges."""
+    as a process-wide change would slow every thread). A lowered thread cannot raise it again
+    without privileges."""
     if nice <= 0 or sys.platform != "linux":
-        return None
+        return
     tid = threading.get_native_id()
     try:
-        now = min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice)
-        os.setpriority(os.PRIO_PROCESS, tid, now)
-    except OSError as e:  # (a sandbox without setpriority): the roll runs at the writer's priority
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:  # (a sandbox without setpriority): the thread runs as the others do
         log.warning("collector: could not lower thread %s's priority (%s); it runs as the others do",
                     threading.current_thread().name, e)
-        return None
-    return now
 
 
 def batch_to_arrow(batch: DecodedBatch) -> pa.Table:

@@ -96,7 +96,7 @@ def test_switch_interval_is_short_and_a_bad_one_is_refused_by_name(tmp_path, mon
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness: Linux only")
 def test_the_roll_thread_runs_lowered_and_a_bad_niceness_is_refused_by_name(tmp_path, monkeypatch) -> None:
     """The views' roll thread adds ROLL_NICE to its niceness (commits first where the cores are short);
-    the writer and the live engine keep the process's; `roll_nice=0` leaves it; TRACETOP_ROLL_NICE
+    the writer thread keeps the process's; `roll_nice=0` leaves it; TRACETOP_ROLL_NICE
     sets another, and a bad one stops the collector before it opens anything, naming it."""
     import os
     import time
