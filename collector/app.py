@@ -70,7 +70,8 @@ class CollectorConfig:
     auth: ServerAuth | None = None
     #: cap DuckDB's memory for the file (ingest and queries together); None: from memory_cap_mb
     memory_limit_mb: int | None = None
-    #: DuckDB's threads for the file (ingest, the roll, queries); None: DuckDB's default, one per core
+    #: DuckDB's threads for the file (ingest, the roll, queries); None: `default_duckdb_threads()`,
+    #: half the cores (1 on 2 cores)
     duckdb_threads: int | None = None
     #: the niceness the views' roll thread adds to its own, so commits come first (writer.ROLL_NICE;
     #: 0: the roll runs as the writer does)
@@ -136,13 +137,30 @@ def memory_budget(config: CollectorConfig) -> MemoryBudget:
                         checkpoint_mb=max(16, min(CHECKPOINT_MB, duckdb_mb // 4)))
 
 
+def default_duckdb_threads() -> int:
+    """DuckDB's threads when the collector is not told: half the cores it may run on, at least 1.
+
+    The collector's own threads already run DuckDB statements side by side (the writer's commits
+    and checkpoints, the views' roll, the live queries; the gRPC edge beside them). A statement
+    DuckDB splits over its workers makes its caller wait for them, polling Python's signals, which
+    takes the GIL the edge is decoding with: on 2 cores one thread (DuckDB's own default is one
+    per core) measured 0.82× the CPU per row, 1.18× the rate and 0.73× the p99 in the rows bench
+    (docs/benchmarks.md, "DuckDB's threads"). Larger hosts keep workers for checkpoints and
+    queries; there the split is not measured."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (not Linux)
+        cores = os.cpu_count() or 1
+    return max(1, cores // 2)
+
+
 def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[str, str | int]:
     """DuckDB's settings for the collector's file, beyond its memory limit.
 
-    ``threads`` (`--duckdb-threads`; default DuckDB's, one per core): at 1 the writer, the roll and
-    each query run their own statements and DuckDB's workers split none of them. On a machine busy
-    with other work that cost 20–40% less CPU per row at 16,384 ranks; on a quiet one the same CPU
-    and a higher p99 (docs/benchmarks.md, "DuckDB's threads").
+    ``threads`` (`--duckdb-threads`; default `default_duckdb_threads()`, half the cores): at 1 the
+    writer, the roll and each query run their own statements and DuckDB's workers split none of them.
     TRACETOP_CHECKPOINT_MB overrides the checkpoint threshold (for A/B runs: `bench ingest --ab`).
     TRACETOP_DUCKDB_SET="name=value;name=value" sets any others (for A/B runs).
     DuckDB's vacuum is off (``max_vacuum_tasks = 0``; TRACETOP_MAX_VACUUM_TASKS sets another, DuckDB's
@@ -159,9 +177,7 @@ def duckdb_settings(budget: MemoryBudget, threads: int | None = None) -> dict[st
     import os
 
     mb = int(os.environ.get("TRACETOP_CHECKPOINT_MB") or budget.checkpoint_mb)
-    out: dict[str, str | int] = {"checkpoint_threshold": f"{mb}MB"}
-    if threads:
-        out["threads"] = threads
+    out: dict[str, str | int] = {"checkpoint_threshold": f"{mb}MB", "threads": threads or default_duckdb_threads()}
     out["max_vacuum_tasks"] = int(os.environ.get("TRACETOP_MAX_VACUUM_TASKS") or 0)
     for item in filter(None, os.environ.get("TRACETOP_DUCKDB_SET", "").split(";")):
         name, _, value = item.partition("=")

@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cap DuckDB's memory for the file (ingest and queries together; default 3/8 of "
                         "--memory-cap-mb); a query needing more is refused, the collector lives on")
     parser.add_argument("--duckdb-threads", type=int, default=None,
-                        help="DuckDB's threads for the file (default: one per core); 1 spends less CPU per row "
-                        "on a machine busy with other work, at a higher delay (docs/benchmarks.md)")
+                        help="DuckDB's threads for the file (default: half the cores, at least 1; more split "
+                        "checkpoints and large queries, at more CPU per row: docs/benchmarks.md)")
     parser.add_argument("--memory-cap-mb", type=int, default=None, help="the collector's memory budget: DuckDB's limit "
                         "(unless --memory-limit-mb), the writer's queue and the live inbox are sized from it; past "
                         "them shippers are held (backpressure) (default: 1/8 of RAM, at most 1024)")

@@ -44,12 +44,14 @@ def test_checkpoint_threshold_follows_the_budget(tmp_path) -> None:
 
 
 def test_duckdb_threads_follow_the_flag(tmp_path) -> None:
-    """DuckDB's threads: its default (one per core) unless the collector is told (`--duckdb-threads`,
-    docs/benchmarks.md); a bad count is refused by name before anything opens."""
+    """DuckDB's threads: half the cores the collector may run on (at least 1; DuckDB's own default is
+    one per core) unless the collector is told (`--duckdb-threads`, docs/benchmarks.md); a bad count
+    is refused by name before anything opens."""
     import os
     import subprocess
 
-    for threads, want in ((None, os.cpu_count()), (1, 1), (3, 3)):
+    half = max(1, len(os.sched_getaffinity(0)) // 2)
+    for threads, want in ((None, half), (1, 1), (3, 3)):
         handle = serve(CollectorConfig(str(tmp_path / f"t{want}.duckdb"), duckdb_threads=threads))
         try:
             got = handle.collector.con.execute("SELECT current_setting('threads')").fetchone()[0]  # type: ignore[attr-defined]
