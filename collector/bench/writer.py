@@ -4,7 +4,7 @@
     python -m collector.bench.writer --mix --rows 8000000 --commit-rows 160000 --checkpoint 64MB
 
 One process, no gRPC, no roll, no live engine: the Arrow tables `batch_to_arrow` makes, INSERTed as the
-writer does (`writer.insert_rows`: one INSERT per kind a commit) into a fresh file opened as the collector opens it. The rows:
+writer does (`writer.Staging`: one INSERT per kind a commit, its Arrow staged by a name registered once) into a fresh file opened as the collector opens it. The rows:
 `bench ingest`'s STEP rows (each row a step of its own), or with --mix the realistic mix's kinds in its
 proportions (1 STEP, 20 COLLECTIVE, 16 PIPE_INSTR, 1 MEMORY, 1 THROUGHPUT a rank-step). CPU is the
 process's (every DuckDB thread included), over the commits, then the closing checkpoint's apart.
@@ -59,7 +59,7 @@ def _tables(mix: bool) -> list[tuple[str, pa.Table]]:
 
 def run(rows: int, commit_rows: int, checkpoint: str, mix: bool, settings: dict[str, str] | None = None) -> dict:
     from collector.ingest.schema import open_store
-    from collector.ingest.writer import insert_rows
+    from collector.ingest.writer import Staging
 
     units = _tables(mix)
     unit_rows = sum(t.num_rows for _, t in units)
@@ -68,13 +68,16 @@ def run(rows: int, commit_rows: int, checkpoint: str, mix: bool, settings: dict[
     with tempfile.TemporaryDirectory(prefix="tracetop-writer-") as d:
         con = open_store(str(Path(d) / "w.duckdb"), settings={"checkpoint_threshold": checkpoint, **(settings or {})})
         done, commits = 0, 0
+        staging = Staging(con)
         c0, w0 = _cpu_s(), time.monotonic()
         while done < rows:
+            staged = [(name, staging.stage_rows(name, tables)) for name, tables in commit]
             con.execute("BEGIN TRANSACTION")
-            for name, tables in commit:
-                insert_rows(con, name, tables)
+            for (name, tables), (_, source) in zip(commit, staged):
+                con.execute(f"INSERT INTO {name} SELECT * FROM {source}")
                 done += sum(t.num_rows for t in tables)
             con.execute("COMMIT")
+            staging.clear()
             commits += 1
         c1, w1 = _cpu_s(), time.monotonic()
         con.execute("CHECKPOINT")

@@ -128,21 +128,86 @@ def batch_to_arrow(batch: DecodedBatch) -> pa.Table:
 ROW_GROUP_ROWS = 122_880
 
 
-def insert_rows(con, table: str, tables: list[pa.Table]) -> None:
-    """INSERT one kind's queued Arrow tables (inside the caller's transaction), as one chunk.
+class Staging:
+    """Arrow tables the writer's statements read by name (`_tt_in_<name>`): each name registered on
+    the connection once, its table swapped in before each commit.
 
-    DuckDB scans a many-chunk Arrow table on several threads, each filling row groups of its own:
-    a 245,760-row commit of 15 batches left 3 partial row groups, which the next checkpoint merged,
-    compressing those rows a second time. One chunk is scanned by one thread into whole row
-    groups. STEP rows in 245,760-row commits: 0.43 CPU-s per million stored (commits and closing
-    checkpoint) against 0.98-1.3 from the many-chunk table (`python -m collector.bench.writer
-    --commit-rows 245760`); below a row group per table it changes nothing measurable. The cost:
-    one copy of the kind's queued rows while the INSERT runs (bounded by the queue's bytes)."""
-    con.register("_tt_batch", pa.concat_tables(tables).combine_chunks())
+    DuckDB's Python client takes the GIL back several times in every statement it runs, whatever its
+    rows (to check for Ctrl-C), and a registration is a statement (CREATE VIEW), its removal another:
+    registering a commit's tables and dropping them again was 6 of its 11 statements. While the gRPC
+    edge holds the GIL each take waits up to the switch interval. DuckDB reads a registered object's
+    `__arrow_c_stream__` to bind its name and again to scan it, so the name stays and the rows change:
+    a one-kind commit takes the GIL ~59 times instead of ~89 (counted in gdb), and 114,688 STEP rows
+    commit in 77-79 ms instead of 96-101 beside a thread that holds the GIL (40-45 ms of CPU either
+    way; docs/benchmarks.md). For one thread (a registration belongs to its connection)."""
+
+    def __init__(self, con) -> None:
+        self.con = con
+        self._staged: dict[str, _Staged] = {}
+
+    def put(self, name: str, table: pa.Table) -> str:
+        """Make `table` what `_tt_in_<name>` reads; returns that name. A name new (or of a new schema) is
+        registered: a statement of the transaction open on the connection, if one is, undone by its
+        ROLLBACK. Put new names before BEGIN."""
+        staged = self._staged.get(name)
+        if staged is None or staged.schema != table.schema:
+            staged = _Staged(table.schema)
+            self.con.complete()  # (DuckDB refuses a registration while a result of execute() is unread)
+            self.con.register(f"_tt_in_{name}", staged)
+            self._staged[name] = staged
+        staged.table = table
+        return f"_tt_in_{name}"
+
+    def stage_rows(self, table: str, tables: list[pa.Table]) -> str:
+        """One kind's queued Arrow tables, as one chunk, staged for `INSERT INTO <table> SELECT * FROM
+        <the name returned>` (a new name is registered: stage before BEGIN).
+
+        DuckDB scans a many-chunk Arrow table on several threads, each filling row groups of its own:
+        a 245,760-row commit of 15 batches left 3 partial row groups, which the next checkpoint merged,
+        compressing those rows a second time. One chunk is scanned by one thread into whole row groups.
+        STEP rows in 245,760-row commits: 0.43 CPU-s per million stored (commits and closing checkpoint)
+        against 0.98-1.3 from the many-chunk table (`python -m collector.bench.writer --commit-rows
+        245760`); below a row group per table it changes nothing measurable. The cost: one copy of the
+        kind's queued rows until `clear` (bounded by the queue's bytes)."""
+        return self.put(table, pa.concat_tables(tables).combine_chunks())
+
+    def clear(self) -> None:
+        """Let go of every staged table (each name then reads no rows), so their memory is freed."""
+        for staged in self._staged.values():
+            staged.table = staged.schema.empty_table()
+
+    def close(self) -> None:
+        for name in self._staged:
+            self.con.unregister(f"_tt_in_{name}")
+        self._staged.clear()
+
+
+class _Staged:
+    """What DuckDB reads for one staged name: the table put last."""
+
+    def __init__(self, schema: pa.Schema) -> None:
+        self.schema = schema
+        self.table = schema.empty_table()
+
+    def __arrow_c_stream__(self, requested_schema=None):
+        return self.table.__arrow_c_stream__(requested_schema)
+
+
+def insert_rows(con, table: str, tables: list[pa.Table]) -> None:
+    """INSERT one kind's Arrow tables into `table` as the writer does (`Staging.stage_rows`), on a
+    connection of one's own (tests); nothing stays registered."""
+    staging = Staging(con)
     try:
-        con.execute(f"INSERT INTO {table} SELECT * FROM _tt_batch")
+        con.execute(f"INSERT INTO {table} SELECT * FROM {staging.stage_rows(table, tables)}")
     finally:
-        con.unregister("_tt_batch")
+        staging.close()
+
+
+#: the ingest log's and the sources' rows of a commit, as the writer stages them
+LOG_SCHEMA = pa.schema([("source_id", pa.string()), ("seq", pa.uint64()), ("kind", pa.string()), ("n", pa.int32()),
+                        ("first_record_ns", pa.int64()), ("sealed_ns", pa.int64()), ("committed_ns", pa.int64())])
+SOURCES_SCHEMA = pa.schema([("source_id", pa.string()), ("hwm", pa.uint64()), ("first_seen_ns", pa.int64()),
+                            ("last_seen_ns", pa.int64()), ("batches", pa.int64()), ("rows", pa.int64())])
 
 
 @dataclass(frozen=True)
@@ -264,6 +329,11 @@ class Writer:
         self._roll_stop = False
         self._checkpoint_asked = False  # by the roll thread, after a roll: the writer thread checks it
         self._roll_cursor = con.cursor()  # made here: a connection is not to be shared across threads
+        # the commits' Arrow inputs, by name; the ingest log's and the sources' registered here, so a
+        # commit registers only a kind new to it (before its BEGIN)
+        self._staging = Staging(con)
+        self._staging.put("log", LOG_SCHEMA.empty_table())
+        self._staging.put("sources", SOURCES_SCHEMA.empty_table())
         self._roller = threading.Thread(target=self._roll_loop, name="tracetop-rollup", daemon=True)
         self._wal, self._checkpoint_bytes = _wal_and_threshold(con)
         # `_checkpoint_if_due`'s: checkpoints run, their seconds, and those put off to a later try
@@ -561,53 +631,53 @@ class Writer:
             agg = per_source.setdefault(b.key, [0, 0])
             agg[0] += 1
             agg[1] += b.n
-        con = self.con
-        con.execute("BEGIN TRANSACTION")
+        con, staging = self.con, self._staging
         try:
-            for kind, tables in by_kind.items():
-                insert_rows(con, table_name(kind), tables)
-            committed_ns = self.clock_ns()
-            log_table = pa.table(
-                {
-                    "source_id": [i.batch.source_id for i in accepted],
-                    "seq": pa.array([i.batch.seq for i in accepted], pa.uint64()),
-                    "kind": [table_name(i.batch.kind) for i in accepted],
-                    "n": pa.array([i.batch.n for i in accepted], pa.int32()),
-                    "first_record_ns": pa.array([i.batch.first_record_ns or None for i in accepted], pa.int64()),
-                    "sealed_ns": pa.array([i.batch.sealed_ns or None for i in accepted], pa.int64()),
-                    "committed_ns": pa.array([committed_ns] * len(accepted), pa.int64()),
-                }
-            )
-            sources = list(per_source)
-            src_table = pa.table(
-                {
-                    "source_id": sources,
-                    "hwm": pa.array([hwm[s] for s in sources], pa.uint64()),
-                    "first_seen_ns": pa.array([committed_ns] * len(sources), pa.int64()),
-                    "last_seen_ns": pa.array([committed_ns] * len(sources), pa.int64()),
-                    "batches": pa.array([per_source[s][0] for s in sources], pa.int64()),
-                    "rows": pa.array([per_source[s][1] for s in sources], pa.int64()),
-                }
-            )
-            con.register("_tt_log", log_table)
-            con.register("_tt_src", src_table)
+            inserts = [(table_name(kind), staging.stage_rows(table_name(kind), tables)) for kind, tables in by_kind.items()]
+            con.execute("BEGIN TRANSACTION")
             try:
-                con.execute("INSERT INTO ingest_log SELECT * FROM _tt_log")
+                for table, staged in inserts:
+                    con.execute(f"INSERT INTO {table} SELECT * FROM {staged}")
+                committed_ns = self.clock_ns()
+                log_rows = staging.put("log", pa.table(
+                    {
+                        "source_id": [i.batch.source_id for i in accepted],
+                        "seq": [i.batch.seq for i in accepted],
+                        "kind": [table_name(i.batch.kind) for i in accepted],
+                        "n": [i.batch.n for i in accepted],
+                        "first_record_ns": [i.batch.first_record_ns or None for i in accepted],
+                        "sealed_ns": [i.batch.sealed_ns or None for i in accepted],
+                        "committed_ns": [committed_ns] * len(accepted),
+                    },
+                    schema=LOG_SCHEMA,
+                ))
+                sources = list(per_source)
+                source_rows = staging.put("sources", pa.table(
+                    {
+                        "source_id": sources,
+                        "hwm": [hwm[s] for s in sources],
+                        "first_seen_ns": [committed_ns] * len(sources),
+                        "last_seen_ns": [committed_ns] * len(sources),
+                        "batches": [per_source[s][0] for s in sources],
+                        "rows": [per_source[s][1] for s in sources],
+                    },
+                    schema=SOURCES_SCHEMA,
+                ))
+                con.execute(f"INSERT INTO ingest_log SELECT * FROM {log_rows}")
                 con.execute(
-                    "INSERT INTO sources SELECT * FROM _tt_src ON CONFLICT (source_id) DO UPDATE SET "
+                    f"INSERT INTO sources SELECT * FROM {source_rows} ON CONFLICT (source_id) DO UPDATE SET "
                     "hwm = excluded.hwm, last_seen_ns = excluded.last_seen_ns, "
                     "batches = sources.batches + excluded.batches, rows = sources.rows + excluded.rows"
                 )
-            finally:
-                con.unregister("_tt_log")
-                con.unregister("_tt_src")
-            con.execute("COMMIT")
-        except Exception:
-            try:
-                con.execute("ROLLBACK")
+                con.execute("COMMIT")
             except Exception:
-                log.exception("collector: rollback failed")
-            raise
+                try:
+                    con.execute("ROLLBACK")
+                except Exception:
+                    log.exception("collector: rollback failed")
+                raise
+        finally:
+            staging.clear()
         return committed_ns
 
     def _fail(self, items: list[QueuedBatch | Barrier], why: str) -> None:

@@ -1,15 +1,25 @@
-"""The writer's INSERT path (writer.insert_rows): a commit's many batches stored exactly, and a
-commit past a DuckDB row group written as whole row groups (the cheap path: no WAL copy, no
-re-compression by the next checkpoint, no partial row groups for checkpoints to merge)."""
+"""The writer's INSERT path (writer.Staging): a commit's many batches stored exactly, a commit past a
+DuckDB row group written as whole row groups (the cheap path: no WAL copy, no re-compression by the
+next checkpoint, no partial row groups for checkpoints to merge), and the staged names registered
+once, kept through a failed commit's ROLLBACK, and emptied after each commit."""
 
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
 from collector.ingest.schema import open_store
-from collector.ingest.writer import ROW_GROUP_ROWS, Ack, QueuedBatch, StreamReplies, Writer, batch_to_arrow
+from collector.ingest.writer import (
+    ROW_GROUP_ROWS,
+    Ack,
+    QueuedBatch,
+    StreamEnd,
+    StreamReplies,
+    Writer,
+    batch_to_arrow,
+)
 from tracetop.events import SCHEMAS, Kind
 from tracetop.wire.codec import decode_batch, encode_batch
 
@@ -19,10 +29,13 @@ BATCH_ROWS = 16384
 class _Acks(StreamReplies):
     def __init__(self) -> None:
         self.acks: list[Ack] = []
+        self.ends: list[StreamEnd] = []
 
     def deliver(self, item) -> None:
         if isinstance(item, Ack):
             self.acks.append(item)
+        else:
+            self.ends.append(item)
 
 
 def _queued(replies, kind: Kind, cols: dict, seq: int) -> QueuedBatch:
@@ -78,3 +91,38 @@ def test_vacuum_knob_reaches_the_file(tmp_path, monkeypatch) -> None:
         got = con.execute("SELECT current_setting('max_vacuum_tasks')").fetchone()[0]
         con.close()
         assert got == (want if want is not None else 0)  # off unless asked for (DuckDB's default: 100)
+
+
+def test_staged_names_outlive_a_failed_commit_and_hold_no_rows_after_a_commit(tmp_path) -> None:
+    """Three commits one after another on the writer thread: STEP rows; STEP rows of the same Arrow
+    schema that the table refuses (run_id null: its INSERT fails inside the transaction, which is
+    rolled back, and its stream is ended); STEP rows again, through the same registered names. The
+    first and last are stored, nothing of the middle one; afterwards the staged names read no rows
+    (a commit's Arrow memory let go)."""
+    import pyarrow as pa
+
+    con = open_store(str(tmp_path / "s.duckdb"))
+    writer = Writer(con, flush_rows=1, flush_interval_s=0.0)
+    good, bad, again = _Acks(), _Acks(), _Acks()
+    first = _queued(good, Kind.STEP, {"step": np.arange(1000), "rank": np.zeros(1000)}, 1)
+    refused = _queued(bad, Kind.STEP, {"step": np.arange(1000, 1500), "rank": np.ones(500)}, 2)
+    null_run = pa.DictionaryArray.from_arrays(pa.array([None] * 500, pa.int32()), pa.array(["run-ins"]))
+    refused = QueuedBatch(bad, refused.batch, refused.table.set_column(0, "run_id", null_run))
+    assert refused.table.schema == first.table.schema
+    last = _queued(again, Kind.STEP, {"step": np.arange(2000, 2300), "rank": np.full(300, 2)}, 3)
+    writer.start()
+    for item, replies in ((first, good), (refused, bad), (last, again)):
+        writer.submit(item)
+        deadline = time.monotonic() + 30
+        while not (replies.acks or replies.ends) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    writer.close()
+    assert [a.seq for a in good.acks] == [1] and [a.seq for a in again.acks] == [3]
+    assert not bad.acks and bad.ends and "Constraint" in bad.ends[0].store_failed
+    got = con.execute("SELECT count(*), sum(step), count(DISTINCT rank) FROM step").fetchone()
+    assert got == (1300, sum(range(1000)) + sum(range(2000, 2300)), 2)
+    assert con.execute("SELECT list(seq ORDER BY seq) FROM ingest_log").fetchone()[0] == [1, 3]
+    names = [n for (n,) in con.execute("SELECT view_name FROM duckdb_views() WHERE view_name LIKE '_tt_in_%'").fetchall()]
+    assert sorted(names) == ["_tt_in_log", "_tt_in_sources", "_tt_in_step"]
+    assert all(con.execute(f"SELECT count(*) FROM {n}").fetchone()[0] == 0 for n in names)
+    con.close()
