@@ -150,7 +150,7 @@ class Staging:
         registered: a statement of the transaction open on the connection, if one is, undone by its
         ROLLBACK. Put new names before BEGIN."""
         staged = self._staged.get(name)
-        if staged is None or staged.schema != table.schema:
+        if staged is None or staged.table.schema != table.schema:
             staged = _Staged(table.schema)
             self.con.complete()  # (DuckDB refuses a registration while a result of execute() is unread)
             self.con.register(f"_tt_in_{name}", staged)
@@ -174,7 +174,7 @@ class Staging:
     def clear(self) -> None:
         """Let go of every staged table (each name then reads no rows), so their memory is freed."""
         for staged in self._staged.values():
-            staged.table = staged.schema.empty_table()
+            staged.table = staged.table.schema.empty_table()
 
     def close(self) -> None:
         for name in self._staged:
@@ -186,7 +186,6 @@ class _Staged:
     """What DuckDB reads for one staged name: the table put last."""
 
     def __init__(self, schema: pa.Schema) -> None:
-        self.schema = schema
         self.table = schema.empty_table()
 
     def __arrow_c_stream__(self, requested_schema=None):
