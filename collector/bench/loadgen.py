@@ -172,6 +172,24 @@ def wait_ready(address: str, timeout_s: float, proc: subprocess.Popen | None = N
     raise TimeoutError(f"nothing listening on {address} after {timeout_s} s")
 
 
+#: The load sources' allocator: glibc keeps freed memory instead of giving each freed batch's
+#: megabytes back to the kernel and faulting them in again for the next one (~30% of a source's
+#: CPU; docs/benchmarks.md, "the allocator's churn"). The sources share the machine with the
+#: collector they measure, so what they spend is taken from it. Trainer-like sources keep glibc's
+#: defaults (they stand for a training process, whose allocator is the user's), and an environment
+#: that sets GLIBC_TUNABLES itself, even empty (the defaults), wins.
+SOURCE_MALLOC = ("glibc.malloc.trim_threshold=1073741824:glibc.malloc.mmap_threshold=67108864:"
+                 "glibc.malloc.top_pad=134217728")
+
+
+def source_env(trainer_like: bool = False) -> dict[str, str]:
+    """A load source's environment: this process's, with SOURCE_MALLOC unless trainer-like."""
+    env = dict(os.environ)
+    if not trainer_like:
+        env.setdefault("GLIBC_TUNABLES", SOURCE_MALLOC)
+    return env
+
+
 def start_sources(
     endpoint: str, run_id: str, sources: int, events: int, rate_eps: float = 0.0, start_file: Path | None = None,
     *, trainer_like: bool = False, chunk_rows: int = CHUNK_ROWS, buffer_bytes: int | None = None,
@@ -188,6 +206,7 @@ def start_sources(
              "--source", str(i), "--events", str(events), "--rate-eps", str(rate_eps), *extra],
             stdout=subprocess.PIPE,
             text=True,
+            env=source_env(trainer_like),
         )
         for i in range(sources)
     ]
@@ -364,7 +383,7 @@ def start_mix_sources(endpoint: str, run_id: str, sources: int, ranks: int, step
             [sys.executable, "-m", "collector.bench.loadgen", "--endpoint", endpoint, "--run-id", run_id, "--source", str(i),
              "--mix-ranks", str(share[i]), "--mix-first-rank", str(firsts[i]), "--mix-step-s", str(step_s),
              "--mix-duration-s", str(duration_s), "--events", "0", "--start-file", str(start_file)],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE, text=True, env=source_env(),
         )
         for i in range(sources)
     ]
