@@ -23,13 +23,13 @@ $(VENV)/.ready: pyproject.toml
 	$(VPY) -m pip install -q -e '.[trainer,dev,otlp]'
 	touch $@
 
-# ruff and mypy first (seconds), then the suite.
 # Two workers, a test file each at a time (`--dist loadfile`: a module's fixture runs its real
 # multi-process job once, on one worker): 30 -> 18.5 min on two cores, at load 4-6, the load every
 # test must hold at (docs/development.md). `make test TEST_WORKERS=0` runs the suite in one process.
 TEST_WORKERS ?= 2
 PYTEST := $(VPY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
+# ruff and mypy first (seconds), then the suite.
 test: setup lint
 	$(PYTEST) --durations=25
 

@@ -58,9 +58,9 @@ def _multi_process_lane(request: pytest.FixtureRequest, tmp_path_factory: pytest
     lock in the workers' common temp directory, held for the module; without workers, nothing.
 
     ``alone`` is for a test whose ground truth is a wall-clock effect of its own processes sharing
-    the cores, which another multi-process job beside it erases, not merely blurs (the pipeline
-    bubble's fall: 0.37 -> 0.25 on a quiet machine, 0.35 -> 0.355 once beside another job).
-    Load from single-process tests and other noise stays: such a test must still hold at load 4."""
+    the cores, which another multi-process job beside it erases, not merely blurs (the bubble's
+    fall, tests/collector/control/test_bubble_and_leak.py). Load from single-process tests and
+    other noise stays: such a test must still hold at load 4. tests/test_lanes.py checks it."""
     names = {m.name for m in request.node.iter_markers()}
     if "PYTEST_XDIST_WORKER" not in os.environ or not names & {"slow", "alone"}:
         yield
