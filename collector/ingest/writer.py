@@ -481,6 +481,8 @@ class Writer:
                     stats.latencies_s.append(max(0, committed_ns - b.sealed_ns) / 1e9)
         self.flushes += 1
         self._inflight_mono = 0.0
+        if self.on_flush:  # counted before acked: a sender that saw its ack (or its stream's end) scrapes it
+            self.on_flush(stats)
         for replies, sources in acks.items():
             for key in sorted(sources):
                 source, epoch = sources[key]
@@ -488,8 +490,6 @@ class Writer:
         for item in items:
             if isinstance(item, Barrier) and not item.replies.failed:
                 item.replies.deliver(item.end)
-        if self.on_flush:
-            self.on_flush(stats)
         if self.on_commit and accepted:
             try:
                 self.on_commit([i.batch for i in accepted])
