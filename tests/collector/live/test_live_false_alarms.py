@@ -12,7 +12,13 @@ from tests.collector.util import sql
 from tests.support.services import start_collector
 from tests.support.torchrun import torchrun
 
-pytestmark = pytest.mark.slow
+# alone (tests/conftest.py): the ground truth is that no rank is slower than its peers, so the four
+# ranks must share the cores evenly. Beside another multi-process test module on the other worker
+# (8+ processes on 2 cores) one rank was descheduled long enough to be flagged 6 steps running (CI,
+# stop 42: rank 2 at 72 ms over its peer's 21 ms): it really was that run's slow rank. A CPU burner
+# does not do this (`../shared/acceptance/judge-noise`); the rule's tolerance of short bursts is
+# tests/collector/live/test_straggler_noise.py.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 def test_no_straggler_alert_over_2000_clean_rank_steps(tmp_path):
