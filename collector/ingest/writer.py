@@ -13,7 +13,8 @@ thread (`tracetop-rollup`, its own cursor and transactions) rolls them up for th
 The same thread materializes the per-step views (collector/ingest/matviews.py) once ROLL_EVERY_ROWS rows of
 their inputs are past their watermarks and step rows that can complete a step have come since its last
 roll (VIEWS_ROLL_BOUND), and everything pending at close. It rolls when the writer has no backlog
-(less than a commit's worth queued), waiting ROLL_DEFER_S at most, so a burst commits first, and at a
+(less than a commit's worth queued) and, in a collector, has committed nothing for ROLL_QUIET_S,
+waiting ROLL_DEFER_S at most, so a burst commits first, and at a
 lower CPU priority (`roll_nice`): where the cores are short, commits come first. It never checkpoints
 itself: it asks the writer thread to, so no lowered thread holds the commits behind DuckDB's lock.
 
@@ -53,6 +54,13 @@ log = logging.getLogger("tracetop.collector")
 
 #: the roll thread waits this long at most for the writer to have no backlog
 ROLL_DEFER_S = 5.0
+#: ... and, in a collector (`Writer(roll_quiet_s=)`), for the writer to have committed nothing for this
+#: long: between bursts, not in a gap between two of a burst's commits. Under a burst the queue is
+#: short of a commit's worth after each commit (the sources are on the same cores), and the roll
+#: started there, taking the cores the burst's commits wanted; now a burst longer than ROLL_DEFER_S
+#: rolls every ROLL_DEFER_S (each roll larger). The views are exact whatever the lag. A/B:
+#: `bench ingest --ab "TRACETOP_ROLL_QUIET_S=0"` (0: the old wait), docs/benchmarks.md
+ROLL_QUIET_S = 0.25
 #: the niceness the collector's roll thread adds to its own (Linux; `Writer(roll_nice=)`). Where the
 #: cores are short the writer's commits and the gRPC edge take them first and the roll takes what is
 #: left; where they are not, it changes nothing. The views stay exact whatever the roll's lag (they
@@ -284,8 +292,12 @@ class Writer:
         on_queue: Callable[[int, int, int], None] | None = None,
         on_commit: Callable[[list[DecodedBatch]], None] | None = None,
         roll_nice: int = 0,
+        roll_quiet_s: float = 0.0,
     ) -> None:
         self.con = con
+        #: the roll waits for the writer to have committed nothing this long (ROLL_QUIET_S in a collector)
+        self.roll_quiet_s = roll_quiet_s
+        self._committed_mono = 0.0  # when the latest commit ended
         #: the niceness the roll thread adds to its own (ROLL_NICE in a collector; 0: none)
         self.roll_nice = roll_nice
         self.flush_rows = flush_rows
@@ -472,6 +484,7 @@ class Writer:
                 )
             self.hwm = hwm
             self._inflight_mono = 0.0
+            self._committed_mono = time.monotonic()
             for item in accepted:
                 b = item.batch
                 stats.batches += 1
@@ -583,10 +596,12 @@ class Writer:
             while True:
                 self._roll_wanted.wait()
                 self._roll_wanted.clear()
-                # roll when the writer has no backlog (a commit's worth queued), for at most
-                # ROLL_DEFER_S: a burst commits first; the views read the tail meanwhile (exact)
+                # roll when the writer has no backlog (a commit's worth queued) and has committed
+                # nothing for roll_quiet_s, for at most ROLL_DEFER_S: a burst commits first; the
+                # views read the tail meanwhile (exact)
                 deadline = time.monotonic() + ROLL_DEFER_S
-                while self._queued_rows >= self.flush_rows and not self._roll_stop and time.monotonic() < deadline:
+                while not self._roll_stop and (now := time.monotonic()) < deadline and (
+                        self._queued_rows >= self.flush_rows or now - self._committed_mono < self.roll_quiet_s):
                     time.sleep(0.05)
                 if self._roll_stop:
                     return
