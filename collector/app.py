@@ -28,7 +28,15 @@ from collector.export.prometheus import AlertsFn, GaugesFn
 from collector.ingest.metrics import CollectorMetrics, serve_metrics
 from collector.ingest.schema import open_store
 from collector.ingest.server import CollectorService, check_listen, clear_stale_socket, unix_path
-from collector.ingest.writer import ROLL_NICE, QueuedBatch, StreamEnd, StreamReplies, Writer, batch_to_arrow
+from collector.ingest.writer import (
+    ROLL_NICE,
+    ROLL_QUIET_S,
+    QueuedBatch,
+    StreamEnd,
+    StreamReplies,
+    Writer,
+    batch_to_arrow,
+)
 from collector.query import readonly
 from tracetop.errors import ListenError
 from tracetop.wire import tracetop_pb2_grpc as pb_grpc
@@ -76,6 +84,9 @@ class CollectorConfig:
     #: the niceness the views' roll thread adds to its own, so commits come first (writer.ROLL_NICE;
     #: 0: the roll runs as the writer does)
     roll_nice: int = ROLL_NICE
+    #: the views' roll waits for the writer to have committed nothing this long (writer.ROLL_QUIET_S;
+    #: 0: only for its queue to be short of a commit's worth), ROLL_DEFER_S at most
+    roll_quiet_s: float = ROLL_QUIET_S
     #: the collector's memory budget (`memory_budget`): DuckDB's limit (unless memory_limit_mb), the
     #: writer's queue and the live inbox are sized from it; None: sized to the machine
     memory_cap_mb: int | None = None
@@ -97,22 +108,33 @@ class CollectorConfig:
     fresh_ship_s: float = 1.0
 
 
+#: the default memory cap's ceiling (MB): its live share then holds a run of MAX_WORLD (32,768) ranks
+#: over the default 64-step window (~476 MB)
+MAX_DEFAULT_CAP_MB = 1536
+#: what the collector's memory holds outside the shares of its cap (MB): the interpreter and its
+#: libraries (156 MB idle, rules on), the gRPC edge's messages in flight and their Arrow copies
+FIXED_MB = 320
+
+
 def machine_cap_mb() -> int:
-    """The default memory budget: 1/8 of the machine's RAM, at most 1024 MB, at least 256."""
+    """The default memory cap: 1/8 of the machine's RAM, at most MAX_DEFAULT_CAP_MB, at least 256."""
     import os
 
     try:
         ram_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2**20
     except (ValueError, OSError):
         return 1024
-    return int(max(256, min(1024, ram_mb // 8)))
+    return int(max(256, min(MAX_DEFAULT_CAP_MB, ram_mb // 8)))
 
 
 @dataclass(frozen=True)
 class MemoryBudget:
-    """How the collector's memory budget is spent. What grows with load is bounded by these; past
-    them the gRPC edge holds the streams (backpressure) and shippers keep, spool or drop and count.
-    The rest (interpreter, libraries, the live state of the window's steps) is outside them."""
+    """How the collector's memory cap is spent: FIXED_MB for what it holds anyway, the rest in shares
+    to what grows, each bounded by its share. With the rate: DuckDB's buffer pool, the writer's queue,
+    the live inbox (past the queue's share the gRPC edge holds the streams and shippers keep, spool or
+    drop and count). With the world's size: the live state of the window's steps (past its share a
+    run's further ranks are not judged live, counted in `tracetop_live_rows_refused`). Below ~640 MB
+    the shares' floors win over the cap."""
 
     cap_mb: int
     duckdb_mb: int        # DuckDB's memory_limit (buffer pool, rolls, queries; it spills past it)
@@ -123,6 +145,8 @@ class MemoryBudget:
     #: DuckDB's 16 MB the writer's 16k-row commits cost 2.0 CPU-s per million STEP rows, at 64 MB
     #: 1.4 (`python -m collector.bench.writer`, docs/benchmarks.md); a quarter of DuckDB's share.
     checkpoint_mb: int = 16
+    #: the live state's budget (collector.live.state.LiveState max_bytes): 14 KiB a rank at 64 steps
+    live_bytes: int = 256 * 2**20
 
 
 #: the checkpoint threshold's ceiling (MB): past it the writer's CPU gains nothing measurable
@@ -130,11 +154,14 @@ CHECKPOINT_MB = 64
 
 
 def memory_budget(config: CollectorConfig) -> MemoryBudget:
+    """The cap's shares: of what FIXED_MB leaves (at least a quarter of the cap), DuckDB 1/3, the
+    writer's queue and the live inbox 1/9 each (~100 B a row in the inbox), the live state 4/9."""
     cap = config.memory_cap_mb or machine_cap_mb()
-    duckdb_mb = config.memory_limit_mb or max(128, cap * 3 // 8)
-    # ~100 B a row in the inbox (decoded columns); an eighth of the cap each
-    return MemoryBudget(cap, duckdb_mb, cap * 2**20 // 8, max(100_000, cap * 2**20 // 8 // 100),
-                        checkpoint_mb=max(16, min(CHECKPOINT_MB, duckdb_mb // 4)))
+    rest = max((cap - FIXED_MB) * 2**20, cap * 2**20 // 4)
+    duckdb_mb = config.memory_limit_mb or max(128, rest // 3 // 2**20)
+    return MemoryBudget(cap, duckdb_mb, rest // 9, max(100_000, rest // 9 // 100),
+                        checkpoint_mb=max(16, min(CHECKPOINT_MB, duckdb_mb // 4)),
+                        live_bytes=max(16 * 2**20, rest * 4 // 9))
 
 
 def default_duckdb_threads() -> int:
@@ -222,6 +249,13 @@ def roll_nice() -> int:
     """The niceness of the collector's roll thread: TRACETOP_ROLL_NICE (0-19, for A/B runs; 0 turns it
     off) or ROLL_NICE. ValueError names a bad value and the fix."""
     return _env_setting("TRACETOP_ROLL_NICE", int, lambda v: 0 <= v <= 19, ROLL_NICE, "a niceness from 0 to 19")
+
+
+def roll_quiet_s() -> float:
+    """How long the writer must have committed nothing before the views roll: TRACETOP_ROLL_QUIET_S
+    (seconds, for A/B runs; 0: the old wait) or ROLL_QUIET_S. ValueError names a bad value and the fix."""
+    return _env_setting("TRACETOP_ROLL_QUIET_S", float, lambda v: 0.0 <= v <= 5.0, ROLL_QUIET_S,
+                        "a number of seconds in [0, 5]")
 
 
 @dataclass
@@ -327,7 +361,8 @@ async def start(
 
         live = LiveEngine(config.rules, con=con.cursor(), sinks=[*alert_sinks, exports], baseline=config.baseline,
                           window=config.live_window_steps, cost=config.cost,  # type: ignore[arg-type]
-                          max_inbox_rows=budget.inbox_rows, collector_lag=metrics.lag)
+                          max_inbox_rows=budget.inbox_rows, collector_lag=metrics.lag,
+                          max_state_bytes=budget.live_bytes)
         # silence and hang checks compare heartbeat times with the collector's clock: put them on it
         # (a rank's clock 40 s off, or stepped back, raised false silent alerts: live/state.py)
         live.ev.state.receive_clock = True
@@ -345,6 +380,7 @@ async def start(
         on_queue=metrics.on_queue,
         on_commit=live.on_commit if live is not None else None,
         roll_nice=config.roll_nice,
+        roll_quiet_s=config.roll_quiet_s,
     )
     metrics.attach(writer)
     writer.start()

@@ -50,9 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duckdb-threads", type=int, default=None,
                         help="DuckDB's threads for the file (default: half the cores, at least 1; more split "
                         "checkpoints and large queries, at more CPU per row: docs/benchmarks.md)")
-    parser.add_argument("--memory-cap-mb", type=int, default=None, help="the collector's memory budget: DuckDB's limit "
-                        "(unless --memory-limit-mb), the writer's queue and the live inbox are sized from it; past "
-                        "them shippers are held (backpressure) (default: 1/8 of RAM, at most 1024)")
+    parser.add_argument("--memory-cap-mb", type=int, default=None, help="the collector's memory cap: DuckDB's limit "
+                        "(unless --memory-limit-mb), the writer's queue, the live inbox and the live state are "
+                        "sized from it; past them shippers are held (backpressure) and a world too large for the "
+                        "live state is judged in part, counted (default: 1/8 of RAM, at most 1536)")
     parser.add_argument("--flush-rows", type=int, default=10_000, help="commit once this many rows wait")
     parser.add_argument("--flush-interval-s", type=float, default=0.5,
                         help="...or once the oldest waited this long (default 0.5)")
@@ -172,11 +173,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"tracetop collector: {e}", file=sys.stderr)
         return 2
 
-    from collector.app import roll_nice, switch_interval_s
+    from collector.app import roll_nice, roll_quiet_s, switch_interval_s
 
     try:
         sys.setswitchinterval(switch_interval_s())
-        nice = roll_nice()
+        nice, quiet = roll_nice(), roll_quiet_s()
     except ValueError as e:
         print(f"tracetop collector: {e}", file=sys.stderr)
         return 2
@@ -194,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         memory_cap_mb=args.memory_cap_mb,
         duckdb_threads=args.duckdb_threads,
         roll_nice=nice,
+        roll_quiet_s=quiet,
         flush_rows=args.flush_rows,
         flush_interval_s=args.flush_interval_s,
         rules=rules,

@@ -224,6 +224,9 @@ LIVE_COUNTS = (
                                        "the first came): rows arriving later can make a recompute differ",
      lambda e: e.stats.steps_incomplete),
     ("tracetop_live_errors", "Live judgments or alert stores that raised (see the log)", lambda e: e.errors),
+    ("tracetop_live_rows_refused", "Rows the live state did not take, their ranks not judged live: its share "
+                                   "of --memory-cap-mb full, a rank outside the run's world, a step older than "
+                                   "the window", lambda e: e.rows_refused()),
 )
 
 #: the writer's checkpoints (Writer._checkpoint_if_due): commits wait while one runs

@@ -47,7 +47,7 @@ from collector.live.model import (
     culprit_text,
 )
 from collector.live.rules import DASHBOARD_SIGNALS, Rule
-from collector.live.state import LiveState, RunState
+from collector.live.state import MAX_LIVE_BYTES, LiveState, RunState
 from tracetop.events import Kind
 
 log = logging.getLogger("tracetop.collector.live")
@@ -358,14 +358,15 @@ class Evaluator:
     def __init__(self, rules: Sequence[Rule], *, window: int = 64, baseline: str | None = None,
                  baseline_lookup: Callable[[str], judge.Baseline | None] | None = None,
                  step_deadline_s: float = 15.0, settle_s: float = 1.0, run_end_s: float = 60.0,
-                 evict_after_s: float = 600.0, cost: lost_mod.CostSettings | None = None) -> None:
+                 evict_after_s: float = 600.0, cost: lost_mod.CostSettings | None = None,
+                 max_state_bytes: int = MAX_LIVE_BYTES) -> None:
         self.cost = cost or lost_mod.CostSettings()
         self.evict_after_s = evict_after_s
         self.lost_by_run: dict[str, lost_mod.RunLost] = {}
         self.settle_s = settle_s
         self.run_end_s = run_end_s
         self.rules = [r for r in rules if r.enabled]
-        self.state = LiveState(window)
+        self.state = LiveState(window, max_state_bytes)
         self.book = AlertBook()
         self.baseline_id = baseline
         self.baseline_lookup = baseline_lookup
@@ -811,11 +812,13 @@ class LiveEngine:
                  window: int = 64, tick_s: float = 0.5, step_deadline_s: float = 15.0, settle_s: float = 1.0,
                  max_inbox_rows: int = 4_000_000, clock_ns: Callable[[], int] = time.time_ns,
                  cost: lost_mod.CostSettings | None = None,
-                 collector_lag: Callable[[], CollectorLag] | None = None) -> None:
+                 collector_lag: Callable[[], CollectorLag] | None = None,
+                 max_state_bytes: int = MAX_LIVE_BYTES) -> None:
         self._cur = con
         lookup = (lambda run_id: lookup_baseline(self._cur, run_id)) if con is not None else None
         self.ev = Evaluator(rules, window=window, baseline=baseline, baseline_lookup=lookup,
-                            step_deadline_s=step_deadline_s, settle_s=settle_s, cost=cost)
+                            step_deadline_s=step_deadline_s, settle_s=settle_s, cost=cost,
+                            max_state_bytes=max_state_bytes)
         self.ev.collector_lag = collector_lag
         self.sinks = list(sinks)
         self.tick_s = tick_s
@@ -1030,6 +1033,12 @@ class LiveEngine:
     def live_state_bytes(self) -> int:
         with self._lock:
             return self.ev.state.nbytes
+
+    def rows_refused(self) -> int:
+        """Rows the live state did not take (its budget full, a rank outside the world, ...; by
+        reason: `LiveState.refused`), over the runs it holds: their ranks were not judged live."""
+        with self._lock:
+            return sum(self.ev.state.refused(evicted=True).values())
 
 
 def dashboard_settings(rule: Rule) -> tuple[float, float]:

@@ -156,16 +156,29 @@ class RunState:
 
     def ensure_ranks(self, n: int) -> bool:
         """Grow the per-rank arrays to hold ranks < n (doubling, within rank_limit and the live
-        state's budget); False when they cannot."""
+        state's budget); False when they cannot. Where the budget holds fewer, they grow to as many
+        as it holds (the ranks past them are refused by the caller, counted): a world too large for
+        the budget is judged in part, not at all."""
         if n <= self.ranks:
             return True
         limit = self.rank_limit()
         if n > limit:
             return False
+        want = n
         n = min(limit, max(n, self.ranks * 2 if self.ranks else n))
         extra = n - self.ranks
         if callable(self.grow_ok) and not self.grow_ok(extra * self.bytes_per_rank()):
-            return False
+            per = self.bytes_per_rank()
+            lo, hi = 0, want - self.ranks  # the most ranks more that fit: grow_ok(lo) holds, hi does not
+            if self.grow_ok(hi * per):
+                lo = hi
+            else:
+                while hi - lo > 1:
+                    mid = (lo + hi) // 2
+                    lo, hi = (mid, hi) if self.grow_ok(mid * per) else (lo, mid)
+            if lo == 0:
+                return False
+            extra, n = lo, self.ranks + lo
         more = np.zeros((self.window, len(FIELDS), extra))
         more[:, F["tokens_per_s"]] = np.nan
         self.data = np.concatenate([self.data, more], axis=2)
@@ -188,7 +201,7 @@ class RunState:
         self.rank_last = np.concatenate([self.rank_last, np.full(extra, -1, np.int64)])
         self.rank_seq = np.concatenate([self.rank_seq, np.zeros(extra, np.int64)])
         self.ranks = n
-        return True
+        return n >= want
 
     @property
     def nbytes(self) -> int:
@@ -513,8 +526,9 @@ class GpuState:
 
 #: NVML clocks-event reasons counted as thermal/power throttling: HW slowdown (0x8), SW power cap
 #: (0x4), SW thermal (0x20), HW thermal (0x40), HW power brake (0x80).
-#: The live state's memory budget over all runs: a run that would grow past it refuses the rows of
-#: its new ranks (counted `live_state_full`); 16,384 ranks x 64 steps take 235 MB.
+#: The live state's memory budget over all runs when none is given: a run that would grow past it
+#: refuses the rows of its new ranks (counted `live_state_full`); 16,384 ranks x 64 steps take 235 MB.
+#: A collector gives it its share of the memory cap (collector/app.py `MemoryBudget.live_bytes`).
 MAX_LIVE_BYTES = 2 << 30
 
 THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
@@ -532,6 +546,7 @@ class LiveState:
         self.runs: dict[str, RunState] = {}
         self.gpus: dict[tuple[str, int], GpuState] = {}
         self.evicted = 0
+        self.refused_evicted: dict[str, int] = {}  # rows refused by runs evicted since (by reason)
         #: runs put heartbeat and "heard" times on the collector's clock (RunState.receive_clock)
         self.receive_clock = False
 
@@ -548,17 +563,26 @@ class LiveState:
 
     def evict(self, run_id: str) -> None:
         """Drop an ended run's state (its alerts and stored rows stay)."""
-        if self.runs.pop(run_id, None) is not None:
+        r = self.runs.pop(run_id, None)
+        if r is not None:
             self.evicted += 1
+            for k, v in self._refused_of(r).items():
+                self.refused_evicted[k] = self.refused_evicted.get(k, 0) + v
 
-    def refused(self) -> dict[str, int]:
-        """Rows refused by reason, over the runs held (and the runs' too-old rows)."""
-        out: dict[str, int] = {}
+    @staticmethod
+    def _refused_of(r: RunState) -> dict[str, int]:
+        out = dict(r.refused)
+        if r.rows_too_old:
+            out["step_too_old"] = out.get("step_too_old", 0) + r.rows_too_old
+        return out
+
+    def refused(self, *, evicted: bool = False) -> dict[str, int]:
+        """Rows refused by reason, over the runs held (and the runs' too-old rows); with `evicted`,
+        those of the runs evicted since too (a count that never falls: /metrics)."""
+        out: dict[str, int] = dict(self.refused_evicted) if evicted else {}
         for r in self.runs.values():
-            for k, v in r.refused.items():
+            for k, v in self._refused_of(r).items():
                 out[k] = out.get(k, 0) + v
-            if r.rows_too_old:
-                out["step_too_old"] = out.get("step_too_old", 0) + r.rows_too_old
         return out
 
     def ingest(self, kind: Kind, run_id: str, cols: dict, now_ns: int) -> None:

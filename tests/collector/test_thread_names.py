@@ -32,7 +32,7 @@ def test_writer_and_live_threads_carry_their_names_in_the_os(tmp_path) -> None:
 def test_checkpoint_threshold_follows_the_budget(tmp_path) -> None:
     """DuckDB's 16 MB checkpoints made small group commits re-compress each table's last row group
     over and over; the collector raises it to a quarter of DuckDB's memory share, at most 64 MB."""
-    big, small = memory_budget(CollectorConfig("x", memory_cap_mb=1024)), memory_budget(CollectorConfig("x", memory_cap_mb=256))
+    big, small = memory_budget(CollectorConfig("x", memory_cap_mb=1536)), memory_budget(CollectorConfig("x", memory_cap_mb=256))
     assert (big.checkpoint_mb, small.checkpoint_mb) == (64, 32)
     handle = serve(CollectorConfig(str(tmp_path / "c.duckdb"), memory_cap_mb=256))
     try:

@@ -18,7 +18,7 @@ import pytest
 
 from collector.live.engine import Evaluator
 from collector.live.rules import DEFAULTS_TOML, parse
-from collector.live.state import MAX_WORLD, PROVISIONAL_RANKS, LiveState
+from collector.live.state import FIELDS, MAX_WORLD, PROVISIONAL_RANKS, LiveState
 from tests.collector.util import sql
 from tests.support.services import start_collector
 from tests.support.wait import wait_for
@@ -137,6 +137,66 @@ def test_the_live_state_budget_holds_over_runs():
         st.ingest(Kind.RUN_START, f"r{i}", _run_start(list(range(1000)), 1000, S), S)
     assert st.nbytes <= 64 * 2**20
     assert st.refused()["live_state_full"] >= 1000
+
+
+def test_a_world_larger_than_the_budget_is_judged_in_part_and_the_rest_counted():
+    st = LiveState(window=64, max_bytes=8 * 2**20)
+    st.ingest(Kind.RUN_START, "big", _run_start(list(range(1000)), 1000, S), S)
+    run = st.runs["big"]
+    fits = 8 * 2**20 // run.bytes_per_rank()  # ~570 ranks of 14 KiB: as many as the budget holds
+    assert fits - 2 <= run.ranks <= fits and st.nbytes <= 8 * 2**20
+    assert st.refused()["live_state_full"] == 1000 - run.ranks
+    assert run.started[:run.ranks].all()  # the ranks it holds are taken, not dropped with the rest
+
+
+#: a rank's live state over the default 64-step window (RunState.bytes_per_rank)
+_PER_RANK = 64 * (len(FIELDS) * 8 + 1 + 8) + 8 * 12 + 5 * 8
+
+
+def _refused_of_a_world(where: Path, world: int, args: list[str]) -> float:
+    """A collector with `args` (metrics on) takes a RUN_START of `world` ranks, then one heartbeat of
+    a rank outside the world (refused, counted: committed after the RUN_START, so judged after it).
+    The live rows it refused, from /metrics, once that one is counted."""
+    from tests.support.services import scrape_metrics
+
+    where.mkdir()
+    c = start_collector(where, listen="unix", metrics=True, extra_args=args)
+    try:
+        sh = Shipper(c.addr, run_id="world", rank=0, flush_interval_s=0.05)
+        try:
+            sh.record_many(Kind.RUN_START, _run_start(list(range(world)), world, time.time_ns()))
+            assert sh.flush(30.0)
+        finally:
+            sh.close(5.0)
+        _ship_heartbeat(c.addr, "world", world + 5)
+        port = c.metrics_port
+        assert port is not None
+        reads: list[float] = []
+
+        def settled() -> bool:  # non-zero, and the same over 2 s (the engine takes its inbox every 0.5 s)
+            reads.append(scrape_metrics(port).get("tracetop_live_rows_refused_total", 0))
+            return len(reads) > 4 and reads[-1] > 0 and reads[-1] == reads[-5]
+
+        wait_for(settled, 60, "the refused rows counted", lambda: reads[-5:], every_s=0.5)
+        return reads[-1]
+    finally:
+        c.stop()
+
+
+@pytest.mark.slow
+def test_the_memory_cap_bounds_the_live_state_and_metrics_count_the_ranks_not_judged(tmp_path):
+    """--memory-cap-mb's live share (collector/app.py memory_budget): at 512 MB it holds ~5,900 ranks
+    of a 64-step window, so a RUN_START of 8,192 ranks is taken in part and the rest counted on
+    /metrics (with a heartbeat of a rank outside the world, counted in both); at 1,536 MB (the default
+    cap's ceiling: 1/8 of RAM, at most that) the same world is taken whole."""
+    from collector.app import CollectorConfig, memory_budget
+
+    world = 8192
+    small = memory_budget(CollectorConfig("x", memory_cap_mb=512)).live_bytes // _PER_RANK
+    assert small < world <= memory_budget(CollectorConfig("x", memory_cap_mb=1536)).live_bytes // _PER_RANK
+    got = _refused_of_a_world(tmp_path / "small", world, ["--memory-cap-mb", "512"])
+    assert world - small + 1 <= got <= world - small + 3, (got, small)
+    assert _refused_of_a_world(tmp_path / "large", world, ["--memory-cap-mb", "1536"]) == 1  # the outside rank alone
 
 
 def test_an_ended_run_is_evicted_after_a_while():
