@@ -38,9 +38,9 @@ def _burst(tmp_path, monkeypatch, quiet_s: float) -> tuple[int, float, float | N
         while time.monotonic() - t0 < BURST_S:  # 4,000 step rows a commit: past the bound at the first
             writer.submit(_step_batch(replies, i))
             replies.wait(i + 1)
+            last = time.monotonic()  # the commit ended before its ack came
             i += 1
             time.sleep(0.1)
-        last = time.monotonic()
         during = _rolled(con)
         seen = None
         while time.monotonic() - last < QUIET_S + 30:
@@ -59,7 +59,7 @@ def test_the_roll_waits_for_a_burst_to_end_then_rolls(tmp_path, monkeypatch) -> 
     during, last, seen = _burst(tmp_path, monkeypatch, QUIET_S)
     assert during == 0  # nothing rolled while the burst committed
     assert seen is not None, "the roll never ran after the burst"
-    assert seen - last >= QUIET_S - 0.05  # not before the writer had been quiet that long
+    assert seen - last >= QUIET_S - 0.5  # not before the writer had been quiet about that long (at once: ~0)
 
 
 def test_without_the_quiet_wait_the_roll_runs_inside_the_burst(tmp_path, monkeypatch) -> None:
