@@ -124,7 +124,7 @@ class RunState:
     skipped_recent: int = 0             # steps the engine counted as skipped since newest_step last advanced
     skip_refund: int = 0                # of those, the ones a re-anchor showed were never steps (the engine takes them back)
     last_row_ns: int = 0
-    grow_ok: object = None              # LiveState's budget check: (extra bytes) -> bool
+    grow_room: object = None            # LiveState's budget: () -> the bytes it has left (None: no bound)
     # the engine's notes: the first rank a hang rule named, the first failure once named
     hang_named: int = -1
     first_failure: object = None
@@ -166,19 +166,11 @@ class RunState:
             return False
         want = n
         n = min(limit, max(n, self.ranks * 2 if self.ranks else n))
-        extra = n - self.ranks
-        if callable(self.grow_ok) and not self.grow_ok(extra * self.bytes_per_rank()):
-            per = self.bytes_per_rank()
-            lo, hi = 0, want - self.ranks  # the most ranks more that fit: grow_ok(lo) holds, hi does not
-            if self.grow_ok(hi * per):
-                lo = hi
-            else:
-                while hi - lo > 1:
-                    mid = (lo + hi) // 2
-                    lo, hi = (mid, hi) if self.grow_ok(mid * per) else (lo, mid)
-            if lo == 0:
+        if callable(self.grow_room):
+            n = min(n, self.ranks + max(0, int(self.grow_room())) // self.bytes_per_rank())
+            if n <= self.ranks:
                 return False
-            extra, n = lo, self.ranks + lo
+        extra = n - self.ranks
         more = np.zeros((self.window, len(FIELDS), extra))
         more[:, F["tokens_per_s"]] = np.nan
         self.data = np.concatenate([self.data, more], axis=2)
@@ -554,12 +546,12 @@ class LiveState:
         r = self.runs.get(run_id)
         if r is None:
             r = self.runs[run_id] = RunState(run_id, self.window)
-            r.grow_ok = self._grow_ok
+            r.grow_room = self._grow_room
             r.receive_clock = self.receive_clock
         return r
 
-    def _grow_ok(self, extra_bytes: int) -> bool:
-        return self.nbytes + extra_bytes <= self.max_bytes
+    def _grow_room(self) -> int:
+        return self.max_bytes - self.nbytes
 
     def evict(self, run_id: str) -> None:
         """Drop an ended run's state (its alerts and stored rows stay)."""

@@ -18,7 +18,7 @@ import pytest
 
 from collector.live.engine import Evaluator
 from collector.live.rules import DEFAULTS_TOML, parse
-from collector.live.state import FIELDS, MAX_WORLD, PROVISIONAL_RANKS, LiveState
+from collector.live.state import MAX_WORLD, PROVISIONAL_RANKS, LiveState, RunState
 from tests.collector.util import sql
 from tests.support.services import start_collector
 from tests.support.wait import wait_for
@@ -149,8 +149,8 @@ def test_a_world_larger_than_the_budget_is_judged_in_part_and_the_rest_counted()
     assert run.started[:run.ranks].all()  # the ranks it holds are taken, not dropped with the rest
 
 
-#: a rank's live state over the default 64-step window (RunState.bytes_per_rank)
-_PER_RANK = 64 * (len(FIELDS) * 8 + 1 + 8) + 8 * 12 + 5 * 8
+#: a rank's live state over the default 64-step window
+_PER_RANK = RunState("x", 64).bytes_per_rank()
 
 
 def _refused_of_a_world(where: Path, world: int, args: list[str]) -> float:
