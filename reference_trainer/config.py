@@ -241,8 +241,9 @@ def add_trainer_arguments(p: argparse.ArgumentParser) -> None:
                    help="that rank stops inside a collective at STEP; the others block until the timeout")
     g.add_argument("--inject-kill", action="append", default=[], metavar="RANK@STEP",
                    help="that rank kills itself (SIGKILL, no clean exit) in its first forward of STEP")
-    g.add_argument("--inject-slow-micro-batch", action="append", default=[], metavar="MB:MS",
-                   help="while the micro-batch size is MB, every rank computes MS longer every step")
+    g.add_argument("--inject-slow-micro-batch", action="append", default=[], metavar="MB:MS|MB:xF",
+                   help="while the micro-batch size is MB, every rank's step is MS longer, or F x its step "
+                   "at its other sizes (proportional: holds on a loaded host)")
     g.add_argument("--inject-refuse-command", action="append", default=[], metavar="RANK[:KEY=VALUE]",
                    help="that rank refuses commands from the control path (all, or only KEY=VALUE)")
     g.add_argument("--sample-ms", type=float, default=0.0,

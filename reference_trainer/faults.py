@@ -31,6 +31,11 @@ Every fault acts on the real run, never on a reported number:
 - hang RANK@STEP: at STEP, where its first DP reduction would start, that rank enters an
   all-reduce on a (gloo) group nobody else joins, where it stays until the timeout; the others
   block in their next collective with it until theirs.
+- slow micro-batch MB:MS or MB:xFACTOR (``--inject-slow-micro-batch``; every rank): while the
+  micro-batch size is MB, every step is MS longer, or FACTOR x the median wall of this rank's last 16
+  steps at its other sizes (the control loop's "this change made it slower": a fixed MS is most of
+  a step on an idle machine and too little of one at load 6, where CI's verification then kept the
+  change; FACTOR holds at any load), slept inside the forwards (split across the micro-batches);
 - kill RANK@STEP: in its first forward of STEP (mid-step) that rank sends itself SIGKILL: no
   finally, no atexit, no flush; what its hooks held in memory dies with it. The others fail in
   their next collective with it (gloo: the peer's connection closed) and end as their code does.
@@ -102,6 +107,33 @@ def parse_fault(kind: str, text: str) -> Fault:
     return Fault(kind, int(m.group(1)), amount, int(m.group(3) or 0))
 
 
+@dataclasses.dataclass(frozen=True)
+class SlowMicroBatch:
+    """--inject-slow-micro-batch: at that micro-batch size, ``ms`` longer every step, or ``factor`` x
+    the step as this rank measured it at its other sizes (1: none)."""
+
+    ms: float = 0.0
+    factor: float = 1.0
+
+
+_NOT_SLOW = SlowMicroBatch()
+
+
+def parse_slow_micro_batch(specs: list[str]) -> dict[int, SlowMicroBatch]:
+    """``--inject-slow-micro-batch`` values (MB:MS or MB:xFACTOR), by micro-batch size."""
+    out = {}
+    for text in specs:
+        m = re.match(r"^(\d+):(x?)(\d+(?:\.\d+)?)$", text.strip())
+        if not m or int(m.group(1)) < 1:
+            raise FaultSpecError(f"--inject-slow-micro-batch {text!r}: expected MB:MS or MB:xFACTOR with MB >= 1, "
+                                 "e.g. 2:1500 or 2:x4")
+        amount = float(m.group(3))
+        if m.group(2) and amount < 1.0:
+            raise FaultSpecError(f"--inject-slow-micro-batch {text!r}: FACTOR must be at least 1 (1 = no effect)")
+        out[int(m.group(1))] = SlowMicroBatch(factor=amount) if m.group(2) else SlowMicroBatch(ms=amount)
+    return out
+
+
 def parse_faults(args: Any, *, world_size: int, pp: int) -> list[Fault]:
     """All --inject-* flags of ``args``, checked against the layout."""
     faults = []
@@ -134,14 +166,16 @@ class StageClock:
     def __init__(self, faults: list[Fault], *, rank: int, stage: int, micro_batches: Callable[[], int],
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = _sleep_s,
                  micro_batch: Callable[[], int] = lambda: 0, activation_bytes_per_sample: int = 0,
-                 slow_micro_batch: dict[int, float] | None = None, sample_ms: float = 0.0) -> None:
+                 slow_micro_batch: dict[int, SlowMicroBatch] | None = None, sample_ms: float = 0.0) -> None:
         self.rank = rank
         self.sample_ms = float(sample_ms)  # --sample-ms: simulated device time per sample, every rank
         self._micro_batch = micro_batch
         # activation-like pressure: each forward holds bytes x micro-batch until its backward
         self.activation_bytes_per_sample = int(activation_bytes_per_sample)
         self.activations: list[Any] = []
-        self.slow_micro_batch = dict(slow_micro_batch or {})  # micro-batch size -> ms per step
+        self.slow_micro_batch = dict(slow_micro_batch or {})  # micro-batch size -> its slowdown
+        self.shape_walls: list[float] = []  # this rank's last 16 step walls at sizes not slowed by a factor
+        self._step_mb = 0  # the micro-batch size of the running step (seen by its first forward)
         self.stage = stage
         self._micro_batches = micro_batches
         self._clock = clock
@@ -177,7 +211,11 @@ class StageClock:
         if (self._step_t0 is not None and self.slow_samples and self._step_samples > 0
                 and all(step - 1 < f.from_step for f in self.slow_samples)):
             self.sample_walls.append((now - self._step_t0) / self._step_samples)
+        if self._step_t0 is not None and self._step_mb and self.slow_micro_batch.get(self._step_mb, _NOT_SLOW).factor <= 1.0:
+            self.shape_walls.append(now - self._step_t0)
+            del self.shape_walls[:-16]
         self._step_samples = 0
+        self._step_mb = 0
         self._step_t0 = now
         self.step = step
         self._entered_reduction = False
@@ -260,7 +298,7 @@ class StageClock:
         self._factor()  # on GPU, an imbalanced stage starts its clock with an empty queue
         self._fwd_t0 = self._clock()
         ms = sum(f.amount for f in self.straggler if f.active(self.step))
-        ms += self.slow_micro_batch.get(self._micro_batch(), 0.0)
+        ms += self._slow_micro_batch_ms()
         ms += self._slow_rank_ms()
         n = _batch_size(args)
         self._step_samples += n
@@ -290,6 +328,13 @@ class StageClock:
             return 0.0
         walls = sorted(self.sample_walls)
         return (factor - 1.0) * walls[len(walls) // 2] * samples * 1000.0
+
+    def _slow_micro_batch_ms(self) -> float:
+        self._step_mb = mb = self._micro_batch()
+        slow = self.slow_micro_batch.get(mb, _NOT_SLOW)
+        if slow.factor > 1.0 and self.shape_walls:
+            return slow.ms + (slow.factor - 1.0) * statistics.median(self.shape_walls) * 1000.0
+        return slow.ms
 
     def _slow_rank_ms(self) -> float:
         factor = max((f.amount for f in self.slow_rank if f.active(self.step)), default=1.0)

@@ -27,7 +27,13 @@ from reference_trainer.config import (
     flops_per_token,
     make_layout,
 )
-from reference_trainer.faults import FaultSpecError, StageClock, parse_faults
+from reference_trainer.faults import (
+    FaultSpecError,
+    SlowMicroBatch,
+    StageClock,
+    parse_faults,
+    parse_slow_micro_batch,
+)
 from reference_trainer.stop import StopFile, describe
 
 
@@ -116,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         layout = make_layout(world_size, args.tp, args.pp, args.zero, args.offload, preset)
         faults = parse_faults(args, world_size=world_size, pp=args.pp)
+        slow_micro_batch = parse_slow_micro_batch(args.inject_slow_micro_batch)
         adjustments = [adjust_mod.parse_adjustment(a) for a in args.adjust]
     except (LayoutError, FaultSpecError, adjust_mod.AdjustError) as e:
         return _fail(rank, str(e))
@@ -139,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         why = _nvme_unavailable()
         if why:
             return _fail(rank, why)
-    return _train(args, layout, preset, faults, adjustments, rank, local_rank)
+    return _train(args, layout, preset, faults, adjustments, rank, local_rank, slow_micro_batch=slow_micro_batch)
 
 
 def _nvme_unavailable() -> str | None:
@@ -213,7 +220,8 @@ def _meta(run: Run, cfg: dict, topo: Any) -> dict:
                 ds_config=cfg, topology=topo, stage=run.stage)
 
 
-def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
+def _train(args, layout, preset, faults, adjustments, rank, local_rank, *,
+           slow_micro_batch: dict[int, SlowMicroBatch]) -> int:
     import torch
     import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator
@@ -237,7 +245,7 @@ def _train(args, layout, preset, faults, adjustments, rank, local_rank) -> int:
     clock = StageClock(faults, rank=rank, stage=coord.pipe, micro_batches=lambda: run.micro_batches,
                        micro_batch=lambda: run.micro_batch,
                        activation_bytes_per_sample=int(args.activation_mb_per_sample * 2**20),
-                       slow_micro_batch=_slow_micro_batch(args.inject_slow_micro_batch), sample_ms=args.sample_ms)
+                       slow_micro_batch=slow_micro_batch, sample_ms=args.sample_ms)
     run.refuse_commands = list(args.inject_refuse_command)
     clock.device = engine.device
     if clock.needs_hang_group:  # every rank takes part in creating it; only the hanging rank uses it
@@ -434,14 +442,6 @@ def _refuse_if_injected(run: Run, key: str, value: Any) -> None:
         if rank.strip() == str(run.rank) and which in ("", f"{key}={shown}"):
             raise adjust_mod.AdjustError(f"injected: rank {run.rank} refuses {key}={shown} "
                                          f"(--inject-refuse-command {spec})")
-
-
-def _slow_micro_batch(specs: list[str]) -> dict[int, float]:
-    out = {}
-    for spec in specs:
-        mb, _, ms = spec.partition(":")
-        out[int(mb)] = float(ms)
-    return out
 
 
 def _apply(run: Run, a: adjust_mod.Adjustment) -> None:

@@ -22,7 +22,15 @@ from reference_trainer.config import (
     to_argv,
 )
 from reference_trainer.data import global_batch, micro_batches_for
-from reference_trainer.faults import Fault, FaultSpecError, StageClock, parse_fault, parse_faults
+from reference_trainer.faults import (
+    Fault,
+    FaultSpecError,
+    SlowMicroBatch,
+    StageClock,
+    parse_fault,
+    parse_faults,
+    parse_slow_micro_batch,
+)
 from reference_trainer.model import GPT
 from reference_trainer.tp_layers import TPGroup, qkv_rows
 from tests.support import ROOT
@@ -215,6 +223,34 @@ def test_stage_clock_slow_rank_sleeps_factor_minus_one_times_its_median_step_bef
             c.t += wall
         if rank == 1:
             assert clock.step_walls == [pytest.approx(w) for w in (0.100, 0.300, 0.200)]  # fixed at onset
+
+
+def test_slow_micro_batch_by_a_factor_follows_the_step_at_the_other_sizes_and_bad_specs_are_named():
+    """MB:xF: at that size (F - 1) x the median wall of this rank's last steps at its other sizes,
+    split across the forwards; the slowed steps never feed the median (a fixed MS: the same every step)."""
+    assert parse_slow_micro_batch(["2:x4", "1:1500"]) == {2: SlowMicroBatch(factor=4.0), 1: SlowMicroBatch(ms=1500.0)}
+    for bad, words in (("2", "expected MB:MS or MB:xFACTOR"), ("0:x3", "MB >= 1"), ("2:x0.5", "at least 1"),
+                       ("2:fast", "e.g. 2:1500 or 2:x4")):
+        with pytest.raises(FaultSpecError, match="--inject-slow-micro-batch") as e:
+            parse_slow_micro_batch([bad])
+        assert words in str(e.value), (bad, e.value)
+    c = FakeClock()
+    mb = {"size": 4}
+    clock = StageClock([], rank=0, stage=0, micro_batches=lambda: 8 // mb["size"], micro_batch=lambda: mb["size"],
+                       clock=c, sleep=c.sleep, slow_micro_batch=parse_slow_micro_batch(["2:x4"]))
+    # size 4 (walls 100, 300, 200 ms), then size 2 (whatever it computes), then 4 again at 400 ms, then 2
+    plan = [(4, 0.100), (4, 0.300), (4, 0.200), (2, 0.050), (2, 0.500), (4, 0.400), (2, 0.050)]
+    for step, (size, wall) in enumerate(plan):
+        mb["size"] = size
+        c.slept.clear()
+        clock.begin_step(step)
+        for _ in range(8 // size):
+            clock._pre_forward(None, ())
+        expected = {3: 3 * 0.200, 4: 3 * 0.200, 6: 3 * 0.250}.get(step, 0.0)  # median of 100, 300, 200 (, 400)
+        assert sum(c.slept) == pytest.approx(expected), step
+        assert len(c.slept) == (8 // size if expected else 0)
+        c.t += wall
+    assert clock.shape_walls == [pytest.approx(w) for w in (0.100, 0.300, 0.200, 0.400)]
 
 
 def test_tracetop_train_dry_run_and_refusal():
