@@ -60,7 +60,7 @@ def _multi_process_lane(request: pytest.FixtureRequest, tmp_path_factory: pytest
     ``alone`` is for a test whose ground truth is a wall-clock effect of its own processes sharing
     the cores, which another multi-process job beside it erases, not merely blurs (the bubble's
     fall, tests/collector/control/test_bubble_and_leak.py; a clean run's "no rank is slow",
-    tests/collector/live/test_live_false_alarms.py). Load from single-process tests and
+    tests/collector/live/test_live_false_alarms.py, the demo's one straggler, tests/test_demo.py). Load from single-process tests and
     other noise stays: such a test must still hold at load 4. tests/test_lanes.py checks it."""
     names = {m.name for m in request.node.iter_markers()}
     if "PYTEST_XDIST_WORKER" not in os.environ or not names & {"slow", "alone"}:

@@ -12,8 +12,12 @@ import pytest
 
 from tests.support import ROOT
 
+# alone: the ground truth is "rank 3 and no other rank is slow" on 4 processes; beside another
+# multi-process job a rank of the demo can be descheduled for the straggler rule's 6 steps and be
+# rightly named slow (CI stops 42 and 43 failed on that effect in two other modules)
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
-@pytest.mark.slow
+
 def test_demo_headless_judges_and_acts(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "tracetop.cli", "demo", "--headless", "--steps", "60", "--dir", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
