@@ -133,9 +133,9 @@ def test_a_checkpoint_gives_way_to_another_writer_and_runs_once_it_commits(tmp_p
     grows; once it has committed the writer's checkpoint runs at a later commit. After it, one commit
     at a time with a pause after each ack: the test's next batch would end the writer's tries at once
     (a batch queued comes first), so with the readers' scans on a loaded host the tries could lose to
-    the next batch every time, while DuckDB's own checkpoint took the WAL in a gap between scans (CI
-    stop 44: the WAL reset twice, the writer's count stayed 0). DuckDB's may still run: the writer's
-    must, within 30 commits."""
+    the next batch every time, while DuckDB's own checkpoint took the WAL in a gap between scans (a
+    fresh clone's run at load 3-8: the WAL reset twice, the writer's count stayed 0). DuckDB's may
+    still run: the writer's must, within 30 commits."""
     path = tmp_path / "ck.duckdb"
     con = open_store(str(path), settings={"checkpoint_threshold": "1MB"})
     con.execute("CREATE TABLE scratch (a INTEGER)")
