@@ -2,7 +2,7 @@
 gloo DDP with a host ``torch.cuda.Event`` (the shipped ``HostEvent``) at the hardware edge (``tests/trainer_hooks/fake_cuda.py``:
 an event is done on the "device" 20 ms after it was recorded, or never while held).
 
-Ground truths: the model's gradient bytes (``dp_trainer.build_model``), the 80 ms sleep injected
+Ground truths: the model's gradient bytes (``dp_trainer.build_model``), the 200 ms sleep injected
 into rank 1's forward on every odd step from step 2 (interleaved with plain steps, so a change in
 the machine's load during the run moves both sides of the comparison alike), and the fake's own
 record of which thread asked an event anything (only the emitter may) and of device syncs (none
@@ -24,7 +24,9 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.slow  # one 2-process world for every test here: ~10 s, ~30 s loaded
 
-STEPS, SLOW_MS = 14, 80.0
+#: 200 ms, not 80: the shifts are medians of 6 steps against 6, and beside a CPU burner (load 5-11)
+#: descheduling moved the straggler's by 23 ms, past 80's tolerance (0.25 x)
+STEPS, SLOW_MS = 14, 200.0
 HELD_STEPS = 2
 
 
@@ -90,7 +92,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     time.sleep(0.4)  # the emitter polls meanwhile
     tracer.emitter.drain()
     held = {"collective_rows": len(_rows(mem, Kind.COLLECTIVE)), "step_rows": len(_rows(mem, Kind.STEP)),
-            "deferred": len(tracer.recorder.deferred)}
+            "deferred": len(tracer.recorder.deferred), "ops": [r["op"] for r in _rows(mem, Kind.COLLECTIVE)]}
     DEVICE.held = False
     time.sleep(0.4)
     tracer.close()
@@ -189,7 +191,13 @@ def test_only_the_emitter_asks_the_device_and_nothing_synchronizes(ranks) -> Non
 def test_a_busy_device_holds_the_rows_back_and_loses_none(ranks) -> None:
     for got in ranks:
         held = got["held"]
-        assert held["collective_rows"] == 0 and held["step_rows"] == 0 and held["deferred"] > 0, held
+        # while held: no step's row and no step row. DDP's construction ran a host-timed check
+        # (`_verify_params_across_processes`, step -1) before any event was held: it may be out already
+        # (the emitter drains every 50 ms; on a loaded host it drained between the construction and the
+        # first forward, and the test's old "no collective row" failed on it); it is stored once
+        early = {"_verify_params_across_processes"}
+        assert set(held["ops"]) <= early and held["step_rows"] == 0 and held["deferred"] > 0, held
+        assert [r["op"] for r in held["rows_after"]].count("_verify_params_across_processes") == 1, held
         assert held["errors"] == 0 and held["steps_after"] == HELD_STEPS
         per_step = _per_step(held["rows_after"])
         assert {s: sum(r["bytes"] for r in rows) for s, rows in per_step.items()} == dict.fromkeys(range(HELD_STEPS), _grad_bytes())
